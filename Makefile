@@ -1,0 +1,32 @@
+# Two commands for a newcomer: `make demo` and `make test`. Each builds .venv on first use.
+PYTHON ?= python3
+VENV   ?= .venv
+# CPU build from local disk here; CUDA users: make TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
+	$(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/ebrl train
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(VENV)/bin/ebrl bench overhead
+	$(VENV)/bin/ebrl bench longtail
+
+clean:
+	rm -rf $(VENV) runs bench_out

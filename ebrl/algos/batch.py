@@ -1,0 +1,42 @@
+"""The training batch the learner hands to an algorithm: segments padded to ``[S, T]``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Batch:
+    """``S`` segments, each a contiguous piece of one env's trajectory, left-aligned in ``T`` slots.
+
+    Step ``t`` of segment ``s`` is valid where ``mask[s, t]``. Segments are cut at arbitrary
+    points (a segment's end is not an episode end): the value after the last valid step is
+    bootstrapped from ``bootstrap_obs[s]``. An episode that ended by time limit at step ``t``
+    (``truncated[s, t]``) bootstraps from ``final_obs[k]`` where ``final_index[k] == (s, t)``;
+    the observation stored at ``t + 1`` is then the first of the next episode.
+    """
+
+    obs: torch.Tensor  # [S, T, *obs_shape]
+    actions: torch.Tensor  # [S, T, *act_shape]; float32 for Box, int64 for Discrete
+    logprobs: torch.Tensor  # [S, T] behaviour log-probs (of the policy version that acted)
+    values: torch.Tensor  # [S, T] behaviour value estimates
+    rewards: torch.Tensor  # [S, T] float32
+    terminated: torch.Tensor  # [S, T] bool: episode ended in a terminal state at this step
+    truncated: torch.Tensor  # [S, T] bool: episode ended by time limit at this step
+    mask: torch.Tensor  # [S, T] bool: step is valid
+    versions: torch.Tensor  # [S, T] int64: policy version that produced each action
+    bootstrap_obs: torch.Tensor  # [S, *obs_shape]: observation after each segment's last valid step
+    final_obs: torch.Tensor  # [K, *obs_shape]: terminal observations of truncated steps
+    final_index: torch.Tensor  # [K, 2] int64: (segment, step) of each truncated step
+    learner_version: int = 0  # version of the weights this update starts from
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.mask.sum())
+
+    @property
+    def lags(self) -> torch.Tensor:
+        """Policy lag of every valid step: learner version minus the acting version."""
+        return self.learner_version - self.versions[self.mask]

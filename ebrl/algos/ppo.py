@@ -1,0 +1,251 @@
+"""PPO (clipped surrogate, CleanRL style) on padded segment batches, correct under policy lag.
+
+The importance ratio uses the *behaviour* log-probs stored in the batch (of whichever policy
+version acted), and value clipping is against the behaviour values, so stale samples are
+handled by the same clipping that bounds each update.
+
+Example::
+
+    >>> import torch
+    >>> from ebrl.algos import PPO, Batch
+    >>> from ebrl.policies import MLPPolicy
+    >>> policy = MLPPolicy(3, 2, seed=0)
+    >>> S, T = 2, 5
+    >>> obs = torch.randn(S, T, 3); acts = torch.randn(S, T, 2)
+    >>> with torch.no_grad():
+    ...     logp, _, v = policy.evaluate(obs.reshape(-1, 3), acts.reshape(-1, 2))
+    >>> no = torch.zeros(S, T, dtype=torch.bool)
+    >>> batch = Batch(obs, acts, logp.reshape(S, T), v.reshape(S, T), torch.randn(S, T), no, no,
+    ...               torch.ones(S, T, dtype=torch.bool), torch.zeros(S, T, dtype=torch.long),
+    ...               torch.randn(S, 3), torch.zeros(0, 3), torch.zeros(0, 2, dtype=torch.long))
+    >>> metrics = PPO(lr=1e-3, minibatch_size=4).update(policy, batch)
+    >>> metrics["num_steps"]
+    10.0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from ebrl.algos.advantages import build_next_values, gae
+from ebrl.algos.batch import Batch
+
+LossFn = Callable[[nn.Module, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor | float]]]
+
+
+@dataclass
+class PPOConfig:
+    lr: float = 3e-4
+    gamma: float = 0.99
+    gae_lambda: float = 0.95
+    clip_coef: float = 0.2
+    clip_vloss: bool = True
+    ent_coef: float = 0.0
+    vf_coef: float = 0.5
+    max_grad_norm: float = 0.5  # math.inf disables clipping
+    update_epochs: int = 4
+    minibatch_size: int = 512
+    norm_adv: bool = True
+    scale_rewards: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        def check(name: str, ok: bool, allowed: str):
+            if not ok:
+                raise ValueError(f"PPOConfig.{name}={getattr(self, name)!r} is invalid: must be {allowed}")
+
+        def num(name: str) -> float:
+            v = getattr(self, name)
+            check(name, isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v), "a number")
+            return v
+
+        def integer(name: str) -> int:
+            v = getattr(self, name)
+            check(name, isinstance(v, int) and not isinstance(v, bool), "an int")
+            return v
+
+        check("lr", 0 < num("lr") < math.inf, "a finite float > 0")
+        check("gamma", 0 <= num("gamma") <= 1, "in [0, 1]")
+        check("gae_lambda", 0 <= num("gae_lambda") <= 1, "in [0, 1]")
+        check("clip_coef", 0 < num("clip_coef") < math.inf, "a finite float > 0")
+        check("ent_coef", 0 <= num("ent_coef") < math.inf, "a finite float >= 0")
+        check("vf_coef", 0 <= num("vf_coef") < math.inf, "a finite float >= 0")
+        check("max_grad_norm", num("max_grad_norm") > 0, "> 0 (math.inf disables clipping)")
+        check("update_epochs", integer("update_epochs") >= 1, "an int >= 1")
+        check("minibatch_size", integer("minibatch_size") >= 1, "an int >= 1")
+        integer("seed")
+        for name in ("clip_vloss", "norm_adv", "scale_rewards"):
+            check(name, isinstance(getattr(self, name), bool), "a bool")
+
+
+class _RunningVar:
+    """Running mean/variance of a stream of scalars (parallel Welford, float64)."""
+
+    def __init__(self):
+        self.mean, self.var, self.count = 0.0, 1.0, 1e-4
+
+    def update(self, x: Tensor) -> None:
+        x = x.double()
+        n = x.numel()
+        if n == 0:
+            return
+        b_mean, b_var = float(x.mean()), float(x.var(unbiased=False))
+        tot = self.count + n
+        delta = b_mean - self.mean
+        m2 = self.var * self.count + b_var * n + delta**2 * self.count * n / tot
+        self.mean, self.var, self.count = self.mean + delta * n / tot, m2 / tot, tot
+
+
+class PPO:
+    """Proximal policy optimisation. ``PPO(lr=1e-3)`` overrides fields of :class:`PPOConfig`.
+
+    Subclass and override :meth:`loss`, or pass ``loss_fn(policy, mb) -> (loss, metrics)``, to
+    change the objective; :meth:`update` does everything around it (advantages, minibatching,
+    optimiser step).
+    """
+
+    def __init__(self, config: PPOConfig | None = None, *, loss_fn: LossFn | None = None, **overrides):
+        valid = [f.name for f in dataclasses.fields(PPOConfig)]
+        unknown = [k for k in overrides if k not in valid]
+        if unknown:
+            raise TypeError(f"PPO() got unknown keyword(s) {unknown}; valid names: {valid + ['loss_fn']}")
+        self.config = dataclasses.replace(config or PPOConfig(), **overrides)
+        self.loss_fn = loss_fn
+        self.reward_rms = _RunningVar()
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._policy: nn.Module | None = None
+        self._gen = torch.Generator().manual_seed(self.config.seed)  # minibatch permutations
+
+    # ---- the objective -------------------------------------------------------------------
+
+    def loss(self, policy: nn.Module, mb: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor | float]]:
+        """Clipped PPO loss on one minibatch.
+
+        ``mb`` holds flat ``[M]`` tensors (``obs``/``actions`` with their trailing shapes):
+        ``obs, actions, logprobs`` (behaviour), ``values`` (behaviour), ``advantages`` (already
+        normalised when ``norm_adv``), ``returns``.
+        """
+        c = self.config
+        new_logp, entropy, new_value = policy.evaluate(mb["obs"], mb["actions"])
+        logratio = new_logp - mb["logprobs"]
+        ratio = logratio.exp()
+        adv = mb["advantages"]
+        pg_loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - c.clip_coef, 1 + c.clip_coef)).mean()
+
+        if c.clip_vloss:
+            v_clipped = mb["values"] + (new_value - mb["values"]).clamp(-c.clip_coef, c.clip_coef)
+            v_loss = 0.5 * torch.max((new_value - mb["returns"]).square(),
+                                     (v_clipped - mb["returns"]).square()).mean()
+        else:
+            v_loss = 0.5 * (new_value - mb["returns"]).square().mean()
+        ent = entropy.mean()
+        loss = pg_loss - c.ent_coef * ent + c.vf_coef * v_loss
+
+        with torch.no_grad():  # CleanRL's low-variance KL estimator, http://joschu.net/blog/kl-approx.html
+            approx_kl = ((ratio - 1) - logratio).mean()
+            clipfrac = ((ratio - 1).abs() > c.clip_coef).float().mean()
+        metrics = {"policy_loss": pg_loss.detach(), "value_loss": v_loss.detach(),
+                   "entropy": ent.detach(), "approx_kl": approx_kl, "clipfrac": clipfrac}
+        return loss, metrics
+
+    # ---- one update ----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _scaled_rewards(self, batch: Batch) -> Tensor:
+        """Rewards divided by the running std of discounted returns.
+
+        Like gymnasium's ``NormalizeReward`` but stateless across batches and envs: the
+        discounted return ``G_t = r_t + gamma * G_{t-1}`` is accumulated within each segment
+        in time order, restarting at 0 at the segment start and after every episode end. The
+        variance of all valid ``G_t`` feeds a running variance updated every batch. Returns
+        restarted at segment starts are shorter than the true ones, so the scale is somewhat
+        underestimated for short segments; it stays deterministic and needs no per-env state.
+        """
+        if not self.config.scale_rewards:
+            return batch.rewards
+        r = batch.rewards.double()
+        end = (batch.terminated | batch.truncated).double()
+        g = torch.zeros_like(r[:, 0])
+        rets = torch.empty_like(r)
+        for t in range(r.shape[1]):
+            g = r[:, t] + self.config.gamma * g
+            rets[:, t] = g
+            g = g * (1.0 - end[:, t])
+        self.reward_rms.update(rets[batch.mask.bool()])
+        return (batch.rewards / math.sqrt(self.reward_rms.var + 1e-8)).to(batch.values.dtype)
+
+    def _batch_to(self, batch: Batch, device: torch.device) -> Batch:
+        moved = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+        for k, v in moved.items():
+            if isinstance(v, Tensor):
+                moved[k] = v.to(device)
+        return Batch(**moved)
+
+    def update(self, policy: nn.Module, batch: Batch) -> dict[str, float]:
+        """One PPO update (``update_epochs`` passes over the valid steps) and its metrics."""
+        c = self.config
+        if self.optimizer is None or policy is not self._policy:
+            self.optimizer = torch.optim.Adam(policy.parameters(), lr=c.lr, eps=1e-5)
+            self._policy = policy
+        device = next(policy.parameters()).device
+        b = self._batch_to(batch, device)
+        mask = b.mask.bool()
+        n = int(mask.sum())
+        lags = b.lags.double()
+        base = {"num_steps": float(n),
+                "lag_mean": float(lags.mean()) if n else 0.0,
+                "lag_max": float(lags.max()) if n else 0.0}
+        if n == 0:
+            return {**base, **dict.fromkeys(
+                ["policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "explained_variance"],
+                math.nan), "reward_scale": math.sqrt(self.reward_rms.var + 1e-8)}
+
+        # Stats first, so bootstrap values below see the same normalisation training will.
+        if hasattr(policy, "update_obs_stats"):
+            policy.update_obs_stats(b.obs[mask])
+        rewards = self._scaled_rewards(b)
+
+        with torch.no_grad():
+            boot = policy.value(b.bootstrap_obs)
+            final = policy.value(b.final_obs) if b.final_index.numel() else b.values.new_zeros(0)
+            next_values = build_next_values(b.values, boot, final, b.final_index,
+                                            b.truncated & ~b.terminated, mask)
+            adv, ret = gae(rewards, b.values, next_values, b.terminated, b.terminated | b.truncated,
+                           mask, c.gamma, c.gae_lambda)
+
+        flat = {"obs": b.obs[mask], "actions": b.actions[mask], "logprobs": b.logprobs[mask],
+                "values": b.values[mask], "advantages": adv[mask], "returns": ret[mask]}
+        loss_fn = self.loss_fn or self.loss
+        sums: dict[str, Tensor | float] = {}
+        count = 0
+        for _ in range(c.update_epochs):
+            perm = torch.randperm(n, generator=self._gen).to(device)
+            for start in range(0, n, c.minibatch_size):
+                idx = perm[start:start + c.minibatch_size]
+                mb = {k: v[idx] for k, v in flat.items()}
+                if c.norm_adv and idx.numel() > 1:
+                    a = mb["advantages"]
+                    mb["advantages"] = (a - a.mean()) / (a.std() + 1e-8)
+                loss, metrics = loss_fn(policy, mb)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                if math.isfinite(c.max_grad_norm):
+                    nn.utils.clip_grad_norm_(policy.parameters(), c.max_grad_norm)
+                self.optimizer.step()
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + (v.detach() if isinstance(v, Tensor) else v)
+                count += 1
+
+        # Explained variance of the behaviour values w.r.t. the GAE returns (as CleanRL).
+        var_ret = flat["returns"].var(unbiased=False)
+        ev = 1.0 - (flat["returns"] - flat["values"]).var(unbiased=False) / var_ret
+        out = {k: float(v) / count for k, v in sums.items()}
+        out.update(base, explained_variance=float(ev) if float(var_ret) > 0 else math.nan,
+                   reward_scale=math.sqrt(self.reward_rms.var + 1e-8) if c.scale_rewards else 1.0)
+        return out

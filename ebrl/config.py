@@ -1,0 +1,252 @@
+"""Run configuration: dataclasses, validation, file loading and ``key=value`` overrides.
+
+Every bad value raises one :class:`ConfigError` naming the field, the value and what is
+allowed::
+
+    >>> from ebrl.config import RunConfig
+    >>> RunConfig(num_envs=8, schedule="sync").schedule
+    <Schedule.SYNC: 'sync'>
+    >>> RunConfig(num_envs=0)
+    Traceback (most recent call last):
+    ...
+    ebrl.config.ConfigError: num_envs=0: must be an integer >= 1
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is not allowed."""
+
+    def __init__(self, name: str, value: Any, allowed: str):
+        super().__init__(f"{name}={value!r}: {allowed}")
+        self.field, self.value, self.allowed = name, value, allowed
+
+
+class Schedule(enum.StrEnum):
+    """How rollout and training are ordered. All three share envs, policy and algorithm."""
+
+    ASYNC = "async"  # EBRL: every env its own coroutine, training overlaps rollout
+    SYNC = "sync"  # all envs in lockstep; rollout, then train (gymnasium vector-env pattern)
+    PIPELINED = "pipelined"  # env groups in lockstep, groups overlap; train after rollout
+
+
+class SimBackend(enum.StrEnum):
+    """Where ``env.step`` runs."""
+
+    AUTO = "auto"  # measured at start: inline if tiny, threads if the env releases the GIL, else processes
+    INLINE = "inline"  # on the event loop thread (cheap envs, virtual time)
+    THREAD = "thread"  # a pool of lane threads (simulators that release the GIL)
+    PROCESS = "process"  # worker processes hosting the envs (GIL-bound Python envs)
+
+
+class Offload(enum.StrEnum):
+    """Where the policy's forward pass runs."""
+
+    AUTO = "auto"  # inline while batches are cheap, a worker thread once they are not
+    INLINE = "inline"
+    THREAD = "thread"
+
+
+class NonFinite(enum.StrEnum):
+    """What to do with NaN or inf in an observation or reward."""
+
+    RAISE = "raise"  # stop the run with an error naming env and step
+    DROP = "drop"  # drop the env's open segment, reset the env, count the steps as dropped
+
+
+def _coerce_enum(name: str, value: Any, kind: type[enum.Enum]) -> Any:
+    if isinstance(value, kind):
+        return value
+    try:
+        return kind(value)
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in kind)
+        raise ConfigError(name, value, f"must be one of {allowed}") from None
+
+
+def _check_int(name: str, value: Any, lo: int, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ConfigError(name, value, f"must be an integer >= {lo}" + (" or None" if optional else ""))
+
+
+def _check_float(name: str, value: Any, lo: float, strict: bool = False, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < lo or (strict and value == lo):
+        rel = ">" if strict else ">="
+        raise ConfigError(name, value, f"must be a finite number {rel} {lo}" + (" or None" if optional else ""))
+
+
+@dataclass
+class SimConfig:
+    """The simulation pool."""
+
+    backend: SimBackend = SimBackend.AUTO
+    num_threads: int = 2  # lanes of the thread backend; resizable at run time
+    num_workers: int | None = None  # processes of the process backend; None = one per core
+    start_method: str | None = None  # multiprocessing start method; None = fork on Linux
+    inline_below_s: float = 20e-6  # AUTO steps inline when a step costs less than this
+
+    def __post_init__(self) -> None:
+        self.backend = _coerce_enum("sim.backend", self.backend, SimBackend)
+        _check_int("sim.num_threads", self.num_threads, 1)
+        _check_int("sim.num_workers", self.num_workers, 1, optional=True)
+        if self.start_method not in (None, "fork", "spawn", "forkserver"):
+            raise ConfigError("sim.start_method", self.start_method, "must be 'fork', 'spawn', 'forkserver' or None")
+        _check_float("sim.inline_below_s", self.inline_below_s, 0.0)
+
+
+@dataclass
+class GenerationConfig:
+    """Dynamic batching of ``act()`` requests."""
+
+    batch_target: int | None = None  # run a batch once this many requests wait; None = num_envs
+    max_wait_s: float = 0.002  # cap on the adaptive wait (about one batch's duration) for a batch to fill
+    offload: Offload = Offload.AUTO
+    inline_below_s: float = 200e-6  # AUTO moves the policy to a thread once a batch costs more
+
+    def __post_init__(self) -> None:
+        _check_int("generation.batch_target", self.batch_target, 1, optional=True)
+        _check_float("generation.max_wait_s", self.max_wait_s, 0.0)
+        self.offload = _coerce_enum("generation.offload", self.offload, Offload)
+        _check_float("generation.inline_below_s", self.inline_below_s, 0.0)
+
+
+@dataclass
+class FaultConfig:
+    """How env failures and bad values are handled."""
+
+    max_env_failures: int = 10  # more failures than this within the window stop the run
+    failure_window_s: float = 60.0
+    nonfinite: NonFinite = NonFinite.RAISE
+
+    def __post_init__(self) -> None:
+        _check_int("faults.max_env_failures", self.max_env_failures, 0)
+        _check_float("faults.failure_window_s", self.failure_window_s, 0.0, strict=True)
+        self.nonfinite = _coerce_enum("faults.nonfinite", self.nonfinite, NonFinite)
+
+
+@dataclass
+class RunConfig:
+    """Everything ``ebrl.run`` needs besides the envs, the policy and the algorithm."""
+
+    num_envs: int = 16
+    segment_len: int = 64  # T: steps per env in one rollout segment
+    total_env_steps: int = 100_000  # the run stops generating once this many steps are claimed
+    schedule: Schedule = Schedule.ASYNC
+    max_policy_lag: int = 1  # no trained sample is older than this many updates
+    batch_segments: int | None = None  # segments per update; None = num_envs
+    num_groups: int = 2  # env groups of the pipelined schedule
+    seed: int = 0
+    torch_threads: int | None = 1  # torch intra-op threads in this process; None leaves torch's default
+    log_dir: str | None = None  # JSON-lines log and metrics go here when set
+    log_every_s: float = 5.0
+    sim: SimConfig = field(default_factory=SimConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    faults: FaultConfig = field(default_factory=FaultConfig)
+
+    def __post_init__(self) -> None:
+        for name, sub in (("sim", SimConfig), ("generation", GenerationConfig), ("faults", FaultConfig)):
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                setattr(self, name, _build(sub, value, prefix=name + "."))
+            elif not isinstance(value, sub):
+                raise ConfigError(name, value, f"must be a {sub.__name__} or a table of its fields")
+        _check_int("num_envs", self.num_envs, 1)
+        _check_int("segment_len", self.segment_len, 1)
+        _check_int("total_env_steps", self.total_env_steps, 1)
+        self.schedule = _coerce_enum("schedule", self.schedule, Schedule)
+        _check_int("max_policy_lag", self.max_policy_lag, 0)
+        _check_int("batch_segments", self.batch_segments, 1, optional=True)
+        _check_int("num_groups", self.num_groups, 1)
+        if self.schedule is Schedule.PIPELINED and self.num_groups > self.num_envs:
+            raise ConfigError("num_groups", self.num_groups, f"must be <= num_envs ({self.num_envs})")
+        _check_int("seed", self.seed, 0)
+        _check_int("torch_threads", self.torch_threads, 1, optional=True)
+        _check_float("log_every_s", self.log_every_s, 0.0, strict=True)
+
+    @property
+    def segments_per_batch(self) -> int:
+        return self.batch_segments or self.num_envs
+
+    @property
+    def gen_batch_target(self) -> int:
+        return self.generation.batch_target or self.num_envs
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "RunConfig":
+        return _build(cls, data)
+
+    def with_overrides(self, overrides: list[str] | dict[str, Any]) -> "RunConfig":
+        """A copy with ``key=value`` overrides applied; dotted keys reach nested tables."""
+        data = self.to_dict()
+        items = overrides.items() if isinstance(overrides, dict) else (_split(o) for o in overrides)
+        for key, value in items:
+            _set_path(data, key, value)
+        return RunConfig.from_dict(data)
+
+
+def _build(kind: type, data: dict[str, Any], prefix: str = "") -> Any:
+    names = {f.name for f in dataclasses.fields(kind)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(prefix + unknown[0], data[unknown[0]], f"unknown field; allowed: {', '.join(sorted(names))}")
+    return kind(**data)
+
+
+def _split(item: str) -> tuple[str, Any]:
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise ConfigError("--set", item, "must look like key=value, e.g. num_envs=32")
+    return key.strip(), _parse_value(raw.strip())
+
+
+def _parse_value(raw: str) -> Any:
+    """TOML's value syntax, with bare words taken as strings: ``32``, ``1e-3``, ``true``, ``async``."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _set_path(data: dict[str, Any], key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    node = data
+    for i, part in enumerate(parents):
+        if not isinstance(node.get(part), dict):
+            raise ConfigError(".".join(parents[: i + 1]), node.get(part), "is not a table of fields")
+        node = node[part]
+    if leaf not in node:
+        raise ConfigError(key, value, f"unknown field; allowed: {', '.join(sorted(node))}")
+    node[leaf] = value
+
+
+def load_file(path: str | Path) -> dict[str, Any]:
+    """Read a TOML (or, with PyYAML installed, YAML) file into a plain dict."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("config", str(path), "no such file")
+    if path.suffix == ".toml":
+        return tomllib.loads(path.read_text())
+    if path.suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise ConfigError("config", str(path), "YAML needs PyYAML: pip install pyyaml (or use TOML)") from None
+        return yaml.safe_load(path.read_text()) or {}
+    raise ConfigError("config", str(path), "must end in .toml, .yaml or .yml")

@@ -1,0 +1,6 @@
+"""Policies: what the runtime calls to act and what algorithms train."""
+
+from ebrl.policies.base import ActResult, Policy
+from ebrl.policies.mlp import MLPPolicy
+
+__all__ = ["MLPPolicy", "ActResult", "Policy"]

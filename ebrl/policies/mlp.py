@@ -1,0 +1,217 @@
+"""An MLP actor-critic for flat (or flattened) observations, CleanRL ``ppo_continuous_action`` style.
+
+Box actions get a diagonal Gaussian with a state-independent log-std parameter; Discrete actions
+a categorical. Observations are normalised by a running mean/variance kept in *buffers*, so the
+statistics travel with ``state_dict`` to the runtime's inference copy.
+
+Example::
+
+    >>> import gymnasium as gym, numpy as np
+    >>> from ebrl.policies import MLPPolicy
+    >>> obs_space = gym.spaces.Box(-1.0, 1.0, (3,))
+    >>> act_space = gym.spaces.Box(-2.0, 2.0, (2,))
+    >>> policy = MLPPolicy.from_spaces(obs_space, act_space, seed=0)
+    >>> out = policy.act(np.zeros((4, 3), np.float32))
+    >>> out.actions.shape, bool(out.env_actions.max() <= 2.0), out.logprobs.dtype
+    ((4, 2), True, dtype('float32'))
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from ebrl.policies.base import ActResult
+
+_ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU, "gelu": nn.GELU, "silu": nn.SiLU}
+_LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
+_OBS_CLIP = 10.0
+_EPS = 1e-8
+
+
+def _mlp(in_dim: int, hidden: Sequence[int], out_dim: int, act: type[nn.Module], out_gain: float,
+         gen: torch.Generator) -> nn.Sequential:
+    """Linear layers with orthogonal init: gain sqrt(2) on hidden layers, ``out_gain`` on the output."""
+    layers: list[nn.Module] = []
+    dims = [in_dim, *hidden]
+    for d_in, d_out in zip(dims[:-1], dims[1:]):
+        layers += [_init(nn.Linear(d_in, d_out), math.sqrt(2.0), gen), act()]
+    layers.append(_init(nn.Linear(dims[-1], out_dim), out_gain, gen))
+    return nn.Sequential(*layers)
+
+
+def _init(layer: nn.Linear, gain: float, gen: torch.Generator) -> nn.Linear:
+    nn.init.orthogonal_(layer.weight, gain, generator=gen)
+    nn.init.zeros_(layer.bias)
+    return layer
+
+
+class MLPPolicy(nn.Module):
+    """Separate actor and critic MLPs on (normalised) flat observations.
+
+    Give ``act_dim`` for a Gaussian policy over ``R^act_dim`` (``env_actions`` clipped to
+    ``[action_low, action_high]`` when given), or ``discrete_actions=n`` for a categorical
+    policy over ``{0..n-1}``. ``seed`` fixes both the initial weights and the sampling stream:
+    two policies built with the same arguments act identically on identical inputs.
+    """
+
+    def __init__(
+        self,
+        obs_dim: int,
+        act_dim: int | None = None,
+        *,
+        hidden: Sequence[int] = (64, 64),
+        activation: str = "tanh",
+        discrete_actions: int | None = None,
+        action_low=None,
+        action_high=None,
+        init_log_std: float = 0.0,
+        normalize_obs: bool = True,
+        seed: int = 0,
+        obs_shape: Sequence[int] | None = None,
+    ):
+        super().__init__()
+        if (act_dim is None) == (discrete_actions is None):
+            raise ValueError(
+                f"give exactly one of act_dim (Gaussian) or discrete_actions (categorical), "
+                f"got act_dim={act_dim!r}, discrete_actions={discrete_actions!r}"
+            )
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"activation={activation!r} is not one of {sorted(_ACTIVATIONS)}")
+        self.obs_shape = tuple(obs_shape) if obs_shape is not None else (int(obs_dim),)
+        if math.prod(self.obs_shape) != obs_dim:
+            raise ValueError(f"obs_shape={self.obs_shape} does not flatten to obs_dim={obs_dim}")
+        self.obs_dim = int(obs_dim)
+        self.discrete = discrete_actions is not None
+        self.act_dim = int(discrete_actions if self.discrete else act_dim)
+        self.normalize_obs = bool(normalize_obs)
+        self.seed = int(seed)
+
+        init_gen = torch.Generator().manual_seed(self.seed)
+        act = _ACTIVATIONS[activation]
+        self.critic = _mlp(self.obs_dim, hidden, 1, act, 1.0, init_gen)
+        self.actor = _mlp(self.obs_dim, hidden, self.act_dim, act, 0.01, init_gen)
+        if not self.discrete:
+            self.log_std = nn.Parameter(torch.full((self.act_dim,), float(init_log_std)))
+
+        # Bounds stay numpy: clipping happens on the numpy output of act(), after torch.
+        self.action_low = None if action_low is None else np.broadcast_to(
+            np.asarray(action_low, np.float32), (self.act_dim,)).copy()
+        self.action_high = None if action_high is None else np.broadcast_to(
+            np.asarray(action_high, np.float32), (self.act_dim,)).copy()
+
+        if self.normalize_obs:
+            # Buffers, not parameters: they go through state_dict but not the optimiser.
+            self.register_buffer("obs_mean", torch.zeros(self.obs_dim))
+            self.register_buffer("obs_var", torch.ones(self.obs_dim))
+            self.register_buffer("obs_count", torch.tensor(1e-4, dtype=torch.float64))
+
+        # A plain attribute (not a buffer), so it never enters state_dict.
+        self._gen = torch.Generator().manual_seed(self.seed)
+
+    @classmethod
+    def from_spaces(cls, observation_space, action_space, **kw) -> MLPPolicy:
+        """Build from gymnasium spaces: any-shape Box observations; 1-D Box or Discrete actions."""
+        from gymnasium import spaces
+
+        if not isinstance(observation_space, spaces.Box):
+            raise ValueError(f"MLPPolicy needs a Box observation space, got {observation_space!r}")
+        obs_shape = tuple(observation_space.shape)
+        if isinstance(action_space, spaces.Discrete):
+            if int(action_space.start) != 0:
+                raise ValueError(f"MLPPolicy needs a Discrete action space starting at 0, got {action_space!r}")
+            return cls(math.prod(obs_shape), discrete_actions=int(action_space.n), obs_shape=obs_shape, **kw)
+        if isinstance(action_space, spaces.Box) and len(action_space.shape) == 1:
+            return cls(math.prod(obs_shape), int(action_space.shape[0]), obs_shape=obs_shape,
+                       action_low=action_space.low, action_high=action_space.high, **kw)
+        raise ValueError(
+            f"MLPPolicy supports 1-D Box or Discrete action spaces, got {action_space!r}"
+        )
+
+    # ---- observation normalisation -------------------------------------------------------
+
+    @torch.no_grad()
+    def update_obs_stats(self, obs: Tensor) -> None:
+        """Merge a batch ``[N, *obs_shape]`` into the running mean/var (parallel Welford, as SB3)."""
+        if not self.normalize_obs:
+            return
+        x = torch.as_tensor(obs, device=self.obs_mean.device).reshape(-1, self.obs_dim).double()
+        n = x.shape[0]
+        if n == 0:
+            return
+        b_mean, b_var = x.mean(0), x.var(0, unbiased=False)
+        mean, var, count = self.obs_mean.double(), self.obs_var.double(), self.obs_count
+        tot = count + n
+        delta = b_mean - mean
+        m2 = var * count + b_var * n + delta.square() * count * n / tot
+        self.obs_mean.copy_(mean + delta * n / tot)
+        self.obs_var.copy_(m2 / tot)
+        self.obs_count.copy_(tot)
+
+    def _features(self, obs: Tensor) -> Tensor:
+        """Flatten to ``[N, obs_dim]`` float32 and normalise (clipped to [-10, 10])."""
+        x = obs.reshape(-1, self.obs_dim).to(self.critic[0].weight.dtype)
+        if self.normalize_obs:
+            x = ((x - self.obs_mean) / torch.sqrt(self.obs_var + _EPS)).clamp(-_OBS_CLIP, _OBS_CLIP)
+        return x
+
+    # ---- acting (runtime) ----------------------------------------------------------------
+
+    @torch.no_grad()
+    def act(self, obs: np.ndarray) -> ActResult:
+        """Sample actions for ``obs [B, *obs_shape]``; numpy in, numpy out, no autograd."""
+        device = self.critic[0].weight.device
+        obs = np.ascontiguousarray(obs)  # no copy unless strided
+        if not obs.flags.writeable:  # torch.from_numpy warns on read-only memory
+            obs = obs.copy()
+        x = self._features(torch.from_numpy(obs).to(device, non_blocking=True))
+        if self._gen.device != device:  # moved to another device: restart the stream there
+            self._gen = torch.Generator(device).manual_seed(self.seed)
+        values = self.critic(x).squeeze(-1)
+        out = self.actor(x)
+        if self.discrete:
+            logp_all = torch.log_softmax(out, -1)
+            a = torch.multinomial(logp_all.exp(), 1, generator=self._gen)
+            logp = logp_all.gather(-1, a).squeeze(-1)
+            actions = a.squeeze(-1).cpu().numpy()
+            env_actions = actions  # nothing to clip; the same int64 array
+        else:
+            noise = torch.randn(out.shape, generator=self._gen, device=device, dtype=out.dtype)
+            a = out + noise * self.log_std.exp()
+            # log N(a; mu, sigma) with (a - mu) / sigma == noise exactly.
+            logp = (-0.5 * noise.square() - self.log_std - _LOG_SQRT_2PI).sum(-1)
+            actions = a.cpu().numpy()
+            env_actions = actions
+            if self.action_low is not None or self.action_high is not None:
+                env_actions = np.clip(actions, self.action_low, self.action_high)
+        return ActResult(
+            actions=actions,
+            env_actions=env_actions,
+            logprobs=logp.cpu().numpy(),
+            values=values.cpu().numpy(),
+        )
+
+    # ---- training (algorithm) ------------------------------------------------------------
+
+    def value(self, obs: Tensor) -> Tensor:
+        """State values ``[N]`` for ``obs [N, *obs_shape]``, with gradients."""
+        return self.critic(self._features(obs)).squeeze(-1)
+
+    def evaluate(self, obs: Tensor, actions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``(logprob [N], entropy [N], value [N])`` of ``actions`` under the current weights."""
+        x = self._features(obs)
+        out = self.actor(x)
+        if self.discrete:
+            logp_all = torch.log_softmax(out, -1)
+            logp = logp_all.gather(-1, actions.reshape(-1, 1).long()).squeeze(-1)
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+        else:
+            log_std = self.log_std.expand_as(out)
+            z = (actions.reshape(out.shape).to(out.dtype) - out) * torch.exp(-log_std)
+            logp = (-0.5 * z.square() - log_std - _LOG_SQRT_2PI).sum(-1)
+            entropy = (0.5 + _LOG_SQRT_2PI + log_std).sum(-1)
+        return logp, entropy, self.critic(x).squeeze(-1)

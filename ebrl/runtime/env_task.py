@@ -1,0 +1,191 @@
+"""The env drivers: one coroutine per env (``async``) or per lockstep group (``sync``, ``pipelined``).
+
+Both share :class:`EnvSteps`, the per-step bookkeeping: record the transition, track the
+episode, check for NaN/inf, and recover a failed env (drop its open segment, rebuild it
+from ``env_fn``, reset it). Every transition is counted exactly once: simulated, then
+trained, dropped with a reason, or still in flight when the run stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from ebrl.telemetry.logging import get_logger
+
+from ebrl.config import NonFinite, RunConfig
+from ebrl.runtime.generation import ActReply, Generator
+from ebrl.runtime.rollout import RolloutQueue
+from ebrl.runtime.sim_pool import EnvStepError, SimPool, StepOut
+from ebrl.runtime.stats import RunStats
+
+log = get_logger("ebrl.env")
+
+
+class TooManyEnvFailures(RuntimeError):
+    """More env failures within the window than ``faults.max_env_failures`` allows."""
+
+
+class NonFiniteError(RuntimeError):
+    """An env produced NaN or inf in an observation or reward."""
+
+
+class StepBudget:
+    """The run's env steps; each driver claims steps before it asks for actions."""
+
+    def __init__(self, total: int):
+        self.remaining = total
+
+    def claim(self, n: int = 1) -> bool:
+        if self.remaining < n:
+            return False
+        self.remaining -= n
+        return True
+
+    def release(self, n: int = 1) -> None:
+        self.remaining += n
+
+    def stop(self) -> None:
+        self.remaining = 0
+
+
+def _finite(x: Any) -> bool:
+    if isinstance(x, dict):
+        return all(_finite(v) for v in x.values())
+    a = np.asarray(x)
+    return a.dtype.kind not in "fc" or bool(np.isfinite(a).all())
+
+
+@dataclass
+class EnvSteps:
+    """Shared step logic for every driver."""
+
+    cfg: RunConfig
+    pool: SimPool
+    generator: Generator
+    rollout: RolloutQueue
+    stats: RunStats
+    budget: StepBudget
+    ep_return: list[float] = field(init=False)
+    ep_length: list[int] = field(init=False)
+    resets: list[int] = field(init=False)
+    failure_times: deque = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        n = self.cfg.num_envs
+        self.ep_return, self.ep_length, self.resets = [0.0] * n, [0] * n, [0] * n
+
+    async def reset(self, env_id: int) -> Any:
+        # seed each env's first episode; later resets (after a rebuild) get fresh, reproducible seeds
+        seed = self.cfg.seed + env_id + self.cfg.num_envs * self.resets[env_id]
+        self.resets[env_id] += 1
+        self.ep_return[env_id], self.ep_length[env_id] = 0.0, 0
+        obs, _ = await self.pool.reset(env_id, seed=seed)
+        return obs
+
+    async def after_step(self, env_id: int, obs: Any, reply: ActReply, out: StepOut) -> Any:
+        """Record a completed step; returns the env's next observation."""
+        self.stats.simulated += 1
+        if not (math.isfinite(out.reward) and _finite(out.obs)):
+            step = self.rollout.steps_per_env[env_id]
+            what = f"env {env_id} produced NaN/inf at step {step} (reward={out.reward})"
+            if self.cfg.faults.nonfinite is NonFinite.RAISE:
+                raise NonFiniteError(what + "; set faults.nonfinite='drop' to drop such segments instead")
+            log.warning("nonfinite_dropped", env=env_id, step=step)
+            self.stats.drop("nonfinite", 1)
+            self.rollout.drop_open(env_id, "nonfinite")
+            return await self.reset(env_id)
+        res, row, version = reply
+        self.rollout.record(env_id, obs, res.actions[row], res.logprobs[row], res.values[row], version,
+                            out.reward, out.terminated, out.truncated, out.obs, out.final_obs)
+        self.ep_return[env_id] += out.reward
+        self.ep_length[env_id] += 1
+        if out.terminated or out.truncated:
+            info = out.final_info or {}
+            success = info.get("is_success", info.get("success"))
+            self.stats.episode(self.ep_return[env_id], self.ep_length[env_id],
+                               None if success is None else bool(success))
+            self.ep_return[env_id], self.ep_length[env_id] = 0.0, 0
+        return out.obs
+
+    async def recover(self, env_id: int, exc: EnvStepError) -> Any:
+        """Drop the failed env's open segment, rebuild it from env_fn, reset it."""
+        loop = asyncio.get_running_loop()
+        while True:
+            self.stats.env_failures += 1
+            dropped = self.rollout.drop_open(env_id, "env_error")
+            log.warning("env_failed", env=env_id, step=self.rollout.steps_per_env[env_id], op=exc.op,
+                        error=exc.detail, dropped_steps=dropped)
+            now = loop.time()
+            self.failure_times.append(now)
+            while self.failure_times and now - self.failure_times[0] > self.cfg.faults.failure_window_s:
+                self.failure_times.popleft()
+            if len(self.failure_times) > self.cfg.faults.max_env_failures:
+                raise TooManyEnvFailures(
+                    f"{len(self.failure_times)} env failures within {self.cfg.faults.failure_window_s}s "
+                    f"(faults.max_env_failures={self.cfg.faults.max_env_failures}); last: {exc}") from exc
+            try:
+                await self.pool.rebuild(env_id)
+                return await self.reset(env_id)
+            except EnvStepError as again:
+                exc = again
+
+    async def wait_can_start(self, env_ids: list[int]) -> None:
+        if all(self.rollout.can_start(i) for i in env_ids):
+            return
+        self.generator.set_live(-len(env_ids))
+        self.rollout.set_blocked(+1)
+        try:
+            for i in env_ids:
+                await self.rollout.wait_can_start(i)
+        finally:
+            self.rollout.set_blocked(-1)
+            self.generator.set_live(+len(env_ids))
+
+
+async def env_task(steps: EnvSteps, env_id: int) -> None:
+    """One env, on its own: claim a step, get an action, simulate, record; no barrier."""
+    gen, pool, budget = steps.generator, steps.pool, steps.budget
+    try:
+        obs = await steps.reset(env_id)
+        while budget.claim():
+            await steps.wait_can_start([env_id])
+            reply = await gen.act(env_id, obs)
+            res, row, _ = reply
+            try:
+                out = await pool.step(env_id, res.env_actions[row])
+            except EnvStepError as exc:
+                budget.release()
+                obs = await steps.recover(env_id, exc)
+                continue
+            obs = await steps.after_step(env_id, obs, reply, out)
+    finally:
+        gen.set_live(-1)
+        steps.rollout.driver_done()
+
+
+async def lockstep_group(steps: EnvSteps, env_ids: list[int]) -> None:
+    """A group of envs stepped together: every env waits for the slowest at each step."""
+    gen, pool, budget = steps.generator, steps.pool, steps.budget
+    try:
+        obs = dict(zip(env_ids, await asyncio.gather(*(steps.reset(i) for i in env_ids))))
+        while budget.claim(len(env_ids)):
+            await steps.wait_can_start(env_ids)
+            replies = await asyncio.gather(*(gen.act(i, obs[i]) for i in env_ids))
+            outs = await asyncio.gather(*(pool.step(i, r[0].env_actions[r[1]]) for i, r in zip(env_ids, replies)),
+                                        return_exceptions=True)
+            for i, reply, out in zip(env_ids, replies, outs):
+                if isinstance(out, EnvStepError):
+                    budget.release()
+                    obs[i] = await steps.recover(i, out)
+                elif isinstance(out, BaseException):
+                    raise out
+                else:
+                    obs[i] = await steps.after_step(i, obs[i], reply, out)
+    finally:
+        gen.set_live(-len(env_ids))
+        steps.rollout.driver_done()

@@ -1,0 +1,125 @@
+"""``run()``: build the pieces, run them under one TaskGroup, stop them cleanly.
+
+Every task lives under the TaskGroup; the sim pool's threads or processes and the
+generator's and learner's threads are joined before ``run()`` returns or re-raises,
+also when the caller cancels it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from ebrl.telemetry.logging import get_logger
+import torch
+
+from ebrl.config import SimBackend
+from ebrl.runtime.env_task import EnvSteps, StepBudget
+from ebrl.runtime.generation import Generator
+from ebrl.runtime.learner import Learner
+from ebrl.runtime.rollout import RolloutQueue
+from ebrl.runtime.schedules import drivers, effective_lag, generation_target, is_lockstep
+from ebrl.runtime.sim_pool import make_sim_pool
+from ebrl.runtime.stats import RunResult, RunStats, summarize
+from ebrl.runtime.virtual_time import is_virtual
+
+if TYPE_CHECKING:
+    from ebrl.trainer import Trainer
+
+log = get_logger("ebrl.run")
+
+Progress = Callable[[RunStats, "Learner"], None]
+
+
+async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
+              progress: Progress | None = None) -> RunResult:
+    """Train ``trainer`` on the running event loop until ``total_env_steps`` or ``stop`` is set.
+
+    ``progress(stats, learner)`` is called every ``config.log_every_s`` seconds and at the end.
+    """
+    cfg = trainer.config
+    loop = asyncio.get_running_loop()
+    virtual = is_virtual(loop)
+    old_threads = torch.get_num_threads()
+    if cfg.torch_threads is not None:
+        torch.set_num_threads(cfg.torch_threads)
+    stats = RunStats()
+    pool = make_sim_pool(trainer.env_fn, cfg.num_envs, cfg.sim, SimBackend.INLINE if virtual else None)
+    lockstep, lag = is_lockstep(cfg.schedule), effective_lag(cfg)
+    rollout = RolloutQueue(cfg.num_envs, cfg.segment_len, cfg.segments_per_batch, lag, stats, lockstep)
+    generator = Generator(copy.deepcopy(trainer.policy), batch_target=generation_target(cfg),
+                          max_wait_s=cfg.generation.max_wait_s, live=cfg.num_envs,
+                          offload=cfg.generation.offload, inline_below_s=cfg.generation.inline_below_s,
+                          on_action=rollout.mark_inflight)
+    learner = Learner(trainer.policy, trainer.algo, rollout, generator, stats,
+                      pause_generation=lockstep or lag == 0)
+    budget = StepBudget(cfg.total_env_steps)
+    steps = EnvSteps(cfg, pool, generator, rollout, stats, budget)
+    log.info("run_start", schedule=cfg.schedule.value, num_envs=cfg.num_envs, sim_backend=pool.backend.value,
+             sim_size=pool.size, total_env_steps=cfg.total_env_steps, max_policy_lag=lag, virtual_time=virtual)
+    t0, wall0 = loop.time(), time.perf_counter()
+    try:
+        await pool.start()
+        async with asyncio.TaskGroup() as tg:
+            helpers = [tg.create_task(generator.serve(), name="ebrl-generator")]
+            if progress is not None:
+                helpers.append(tg.create_task(_report(progress, stats, learner, cfg.log_every_s)))
+            if stop is not None:
+                helpers.append(tg.create_task(_watch_stop(stop, budget, learner)))
+            learn = tg.create_task(learner.run(), name="ebrl-learner")
+            driver_tasks = [tg.create_task(d, name=f"ebrl-driver-{k}") for k, d in enumerate(drivers(cfg, steps))]
+            rollout.drivers = len(driver_tasks)
+            await learn
+            for task in driver_tasks + helpers:  # a stop leaves drivers parked on a queue that no one empties
+                task.cancel()
+    except BaseExceptionGroup as group:
+        real = [e for e in group.exceptions if not isinstance(e, asyncio.CancelledError)]
+        if len(real) == 1:
+            raise real[0] from None
+        raise
+    finally:
+        pool.close()
+        torch.set_num_threads(old_threads)
+    if progress is not None:
+        progress(stats, learner)
+    stats.gen_batches = generator.batch_sizes
+    stats.gen_wait_max_s = generator.max_request_wait_s
+    result = summarize(stats, schedule=cfg.schedule.value, wall_s=loop.time() - t0,
+                       in_flight=rollout.pending_steps() + learner.untrained_in_hand,
+                       version=learner.version, steps_per_env=list(rollout.steps_per_env),
+                       history=learner.history)
+    result.sim_backend = pool.backend.value
+    result.generator_busy_s = generator.busy_s
+    result.learner_busy_s = learner.busy_s
+    result.cpu_wall_s = time.perf_counter() - wall0
+    log.info("run_end", env_steps=result.env_steps, steps_per_s=round(result.env_steps_per_s, 1),
+             updates=result.updates, lag_max=result.lag_max, dropped=result.dropped,
+             in_flight_at_stop=result.in_flight_at_stop, mean_return=result.mean_return)
+    return result
+
+
+async def _watch_stop(stop: asyncio.Event, budget: StepBudget, learner: Learner) -> None:
+    await stop.wait()
+    log.info("stop_requested")
+    budget.stop()
+    learner.stopping = True
+
+
+async def _report(progress: Progress, stats: RunStats, learner: Learner, every_s: float) -> None:
+    while True:
+        await asyncio.sleep(every_s)
+        progress(stats, learner)
+
+
+def run_sync(trainer: "Trainer", **kwargs) -> RunResult:
+    """Run on a fresh uvloop event loop (asyncio's own where uvloop is not installed)."""
+    try:
+        import uvloop
+        factory = uvloop.new_event_loop
+    except ImportError:
+        factory = None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(run(trainer, **kwargs))

@@ -1,0 +1,537 @@
+"""SimPool: where ``env.step`` runs, behind one awaitable interface.
+
+Three backends (:class:`~ebrl.config.SimBackend`):
+
+- ``InlineSimPool`` steps on the event loop thread. Right for envs whose step costs less
+  than a thread hop, and for virtual time, where each step's declared cost is charged
+  with ``asyncio.sleep`` while holding one of ``num_lanes`` lanes.
+- ``ThreadSimPool`` runs a resizable set of lane threads sharing one request queue. Right
+  for simulators that release the GIL while stepping (MuJoCo's ``mj_step``, C++ or GPU sims,
+  anything that sleeps). Shrinking never interrupts a running step.
+- ``ProcessSimPool`` hosts the envs in worker processes (env ``i`` lives in worker
+  ``i % W``). Right for GIL-bound Python envs, which is most gymnasium envs. The event
+  loop talks to each worker over a pipe that it watches with ``add_reader``: requests made
+  in one loop iteration go out as one message per worker, so a worker steps a ready subset
+  of its envs per trip.
+
+Every backend resets an env in the same call as the step that ends its episode
+(gymnasium's ``AutoresetMode.SAME_STEP``): ``StepOut.obs`` is then the first observation
+of the next episode and ``final_obs`` the last one of the episode that ended.
+
+    >>> import asyncio, gymnasium as gym
+    >>> from ebrl.runtime.sim_pool import make_sim_pool
+    >>> from ebrl.config import SimConfig
+    >>> async def demo():
+    ...     pool = make_sim_pool(lambda i: gym.make("CartPole-v1"), 2, SimConfig(backend="thread"))
+    ...     await pool.start()
+    ...     obs, _ = await pool.reset(0, seed=0)
+    ...     out = await pool.step(0, 1)
+    ...     pool.close()
+    ...     return out.obs.shape
+    >>> asyncio.run(demo())
+    (4,)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+from ebrl.config import SimBackend, SimConfig
+from ebrl.runtime.virtual_time import is_virtual
+
+EnvFn = Callable[[int], gym.Env]
+
+
+@dataclass(slots=True)
+class StepOut:
+    """One env step. When the episode ended, ``obs``/``info`` already belong to the next one."""
+
+    obs: Any
+    reward: float
+    terminated: bool
+    truncated: bool
+    info: dict
+    final_obs: Any = None  # last observation of the episode that ended at this step
+    final_info: dict | None = None
+    cost_s: float = 0.0  # declared cost (virtual time); 0 for real envs
+
+
+class EnvStepError(RuntimeError):
+    """An env raised inside ``step``, ``reset`` or its constructor."""
+
+    def __init__(self, env_id: int, op: str, detail: str):
+        super().__init__(f"env {env_id} failed in {op}: {detail}")
+        self.env_id, self.op, self.detail = env_id, op, detail
+
+
+def step_env(env: gym.Env, action: Any) -> StepOut:
+    obs, reward, terminated, truncated, info = env.step(action)
+    cost = getattr(env.unwrapped, "virtual_step_cost", 0.0)
+    if terminated or truncated:
+        final_obs, final_info = obs, info
+        obs, info = env.reset()
+        return StepOut(obs, float(reward), bool(terminated), bool(truncated), info, final_obs, final_info, cost)
+    return StepOut(obs, float(reward), False, False, info, None, None, cost)
+
+
+def _describe(exc: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(exc), exc)).strip()
+
+
+class SimPool(ABC):
+    """An awaitable home for ``num_envs`` envs built by ``env_fn(i)``."""
+
+    backend: SimBackend
+    resizable = False
+
+    def __init__(self, env_fn: EnvFn, num_envs: int):
+        self.env_fn = env_fn
+        self.num_envs = num_envs
+        self.observation_space: gym.Space | None = None
+        self.action_space: gym.Space | None = None
+
+    @abstractmethod
+    async def start(self) -> None: ...
+
+    @abstractmethod
+    async def reset(self, env_id: int, seed: int | None = None) -> tuple[Any, dict]: ...
+
+    @abstractmethod
+    async def step(self, env_id: int, action: Any) -> StepOut: ...
+
+    @abstractmethod
+    async def rebuild(self, env_id: int) -> None:
+        """Close env ``env_id`` (ignoring its errors) and build it anew from ``env_fn``."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release every thread, process and env. Safe to call twice."""
+
+    @property
+    def size(self) -> int:
+        return 1
+
+    def resize(self, n: int) -> None:
+        raise ValueError(f"the {self.backend.value} sim backend has a fixed size ({self.size})")
+
+
+class _LocalEnvs:
+    """Envs living in this process (inline and thread backends)."""
+
+    def _build_all(self) -> None:
+        self.envs = [self._build(i) for i in range(self.num_envs)]
+        self.observation_space = self.envs[0].observation_space
+        self.action_space = self.envs[0].action_space
+
+    def _build(self, env_id: int) -> gym.Env:
+        try:
+            return self.env_fn(env_id)
+        except Exception as exc:
+            raise EnvStepError(env_id, "env_fn", _describe(exc)) from exc
+
+    def _rebuild_local(self, env_id: int) -> None:
+        try:
+            self.envs[env_id].close()
+        except Exception:
+            pass  # the env is being replaced because it is broken
+        self.envs[env_id] = self._build(env_id)
+
+    def _close_envs(self) -> None:
+        for env in getattr(self, "envs", []):
+            try:
+                env.close()
+            except Exception:
+                pass
+        self.envs = []
+
+
+class InlineSimPool(_LocalEnvs, SimPool):
+    """Steps on the event loop. Under virtual time, charges each step's cost on one of ``num_lanes`` lanes."""
+
+    backend = SimBackend.INLINE
+    resizable = True
+
+    def __init__(self, env_fn: EnvFn, num_envs: int, num_lanes: int = 1):
+        super().__init__(env_fn, num_envs)
+        self._lanes = num_lanes
+        self._virtual = False
+        self._lane_sem: asyncio.Semaphore | None = None
+
+    async def start(self) -> None:
+        self._virtual = is_virtual()
+        self._lane_sem = asyncio.Semaphore(self._lanes)
+        self._build_all()
+
+    @property
+    def size(self) -> int:
+        return self._lanes
+
+    def resize(self, n: int) -> None:
+        if n < 1:
+            raise ValueError(f"sim pool size must be >= 1, got {n}")
+        delta, self._lanes = n - self._lanes, n
+        for _ in range(max(delta, 0)):
+            self._lane_sem.release()
+        for _ in range(max(-delta, 0)):  # shrink lazily: lanes are taken as steps finish
+            asyncio.get_running_loop().create_task(self._lane_sem.acquire())
+
+    async def reset(self, env_id: int, seed: int | None = None) -> tuple[Any, dict]:
+        try:
+            return self.envs[env_id].reset(seed=seed)
+        except Exception as exc:
+            raise EnvStepError(env_id, "reset", _describe(exc)) from exc
+
+    async def step(self, env_id: int, action: Any) -> StepOut:
+        if not self._virtual:
+            try:
+                return step_env(self.envs[env_id], action)
+            except Exception as exc:
+                raise EnvStepError(env_id, "step", _describe(exc)) from exc
+        async with self._lane_sem:
+            try:
+                out = step_env(self.envs[env_id], action)
+            except Exception as exc:
+                raise EnvStepError(env_id, "step", _describe(exc)) from exc
+            if out.cost_s > 0:
+                await asyncio.sleep(out.cost_s)
+            return out
+
+    async def rebuild(self, env_id: int) -> None:
+        self._rebuild_local(env_id)
+
+    def close(self) -> None:
+        self._close_envs()
+
+
+class ThreadSimPool(_LocalEnvs, SimPool):
+    """Lane threads take step requests from one queue and resolve their futures on the loop."""
+
+    backend = SimBackend.THREAD
+    resizable = True
+
+    def __init__(self, env_fn: EnvFn, num_envs: int, num_threads: int):
+        super().__init__(env_fn, num_envs)
+        self._target = num_threads
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._next_lane = 0
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._build_all()
+        self.resize(self._target)
+
+    @property
+    def size(self) -> int:
+        return self._target
+
+    def resize(self, n: int) -> None:
+        if n < 1:
+            raise ValueError(f"sim pool size must be >= 1, got {n}")
+        self._threads = [t for t in self._threads if t.is_alive()]
+        self._target = n
+        for _ in range(n - len(self._threads)):
+            t = threading.Thread(target=self._lane, name=f"ebrl-sim-{self._next_lane}", daemon=True)
+            self._next_lane += 1
+            t.start()
+            self._threads.append(t)
+        for _ in range(len(self._threads) - n):
+            self._requests.put(None)  # a lane exits after the step it is running
+
+    def _lane(self) -> None:
+        resolve = _resolve
+        while (item := self._requests.get()) is not None:
+            fn, args, fut = item
+            try:
+                result, exc = fn(*args), None
+            except BaseException as e:  # handed to the awaiting coroutine
+                result, exc = None, e
+            try:
+                self._loop.call_soon_threadsafe(resolve, fut, result, exc)
+            except RuntimeError:  # loop closed during shutdown
+                return
+
+    async def _submit(self, env_id: int, op: str, fn, *args):
+        fut = self._loop.create_future()
+        self._requests.put((fn, args, fut))
+        try:
+            return await fut
+        except EnvStepError:
+            raise
+        except Exception as exc:
+            raise EnvStepError(env_id, op, _describe(exc)) from exc
+
+    async def reset(self, env_id: int, seed: int | None = None) -> tuple[Any, dict]:
+        return await self._submit(env_id, "reset", lambda: self.envs[env_id].reset(seed=seed))
+
+    async def step(self, env_id: int, action: Any) -> StepOut:
+        return await self._submit(env_id, "step", step_env, self.envs[env_id], action)
+
+    async def rebuild(self, env_id: int) -> None:
+        await self._submit(env_id, "env_fn", self._rebuild_local, env_id)
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._requests.put(None)
+        for t in self._threads:
+            t.join()
+        self._threads = []
+        self._close_envs()
+
+
+def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is None:
+        fut.set_result(result)
+    else:
+        fut.set_exception(exc)
+
+
+# ---------------------------------------------------------------- worker processes
+
+
+def _worker_main(conn, env_fn: EnvFn, env_ids: list[int]) -> None:
+    """A worker process: hosts its envs and answers batches of (op, env_id, arg) requests."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    envs: dict[int, gym.Env] = {}
+    try:
+        for i in env_ids:
+            envs[i] = env_fn(i)
+        first = envs[env_ids[0]]
+        conn.send(("ready", first.observation_space, first.action_space))
+    except Exception as exc:
+        conn.send(("error", _describe(exc)))
+        return
+    try:
+        while True:
+            msg = conn.recv()
+            if msg is None:
+                break
+            replies = []
+            for op, i, arg in msg:
+                try:
+                    if op == "step":
+                        replies.append((i, True, step_env(envs[i], arg)))
+                    elif op == "reset":
+                        replies.append((i, True, envs[i].reset(seed=arg)))
+                    elif op == "rebuild":
+                        try:
+                            envs[i].close()
+                        except Exception:
+                            pass
+                        envs[i] = env_fn(i)
+                        replies.append((i, True, None))
+                except Exception as exc:
+                    replies.append((i, False, _describe(exc)))
+            conn.send(replies)
+    except (EOFError, KeyboardInterrupt, BrokenPipeError):
+        pass
+    finally:
+        for env in envs.values():
+            try:
+                env.close()
+            except Exception:
+                pass
+
+
+class _Worker:
+    def __init__(self, index: int, process, conn):
+        self.index, self.process, self.conn = index, process, conn
+        self.outbox: list[tuple[str, int, Any]] = []
+        self.waiting: dict[int, tuple[str, asyncio.Future]] = {}
+
+
+class ProcessSimPool(SimPool):
+    """Envs hosted in worker processes; the event loop batches requests per worker per iteration."""
+
+    backend = SimBackend.PROCESS
+
+    def __init__(self, env_fn: EnvFn, num_envs: int, num_workers: int, start_method: str | None = None):
+        super().__init__(env_fn, num_envs)
+        self._num_workers = max(1, min(num_workers, num_envs))
+        if start_method is None:
+            start_method = "fork" if sys.platform.startswith("linux") else "spawn"
+        self._ctx = mp.get_context(start_method)
+        self._workers: list[_Worker] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._flush_scheduled = False
+        self._closed = False
+
+    @property
+    def size(self) -> int:
+        return self._num_workers
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        for w in range(self._num_workers):
+            ids = list(range(w, self.num_envs, self._num_workers))
+            parent, child = self._ctx.Pipe(duplex=True)
+            proc = self._ctx.Process(target=_worker_main, args=(child, self.env_fn, ids),
+                                     name=f"ebrl-sim-worker-{w}", daemon=True)
+            proc.start()
+            child.close()
+            self._workers.append(_Worker(w, proc, parent))
+        for worker in self._workers:
+            msg = await self._recv_first(worker)  # a worker builds its envs at start
+            if msg[0] == "error":
+                self.close()
+                raise EnvStepError(worker.index, "env_fn", f"in worker {worker.index}: {msg[1]}")
+            self.observation_space, self.action_space = msg[1], msg[2]
+            self._loop.add_reader(worker.conn.fileno(), self._on_readable, worker)
+
+    async def _recv_first(self, worker: _Worker):
+        ready = self._loop.create_future()
+        self._loop.add_reader(worker.conn.fileno(), lambda: ready.done() or ready.set_result(None))
+        try:
+            await ready
+        finally:
+            self._loop.remove_reader(worker.conn.fileno())
+        try:
+            return worker.conn.recv()
+        except EOFError:
+            return ("error", f"worker exited during start (exit code {worker.process.exitcode})")
+
+    def _request(self, op: str, env_id: int, arg: Any) -> asyncio.Future:
+        if self._closed:
+            raise RuntimeError("sim pool is closed")
+        worker = self._workers[env_id % self._num_workers]
+        fut = self._loop.create_future()
+        worker.outbox.append((op, env_id, arg))
+        worker.waiting[env_id] = (op, fut)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+        return fut
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        for worker in self._workers:
+            if worker.outbox:
+                msg, worker.outbox = worker.outbox, []
+                try:
+                    worker.conn.send(msg)
+                except (BrokenPipeError, OSError) as exc:
+                    self._fail_worker(worker, f"pipe to worker broke: {exc}")
+
+    def _on_readable(self, worker: _Worker) -> None:
+        try:
+            replies = worker.conn.recv()
+        except (EOFError, OSError):
+            self._fail_worker(worker, f"worker {worker.index} died (exit code {worker.process.exitcode})")
+            return
+        for env_id, ok, payload in replies:
+            op, fut = worker.waiting.pop(env_id)
+            if fut.done():
+                continue
+            if ok:
+                fut.set_result(payload)
+            else:
+                fut.set_exception(EnvStepError(env_id, op, payload))
+
+    def _fail_worker(self, worker: _Worker, why: str) -> None:
+        self._loop.remove_reader(worker.conn.fileno())
+        for env_id, (op, fut) in worker.waiting.items():
+            if not fut.done():
+                fut.set_exception(RuntimeError(f"env {env_id}: {why}"))
+        worker.waiting.clear()
+
+    async def reset(self, env_id: int, seed: int | None = None) -> tuple[Any, dict]:
+        return await self._request("reset", env_id, seed)
+
+    async def step(self, env_id: int, action: Any) -> StepOut:
+        return await self._request("step", env_id, action)
+
+    async def rebuild(self, env_id: int) -> None:
+        await self._request("rebuild", env_id, None)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for worker in self._workers:
+            try:
+                self._loop.remove_reader(worker.conn.fileno())
+            except Exception:
+                pass
+            try:
+                worker.conn.send(None)
+            except Exception:
+                pass
+        deadline = time.monotonic() + 5.0
+        for worker in self._workers:
+            worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join()
+            worker.conn.close()
+            for _, fut in worker.waiting.values():
+                fut.cancel()
+        self._workers = []
+
+
+# ---------------------------------------------------------------- choosing a backend
+
+
+def measure_step_cost(env_fn: EnvFn, steps: int = 100, rounds: int = 3) -> tuple[float, bool]:
+    """Seconds per random-action step of ``env_fn(0)`` (best of ``rounds``, after a warm-up),
+    and whether the env says it releases the GIL (``metadata["ebrl.releases_gil"]``)."""
+    env = env_fn(0)
+    try:
+        env.reset(seed=0)
+        env.action_space.seed(0)
+        actions = [env.action_space.sample() for _ in range(steps)]
+
+        def one_round() -> float:
+            t0 = time.perf_counter()
+            for a in actions:
+                _, _, term, trunc, _ = env.step(a)
+                if term or trunc:
+                    env.reset()
+            return (time.perf_counter() - t0) / steps
+
+        one_round()  # warm-up: first calls pay for caches and lazy imports
+        cost = min(one_round() for _ in range(rounds))
+        releases_gil = bool(env.metadata.get("ebrl.releases_gil", False))
+    finally:
+        env.close()
+    return cost, releases_gil
+
+
+def choose_backend(env_fn: EnvFn, cfg: SimConfig) -> tuple[SimBackend, float]:
+    """The AUTO rule: inline if a step is cheaper than a thread hop; threads if the env
+    releases the GIL; worker processes otherwise (threads on a single core)."""
+    cost, releases_gil = measure_step_cost(env_fn)
+    if cost < cfg.inline_below_s:
+        return SimBackend.INLINE, cost
+    if releases_gil or (os.cpu_count() or 1) < 2:
+        return SimBackend.THREAD, cost
+    return SimBackend.PROCESS, cost
+
+
+def make_sim_pool(env_fn: EnvFn, num_envs: int, cfg: SimConfig, backend: SimBackend | None = None) -> SimPool:
+    backend = backend or cfg.backend
+    if backend is SimBackend.AUTO:
+        backend, _ = choose_backend(env_fn, cfg)
+    if backend is SimBackend.INLINE:
+        return InlineSimPool(env_fn, num_envs, num_lanes=cfg.num_threads)
+    if backend is SimBackend.THREAD:
+        return ThreadSimPool(env_fn, num_envs, cfg.num_threads)
+    workers = cfg.num_workers or os.cpu_count() or 1
+    return ProcessSimPool(env_fn, num_envs, workers, cfg.start_method)

@@ -1,0 +1,111 @@
+"""Run counters and the result ``run()`` returns.
+
+The counters obey one invariant, checked by :meth:`RunStats.check_accounting`:
+steps simulated = steps trained + steps dropped (by reason) + steps in flight at stop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RunStats:
+    """Live counters, updated by the env tasks, the generator and the learner."""
+
+    simulated: int = 0  # env.step calls that returned a transition
+    trained: int = 0  # transitions in updates that completed
+    dropped: Counter = field(default_factory=Counter)  # reason -> transitions
+    env_failures: int = 0  # env.step or reset calls that raised
+    updates: int = 0
+    lag: Counter = field(default_factory=Counter)  # policy lag -> trained transitions
+    gen_batches: Counter = field(default_factory=Counter)  # batch size -> count
+    gen_wait_max_s: float = 0.0  # longest a request waited for its batch to start
+    episodes: int = 0
+    returns: deque = field(default_factory=lambda: deque(maxlen=100))
+    lengths: deque = field(default_factory=lambda: deque(maxlen=100))
+    successes: deque = field(default_factory=lambda: deque(maxlen=100))
+    last_metrics: dict = field(default_factory=dict)
+
+    def drop(self, reason: str, n: int) -> None:
+        if n:
+            self.dropped[reason] += n
+
+    def episode(self, ret: float, length: int, success: bool | None) -> None:
+        self.episodes += 1
+        self.returns.append(ret)
+        self.lengths.append(length)
+        if success is not None:
+            self.successes.append(float(success))
+
+    @property
+    def mean_return(self) -> float:
+        return sum(self.returns) / len(self.returns) if self.returns else math.nan
+
+
+@dataclass
+class RunResult:
+    """What a finished run reports. ``env_steps_per_s`` counts simulated steps over wall time."""
+
+    schedule: str
+    wall_s: float  # loop time: virtual seconds under ebrl.testing.run_virtual
+    env_steps: int
+    env_steps_per_s: float
+    trained: int
+    dropped: dict[str, int]
+    in_flight_at_stop: int
+    env_failures: int
+    updates: int
+    policy_version: int
+    lag_hist: dict[int, int]
+    lag_mean: float
+    lag_max: int
+    gen_batch_hist: dict[int, int]
+    gen_batch_mean: float
+    gen_wait_max_s: float
+    episodes: int
+    mean_return: float
+    success_rate: float
+    steps_per_env: list[int]
+    metrics: dict[str, float]
+    history: list[dict[str, Any]] = field(default_factory=list)  # one row per update
+    sim_backend: str = ""
+    generator_busy_s: float = 0.0  # time in policy calls
+    learner_busy_s: float = 0.0  # time in updates
+    cpu_wall_s: float = 0.0  # real seconds, also under virtual time
+
+    def accounting_ok(self) -> bool:
+        return self.env_steps == self.trained + sum(self.dropped.values()) + self.in_flight_at_stop
+
+
+def summarize(stats: RunStats, *, schedule: str, wall_s: float, in_flight: int, version: int,
+              steps_per_env: list[int], history: list[dict[str, Any]]) -> RunResult:
+    lag_n = sum(stats.lag.values())
+    gen_n = sum(stats.gen_batches.values())
+    return RunResult(
+        schedule=schedule,
+        wall_s=wall_s,
+        env_steps=stats.simulated,
+        env_steps_per_s=stats.simulated / wall_s if wall_s > 0 else math.inf,
+        trained=stats.trained,
+        dropped=dict(stats.dropped),
+        in_flight_at_stop=in_flight,
+        env_failures=stats.env_failures,
+        updates=stats.updates,
+        policy_version=version,
+        lag_hist=dict(sorted(stats.lag.items())),
+        lag_mean=sum(k * v for k, v in stats.lag.items()) / lag_n if lag_n else 0.0,
+        lag_max=max(stats.lag, default=0),
+        gen_batch_hist=dict(sorted(stats.gen_batches.items())),
+        gen_batch_mean=sum(k * v for k, v in stats.gen_batches.items()) / gen_n if gen_n else 0.0,
+        gen_wait_max_s=stats.gen_wait_max_s,
+        episodes=stats.episodes,
+        mean_return=stats.mean_return,
+        success_rate=sum(stats.successes) / len(stats.successes) if stats.successes else math.nan,
+        steps_per_env=steps_per_env,
+        metrics=dict(stats.last_metrics),
+        history=history,
+    )

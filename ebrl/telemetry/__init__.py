@@ -1,0 +1,3 @@
+from ebrl.telemetry.logging import configure_logging, get_logger
+
+__all__ = ["configure_logging", "get_logger"]

@@ -1,0 +1,228 @@
+"""Mock envs, a mock policy and virtual time, for testing schedulers without simulators.
+
+    >>> import ebrl
+    >>> from ebrl.testing import Latency, MockEnv, MockPolicy, NoopAlgo, run_virtual
+    >>> trainer = ebrl.Trainer(
+    ...     env_fn=lambda i: MockEnv(latency=Latency.constant(0.010 if i == 0 else 0.001)),
+    ...     policy=MockPolicy(act_dim=4),
+    ...     algo=NoopAlgo(),
+    ...     config=ebrl.RunConfig(num_envs=4, segment_len=8, total_env_steps=400),
+    ... )
+    >>> result = run_virtual(trainer)   # exact and fast: the clock is virtual
+    >>> result.env_steps, result.accounting_ok()
+    (400, True)
+    >>> result.steps_per_env[0] < result.steps_per_env[1]   # the slow env holds nobody back
+    True
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+from ebrl.policies.base import ActResult
+from ebrl.runtime.virtual_time import VirtualTimeLoop
+
+__all__ = ["Latency", "LatencyMode", "MockEnv", "MockPolicy", "NoopAlgo", "VirtualTimeLoop", "run_virtual"]
+
+
+class LatencyMode(enum.StrEnum):
+    SLEEP = "sleep"  # time.sleep: releases the GIL, like a C++ or GPU simulator
+    SPIN = "spin"  # a busy Python loop: holds the GIL and burns a core, like a Python env
+
+
+@dataclass(frozen=True)
+class Latency:
+    """A step-latency distribution in seconds."""
+
+    kind: str = "constant"
+    a: float = 0.0
+    b: float = 0.0
+
+    @staticmethod
+    def constant(seconds: float) -> "Latency":
+        return Latency("constant", seconds)
+
+    @staticmethod
+    def uniform(low: float, high: float) -> "Latency":
+        return Latency("uniform", low, high)
+
+    @staticmethod
+    def lognormal(median: float, sigma: float) -> "Latency":
+        """Long-tailed: ``median * exp(sigma * N(0, 1))``."""
+        return Latency("lognormal", median, sigma)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("constant", "uniform", "lognormal"):
+            raise ValueError(f"Latency.kind={self.kind!r}: must be 'constant', 'uniform' or 'lognormal'")
+        if self.a < 0 or self.b < 0 or (self.kind == "uniform" and self.b < self.a):
+            raise ValueError(f"Latency({self.kind}, {self.a}, {self.b}): must be non-negative (and low <= high)")
+
+    def sample(self, rng: np.random.Generator) -> float:
+        if self.kind == "constant":
+            return self.a
+        if self.kind == "uniform":
+            return float(rng.uniform(self.a, self.b))
+        return float(self.a * math.exp(self.b * rng.standard_normal()))
+
+    @property
+    def mean(self) -> float:
+        if self.kind == "constant":
+            return self.a
+        if self.kind == "uniform":
+            return (self.a + self.b) / 2
+        return self.a * math.exp(self.b**2 / 2)
+
+
+class MockEnv(gym.Env):
+    """A learnable task with a chosen step latency and injectable faults.
+
+    Task: the observation is a target drawn anew each step, uniform in ``[-1, 1]^dim``. With
+    ``action="box"`` the reward is ``1 - mean|clip(a) - target|`` (random actions earn about 0.15
+    a step, a perfect policy 1.0); with ``action="discrete"`` the observation is a one-hot
+    target and the reward is 1 for choosing it. Episodes are truncated after ``episode_len``.
+
+    Latency: each step costs ``latency.sample()`` seconds, slept (``SLEEP``, releases the GIL)
+    or spun (``SPIN``, holds it). On a virtual-time loop nothing is slept: the cost is
+    declared in ``virtual_step_cost`` and charged by the runtime.
+
+    Faults: ``fail_at_step=k`` raises on this instance's k-th step (counting from 1);
+    ``nan_at_step=k`` returns a NaN reward there.
+    """
+
+    def __init__(self, dim: int = 4, *, action: str = "box", episode_len: int = 16,
+                 latency: Latency = Latency(), latency_mode: LatencyMode | str = LatencyMode.SLEEP,
+                 fail_at_step: int | None = None, nan_at_step: int | None = None):
+        if action not in ("box", "discrete"):
+            raise ValueError(f"MockEnv action={action!r}: must be 'box' or 'discrete'")
+        self.dim, self.kind, self.episode_len = dim, action, episode_len
+        self.latency, self.latency_mode = latency, LatencyMode(latency_mode)
+        self.fail_at_step, self.nan_at_step = fail_at_step, nan_at_step
+        self.observation_space = gym.spaces.Box(-1.0, 1.0, (dim,), np.float32)
+        self.action_space = (gym.spaces.Box(-1.0, 1.0, (dim,), np.float32) if action == "box"
+                             else gym.spaces.Discrete(dim))
+        self.metadata = {"render_modes": [], "ebrl.releases_gil": self.latency_mode is LatencyMode.SLEEP}
+        self.steps = 0  # steps of this instance, over all episodes
+        self.virtual_step_cost = 0.0
+        self._t = 0
+        self._rng = np.random.default_rng(0)
+        self._lat_rng = np.random.default_rng(1)
+        self._target = np.zeros(dim, np.float32)
+        self._k = 0
+
+    def _observe(self) -> np.ndarray:
+        if self.kind == "box":
+            self._target = self._rng.uniform(-1, 1, self.dim).astype(np.float32)
+            return self._target.copy()
+        self._k = int(self._rng.integers(self.dim))
+        obs = np.zeros(self.dim, np.float32)
+        obs[self._k] = 1.0
+        return obs
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        if seed is not None:
+            self._rng = np.random.default_rng(seed)
+            self._lat_rng = np.random.default_rng([seed, 7])
+        self._t = 0
+        return self._observe(), {}
+
+    def step(self, action: Any):
+        self.steps += 1
+        cost = self.latency.sample(self._lat_rng)
+        self.virtual_step_cost = cost
+        if cost > 0 and not isinstance(asyncio._get_running_loop(), VirtualTimeLoop):
+            if self.latency_mode is LatencyMode.SLEEP:
+                time.sleep(cost)
+            else:
+                end = time.perf_counter() + cost
+                while time.perf_counter() < end:
+                    pass
+        if self.fail_at_step is not None and self.steps == self.fail_at_step:
+            raise RuntimeError(f"MockEnv: injected fault at step {self.steps}")
+        if self.kind == "box":
+            a = np.clip(np.asarray(action, np.float32), -1.0, 1.0)
+            reward = 1.0 - float(np.abs(a - self._target).mean())
+        else:
+            reward = float(int(action) == self._k)
+        if self.nan_at_step is not None and self.steps == self.nan_at_step:
+            reward = math.nan
+        self._t += 1
+        return self._observe(), reward, False, self._t >= self.episode_len, {}
+
+
+class MockPolicy:
+    """A policy with no network: zero (or seeded random) actions, and a declared virtual cost.
+
+    ``virtual_cost(batch) = base_cost_s + per_item_cost_s * batch`` is charged on a
+    virtual-time loop for each generation batch.
+    """
+
+    def __init__(self, act_dim: int | None = 4, *, n_actions: int | None = None, random: bool = False,
+                 base_cost_s: float = 0.0, per_item_cost_s: float = 0.0, seed: int = 0):
+        self.act_dim, self.n_actions, self.random = act_dim, n_actions, random
+        self.base_cost_s, self.per_item_cost_s = base_cost_s, per_item_cost_s
+        self._rng = np.random.default_rng(seed)
+        self.weights_version = 0
+        self.batches: list[int] = []
+
+    def act(self, obs: Any) -> ActResult:
+        n = len(next(iter(obs.values()))) if isinstance(obs, dict) else len(obs)
+        self.batches.append(n)
+        if self.n_actions is not None:
+            a = self._rng.integers(self.n_actions, size=n) if self.random else np.zeros(n, np.int64)
+        elif self.random:
+            a = self._rng.uniform(-1, 1, (n, self.act_dim)).astype(np.float32)
+        else:
+            a = np.zeros((n, self.act_dim), np.float32)
+        zeros = np.zeros(n, np.float32)
+        return ActResult(actions=a, env_actions=a, logprobs=zeros, values=zeros)
+
+    def virtual_cost(self, batch: int) -> float:
+        return self.base_cost_s + self.per_item_cost_s * batch
+
+    def state_dict(self) -> dict:
+        return {"weights_version": self.weights_version}
+
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+        self.weights_version = state["weights_version"]
+
+
+class NoopAlgo:
+    """An algorithm that trains nothing but records what it was given.
+
+    ``virtual_cost(steps) = base_cost_s + per_step_cost_s * steps`` is charged per update on a
+    virtual-time loop; ``sleep_s`` is slept for real in each update otherwise.
+    """
+
+    def __init__(self, *, base_cost_s: float = 0.0, per_step_cost_s: float = 0.0, sleep_s: float = 0.0):
+        self.base_cost_s, self.per_step_cost_s, self.sleep_s = base_cost_s, per_step_cost_s, sleep_s
+        self.batches: list[Any] = []
+
+    def update(self, policy: Any, batch: Any) -> dict[str, float]:
+        self.batches.append(batch)
+        if hasattr(policy, "weights_version"):
+            policy.weights_version += 1
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        return {"num_steps": float(batch.num_steps)}
+
+    def virtual_cost(self, steps: int) -> float:
+        return self.base_cost_s + self.per_step_cost_s * steps
+
+
+def run_virtual(trainer, **kwargs):
+    """``ebrl.run(trainer)`` on a :class:`VirtualTimeLoop`: every stage runs inline and
+    charges its declared cost (``MockEnv`` latency, ``virtual_cost`` of policy and algorithm)
+    in virtual seconds. Deterministic, and as fast as the Python code itself."""
+    from ebrl.runtime.run import run
+
+    with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
+        return runner.run(run(trainer, **kwargs))

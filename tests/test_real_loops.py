@@ -1,0 +1,99 @@
+"""The runtime on real event loops (uvloop), real threads and real worker processes."""
+
+import asyncio
+import multiprocessing
+
+import gymnasium as gym
+import pytest
+
+import ebrl
+from ebrl.testing import Latency, LatencyMode, MockEnv, MockPolicy, NoopAlgo
+from tests.conftest import ebrl_threads
+
+
+def make_trainer(backend, total=2000, num_envs=8, latency=Latency.constant(0.0005), mode="sleep", **cfg):
+    return ebrl.Trainer(lambda i: MockEnv(latency=latency, latency_mode=mode), MockPolicy(act_dim=4), NoopAlgo(),
+                        ebrl.RunConfig(num_envs=num_envs, segment_len=16, total_env_steps=total,
+                                       sim={"backend": backend, "num_threads": 2, "num_workers": 2}, **cfg))
+
+
+async def test_running_loop_is_uvloop():
+    import uvloop
+
+    assert isinstance(asyncio.get_running_loop(), uvloop.Loop)
+
+
+@pytest.mark.parametrize("backend", ["inline", "thread", "process"])
+@pytest.mark.parametrize("schedule", ["async", "sync", "pipelined"])
+async def test_every_backend_and_schedule_completes_with_exact_accounting(backend, schedule, no_leaks):
+    res = await ebrl.run(make_trainer(backend, schedule=schedule))
+    assert res.sim_backend == backend
+    assert res.env_steps == 2000 and res.trained == 2000 and res.accounting_ok()
+    assert res.in_flight_at_stop == 0
+
+
+async def test_cancel_from_outside_leaves_no_thread_task_or_process(no_leaks):
+    task = asyncio.create_task(ebrl.run(make_trainer("thread", total=10**9)))
+    await asyncio.sleep(0.5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert ebrl_threads() == []
+    assert [t for t in asyncio.all_tasks() if t.get_name().startswith("ebrl-")] == []
+
+
+async def test_cancel_with_worker_processes_reaps_them(no_leaks):
+    task = asyncio.create_task(ebrl.run(make_trainer("process", total=10**9, mode="spin")))
+    await asyncio.sleep(1.0)
+    assert any(p.name.startswith("ebrl-sim-worker") for p in multiprocessing.active_children())
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_stop_event_finishes_cleanly_and_accounts_for_everything(no_leaks):
+    stop = asyncio.Event()
+    asyncio.get_running_loop().call_later(0.5, stop.set)
+    res = await ebrl.run(make_trainer("thread", total=10**9), stop=stop)
+    assert 0 < res.env_steps < 10**9
+    assert res.accounting_ok()
+
+
+async def test_env_failure_in_a_worker_process_is_rebuilt(no_leaks):
+    built = multiprocessing.Value("i", 0)
+
+    def env_fn(i):
+        with built.get_lock():
+            built.value += 1
+            first_of_env0 = i == 0 and built.value <= 2
+        return MockEnv(fail_at_step=10 if first_of_env0 else None)
+
+    tr = ebrl.Trainer(env_fn, MockPolicy(act_dim=4), NoopAlgo(),
+                      ebrl.RunConfig(num_envs=2, segment_len=8, total_env_steps=200, sim={"backend": "process"}))
+    res = await ebrl.run(tr)
+    assert res.env_failures == 1 and res.env_steps == 200 and res.accounting_ok()
+
+
+async def test_auto_backend_picks_by_measured_cost():
+    fast = await ebrl.run(make_trainer("auto", total=200, latency=Latency()))
+    assert fast.sim_backend == "inline"
+    sleepy = await ebrl.run(make_trainer("auto", total=200, latency=Latency.constant(0.0002)))
+    assert sleepy.sim_backend == "thread"  # MockEnv in sleep mode says it releases the GIL
+    spinning = await ebrl.run(make_trainer("auto", total=200, latency=Latency.constant(0.0002), mode="spin"))
+    assert spinning.sim_backend == "process"
+
+
+async def test_bad_env_fn_reports_the_env_and_the_cause():
+    def broken(i):
+        raise FileNotFoundError("no assets here")
+
+    tr = ebrl.Trainer(broken, MockPolicy(act_dim=4), NoopAlgo(), ebrl.RunConfig(num_envs=2, sim={"backend": "thread"}))
+    with pytest.raises(ebrl.runtime.sim_pool.EnvStepError, match="env 0 failed in env_fn: FileNotFoundError: no assets"):
+        await ebrl.run(tr)
+
+
+def test_run_sync_uses_uvloop_and_gymnasium_envs_work(no_leaks):
+    tr = ebrl.Trainer(lambda i: gym.make("CartPole-v1"), MockPolicy(act_dim=None, n_actions=2, random=True), NoopAlgo(),
+                      ebrl.RunConfig(num_envs=4, segment_len=32, total_env_steps=1000))
+    res = ebrl.run_sync(tr)
+    assert res.env_steps == 1000 and res.episodes > 0 and res.accounting_ok()

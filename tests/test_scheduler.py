@@ -1,0 +1,141 @@
+"""Scheduler properties on virtual time: exact, deterministic, fast."""
+
+import pytest
+
+import ebrl
+from ebrl.testing import Latency, MockEnv, MockPolicy, NoopAlgo, run_virtual
+
+
+def trainer(schedule="async", num_envs=8, total=4000, slow=None, lag=1, T=16, policy=None, algo=None,
+            latency=Latency.constant(0.001), **cfg):
+    def env_fn(i):
+        lat = Latency.constant(latency.a * 10) if i == slow else latency
+        return MockEnv(latency=lat)
+
+    return ebrl.Trainer(env_fn=env_fn, policy=policy or MockPolicy(act_dim=4),
+                        algo=algo or NoopAlgo(base_cost_s=0.002),
+                        config=ebrl.RunConfig(num_envs=num_envs, segment_len=T, total_env_steps=total,
+                                              schedule=schedule, max_policy_lag=lag, **cfg))
+
+
+def test_no_barrier_async_fast_envs_run_ahead_of_slow_one():
+    res = run_virtual(trainer("async", slow=0, sim={"num_threads": 8}))
+    fast = res.steps_per_env[1:]
+    assert res.accounting_ok()
+    # the slow env takes 10x per step; the others are not held to its pace
+    assert min(fast) >= 5 * res.steps_per_env[0]
+
+
+def test_no_barrier_sync_holds_everyone_to_the_slow_env():
+    res = run_virtual(trainer("sync", slow=0, sim={"num_threads": 8}))
+    assert len(set(res.steps_per_env)) == 1
+    assert res.accounting_ok()
+
+
+def test_async_beats_sync_and_pipelined_in_virtual_time_on_long_tail():
+    kw = dict(num_envs=16, total=8000, latency=Latency.lognormal(0.002, 1.0), sim={"num_threads": 16})
+    t = {s: run_virtual(trainer(s, **kw)).wall_s for s in ("async", "pipelined", "sync")}
+    assert t["async"] < t["pipelined"] <= t["sync"] * 1.05
+    assert t["sync"] / t["async"] > 1.5
+
+
+def test_generation_batches_many_waiting_envs_and_bounds_the_wait():
+    policy = MockPolicy(act_dim=4, base_cost_s=0.0005, per_item_cost_s=1e-5)
+    res = run_virtual(trainer("async", num_envs=32, total=6000, policy=policy,
+                              latency=Latency.uniform(0.0005, 0.004), sim={"num_threads": 32},
+                              generation={"batch_target": 8, "max_wait_s": 0.001}))
+    assert res.gen_batch_mean > 1 and max(res.gen_batch_hist) >= 8
+    # a request waits at most max_wait_s for its batch, plus one batch already running
+    worst_batch_cost = policy.virtual_cost(32)
+    assert res.gen_wait_max_s <= 0.001 + worst_batch_cost + 1e-9
+
+
+def test_generation_waits_for_everyone_when_all_live_envs_are_waiting():
+    # 4 envs, target 100: batches form because every live env waits, not by timeout
+    res = run_virtual(trainer("sync", num_envs=4, total=400, generation={"batch_target": 100, "max_wait_s": 1.0}))
+    assert set(res.gen_batch_hist) == {4}
+    assert res.wall_s < 400 / 4 * 0.01  # no 1 s timeouts were waited
+
+
+@pytest.mark.parametrize("lag", [0, 1, 2])
+@pytest.mark.parametrize("schedule", ["async", "pipelined"])
+def test_every_trained_sample_is_within_max_policy_lag(lag, schedule):
+    algo = NoopAlgo(base_cost_s=0.02)  # training slower than rollout: the lag bound is under pressure
+    res = run_virtual(trainer(schedule, slow=3, lag=lag, algo=algo, total=6000,
+                              latency=Latency.lognormal(0.001, 1.0), sim={"num_threads": 8}))
+    lags = [int(x) for b in algo.batches for x in b.lags.tolist()]
+    assert len(lags) == res.trained == sum(b.num_steps for b in algo.batches)
+    assert max(lags) <= (lag if schedule == "async" else 0)
+    assert res.lag_max == max(lags)
+    if schedule == "async" and lag > 0:
+        assert max(lags) == lag  # the bound is used, not just respected by never overlapping
+
+
+def test_accounting_with_faults_nan_drops_and_a_stop():
+    import asyncio
+
+    made = {}
+
+    def env_fn(i):
+        made[i] = made.get(i, 0) + 1
+        first = made[i] == 1
+        return MockEnv(latency=Latency.uniform(0.001, 0.003),
+                       fail_at_step=37 if (i == 2 and first) else None,
+                       nan_at_step=50 if (i == 5 and first) else None)
+
+    cfg = ebrl.RunConfig(num_envs=8, segment_len=16, total_env_steps=100_000, faults={"nonfinite": "drop"})
+    tr = ebrl.Trainer(env_fn, MockPolicy(act_dim=4), NoopAlgo(base_cost_s=0.003), cfg)
+
+    async def main():
+        stop = asyncio.Event()
+        asyncio.get_running_loop().call_later(0.5, stop.set)
+        return await ebrl.run(tr, stop=stop)
+
+    from ebrl.testing import VirtualTimeLoop
+
+    with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
+        res = runner.run(main())
+    assert res.env_steps < 100_000  # stopped early
+    assert res.env_failures == 1 and made[2] == 2
+    assert res.dropped["env_error"] > 0 and res.dropped["nonfinite"] >= 1
+    assert res.in_flight_at_stop > 0
+    assert res.env_steps == res.trained + sum(res.dropped.values()) + res.in_flight_at_stop
+
+
+def test_env_that_raises_is_rebuilt_and_run_completes():
+    made = []
+
+    def env_fn(i):
+        made.append(i)
+        return MockEnv(fail_at_step=5 if (i == 1 and made.count(1) == 1) else None, latency=Latency.constant(0.001))
+
+    res = run_virtual(ebrl.Trainer(env_fn, MockPolicy(act_dim=4), NoopAlgo(),
+                                   ebrl.RunConfig(num_envs=4, segment_len=8, total_env_steps=800)))
+    assert made.count(1) == 2 and res.env_failures == 1
+    assert res.dropped == {"env_error": 4}  # steps 1-4 of env 1's open segment; step 5 never completed
+    assert res.env_steps == 800 and res.accounting_ok()
+
+
+def test_too_many_failures_stop_the_run_with_a_clear_error():
+    from ebrl.runtime.env_task import TooManyEnvFailures
+
+    tr = ebrl.Trainer(lambda i: MockEnv(fail_at_step=3), MockPolicy(act_dim=4), NoopAlgo(),
+                      ebrl.RunConfig(num_envs=2, total_env_steps=1000, faults={"max_env_failures": 3}))
+    with pytest.raises(TooManyEnvFailures, match="max_env_failures=3"):
+        run_virtual(tr)
+
+
+def test_nonfinite_raises_by_default_naming_env_and_step():
+    from ebrl.runtime.env_task import NonFiniteError
+
+    tr = ebrl.Trainer(lambda i: MockEnv(nan_at_step=7 if i == 1 else None), MockPolicy(act_dim=4), NoopAlgo(),
+                      ebrl.RunConfig(num_envs=2, total_env_steps=1000))
+    with pytest.raises(NonFiniteError, match="env 1 .*step 6"):
+        run_virtual(tr)
+
+
+def test_sync_rounds_down_to_whole_lockstep_steps_and_is_deterministic():
+    a = run_virtual(trainer("sync", num_envs=8, total=1000, latency=Latency.lognormal(0.001, 0.5)))
+    b = run_virtual(trainer("sync", num_envs=8, total=1000, latency=Latency.lognormal(0.001, 0.5)))
+    assert a.env_steps == 1000 // 8 * 8
+    assert a.wall_s == b.wall_s and a.history == b.history
