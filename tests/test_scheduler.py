@@ -57,11 +57,13 @@ def test_generation_waits_for_everyone_when_all_live_envs_are_waiting():
     assert res.wall_s < 400 / 4 * 0.01  # no 1 s timeouts were waited
 
 
+@pytest.mark.parametrize("gen_cost", [0.0, 0.003])
 @pytest.mark.parametrize("lag", [0, 1, 2])
 @pytest.mark.parametrize("schedule", ["async", "pipelined"])
-def test_every_trained_sample_is_within_max_policy_lag(lag, schedule):
-    algo = NoopAlgo(base_cost_s=0.02)  # training slower than rollout: the lag bound is under pressure
-    res = run_virtual(trainer(schedule, slow=3, lag=lag, algo=algo, total=6000,
+def test_every_trained_sample_is_within_max_policy_lag(lag, schedule, gen_cost):
+    algo = NoopAlgo(base_cost_s=0.2)  # training slower than rollout: the lag bound is under pressure
+    policy = MockPolicy(act_dim=4, base_cost_s=gen_cost)  # a policy call takes time: cuts land mid-batch
+    res = run_virtual(trainer(schedule, slow=3, lag=lag, algo=algo, policy=policy, total=6000,
                               latency=Latency.lognormal(0.001, 1.0), sim={"num_threads": 8}))
     lags = [int(x) for b in algo.batches for x in b.lags.tolist()]
     assert len(lags) == res.trained == sum(b.num_steps for b in algo.batches)

@@ -14,8 +14,9 @@ class Batch:
     Step ``t`` of segment ``s`` is valid where ``mask[s, t]``. Segments are cut at arbitrary
     points (a segment's end is not an episode end): the value after the last valid step is
     bootstrapped from ``bootstrap_obs[s]``. An episode that ended by time limit at step ``t``
-    (``truncated[s, t]``) bootstraps from ``final_obs[k]`` where ``final_index[k] == (s, t)``;
-    the observation stored at ``t + 1`` is then the first of the next episode.
+    (``truncated[s, t]`` and not ``terminated[s, t]``: termination wins, as in gymnasium)
+    bootstraps from ``final_obs[k]`` where ``final_index[k] == (s, t)``; the observation
+    stored at ``t + 1`` is then the first of the next episode. ``mask`` is a bool tensor.
     """
 
     obs: torch.Tensor  # [S, T, *obs_shape]

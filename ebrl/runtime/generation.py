@@ -158,6 +158,11 @@ class Generator:
         now = loop.time()
         self.max_request_wait_s = max(self.max_request_wait_s, now - batch[0][3])
         obs = stack_obs([item[1] for item in batch])
+        if self._on_action is not None:
+            # the version is fixed now: mark the actions in flight before the policy runs, so a
+            # learner cut taken meanwhile waits for them instead of missing them
+            for env_id, *_ in batch:
+                self._on_action(env_id, self.version)
         self._idle.clear()
         try:
             t0 = time.perf_counter()
@@ -184,11 +189,9 @@ class Generator:
         finally:
             self._idle.set()
         self.batch_sizes[len(batch)] += 1
-        version, on_action = self.version, self._on_action
-        for row, (env_id, _, fut, _) in enumerate(batch):
+        version = self.version
+        for row, (_, _, fut, _) in enumerate(batch):
             if not fut.done():
-                if on_action is not None:
-                    on_action(env_id, version)
                 fut.set_result((result, row, version))
 
     def _use_thread(self) -> bool:

@@ -77,7 +77,7 @@ class Segment:
         self.rewards[t] = reward
         self.terminated[t] = terminated
         self.truncated[t] = truncated
-        if truncated:
+        if truncated and not terminated:  # a terminal state needs no bootstrap value
             self.final_obs[t] = final_obs
         self.bootstrap_obs = next_obs
         self.n = t + 1
