@@ -11,10 +11,11 @@ from ebrl.testing import Latency, LatencyMode, MockEnv, MockPolicy, NoopAlgo
 from tests.conftest import ebrl_threads
 
 
-def make_trainer(backend, total=2000, num_envs=8, latency=Latency.constant(0.0005), mode="sleep", **cfg):
+def make_trainer(backend, total=2000, num_envs=8, latency=Latency.constant(0.0005), mode="sleep",
+                 sim_inline_below_s=20e-6, **cfg):
+    sim = {"backend": backend, "num_threads": 2, "num_workers": 2, "inline_below_s": sim_inline_below_s}
     return ebrl.Trainer(lambda i: MockEnv(latency=latency, latency_mode=mode), MockPolicy(act_dim=4), NoopAlgo(),
-                        ebrl.RunConfig(num_envs=num_envs, segment_len=16, total_env_steps=total,
-                                       sim={"backend": backend, "num_threads": 2, "num_workers": 2}, **cfg))
+                        ebrl.RunConfig(num_envs=num_envs, segment_len=16, total_env_steps=total, sim=sim, **cfg))
 
 
 async def test_running_loop_is_uvloop():
@@ -74,12 +75,22 @@ async def test_env_failure_in_a_worker_process_is_rebuilt(no_leaks):
     assert res.env_failures == 1 and res.env_steps == 200 and res.accounting_ok()
 
 
-async def test_auto_backend_picks_by_measured_cost():
-    fast = await ebrl.run(make_trainer("auto", total=200, latency=Latency()))
-    assert fast.sim_backend == "inline"
-    sleepy = await ebrl.run(make_trainer("auto", total=200, latency=Latency.constant(0.0002)))
-    assert sleepy.sim_backend == "thread"  # MockEnv in sleep mode says it releases the GIL
-    spinning = await ebrl.run(make_trainer("auto", total=200, latency=Latency.constant(0.0002), mode="spin"))
+def test_auto_backend_rule():
+    from ebrl.config import SimConfig
+    from ebrl.runtime.sim_pool import decide_backend
+
+    cfg = SimConfig()
+    assert decide_backend(5e-6, False, cfg, cpus=2) == "inline"
+    assert decide_backend(1e-3, True, cfg, cpus=2) == "thread"
+    assert decide_backend(1e-3, False, cfg, cpus=2) == "process"
+    assert decide_backend(1e-3, False, cfg, cpus=1) == "thread"  # processes gain nothing on one core
+
+
+async def test_auto_backend_measures_the_env():
+    # costs far apart from the thresholds, so machine load cannot flip the choice
+    cheap = await ebrl.run(make_trainer("auto", total=200, latency=Latency(), sim_inline_below_s=1e-3))
+    assert cheap.sim_backend == "inline"
+    spinning = await ebrl.run(make_trainer("auto", total=200, latency=Latency.constant(0.002), mode="spin"))
     assert spinning.sim_backend == "process"
 
 

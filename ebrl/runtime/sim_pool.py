@@ -514,15 +514,20 @@ def measure_step_cost(env_fn: EnvFn, steps: int = 100, rounds: int = 3) -> tuple
     return cost, releases_gil
 
 
-def choose_backend(env_fn: EnvFn, cfg: SimConfig) -> tuple[SimBackend, float]:
+def decide_backend(cost_s: float, releases_gil: bool, cfg: SimConfig, cpus: int | None = None) -> SimBackend:
     """The AUTO rule: inline if a step is cheaper than a thread hop; threads if the env
-    releases the GIL; worker processes otherwise (threads on a single core)."""
+    releases the GIL (or there is one core); worker processes otherwise."""
+    cpus = cpus if cpus is not None else (os.cpu_count() or 1)
+    if cost_s < cfg.inline_below_s:
+        return SimBackend.INLINE
+    if releases_gil or cpus < 2:
+        return SimBackend.THREAD
+    return SimBackend.PROCESS
+
+
+def choose_backend(env_fn: EnvFn, cfg: SimConfig) -> tuple[SimBackend, float]:
     cost, releases_gil = measure_step_cost(env_fn)
-    if cost < cfg.inline_below_s:
-        return SimBackend.INLINE, cost
-    if releases_gil or (os.cpu_count() or 1) < 2:
-        return SimBackend.THREAD, cost
-    return SimBackend.PROCESS, cost
+    return decide_backend(cost, releases_gil, cfg), cost
 
 
 def make_sim_pool(env_fn: EnvFn, num_envs: int, cfg: SimConfig, backend: SimBackend | None = None) -> SimPool:

@@ -1,0 +1,50 @@
+import pytest
+
+import ebrl
+from ebrl.config import ConfigError, RunConfig, load_file
+
+
+@pytest.mark.parametrize("kwargs, field, allowed", [
+    ({"num_envs": 0}, "num_envs", "integer >= 1"),
+    ({"schedule": "lockstep"}, "schedule", "'async', 'sync', 'pipelined'"),
+    ({"sim": {"backend": "gpu"}}, "sim.backend", "'auto', 'inline', 'thread', 'process'"),
+    ({"sim": {"thread": 2}}, "sim.thread", "unknown field"),
+    ({"generation": {"max_wait_s": -1}}, "generation.max_wait_s", ">= 0"),
+    ({"faults": {"nonfinite": "ignore"}}, "faults.nonfinite", "'raise', 'drop'"),
+    ({"max_policy_lag": 1.5}, "max_policy_lag", "integer >= 0"),
+    ({"schedule": "pipelined", "num_envs": 2, "num_groups": 3}, "num_groups", "<= num_envs"),
+])
+def test_bad_values_name_field_value_and_what_is_allowed(kwargs, field, allowed):
+    with pytest.raises(ConfigError) as err:
+        RunConfig(**kwargs)
+    assert err.value.field == field
+    assert str(err.value).startswith(field + "=") and allowed in str(err.value)
+
+
+def test_overrides_parse_values_and_reach_nested_fields():
+    cfg = RunConfig().with_overrides(["num_envs=32", "schedule=sync", "sim.backend=thread",
+                                      "generation.max_wait_s=1e-3", "log_dir=runs/x"])
+    assert (cfg.num_envs, cfg.schedule, cfg.sim.backend, cfg.generation.max_wait_s, cfg.log_dir) == (
+        32, "sync", "thread", 1e-3, "runs/x")
+    with pytest.raises(ConfigError, match="num_env=.*unknown field"):
+        RunConfig().with_overrides(["num_env=3"])
+    with pytest.raises(ConfigError, match="key=value"):
+        RunConfig().with_overrides(["num_envs"])
+
+
+def test_toml_file_round_trip(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('num_envs = 4\nschedule = "pipelined"\n[sim]\nbackend = "inline"\n')
+    cfg = RunConfig.from_dict(load_file(path))
+    assert cfg.num_envs == 4 and cfg.sim.backend == "inline"
+    with pytest.raises(ConfigError, match="no such file"):
+        load_file(tmp_path / "missing.toml")
+
+
+def test_trainer_rejects_things_that_are_not_policies_or_algorithms():
+    from ebrl.testing import MockEnv, MockPolicy, NoopAlgo
+
+    with pytest.raises(ConfigError, match="policy=.*act"):
+        ebrl.Trainer(lambda i: MockEnv(), object(), NoopAlgo())
+    with pytest.raises(ConfigError, match="algo=.*update"):
+        ebrl.Trainer(lambda i: MockEnv(), MockPolicy(), object())
