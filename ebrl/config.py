@@ -56,6 +56,14 @@ class Offload(enum.StrEnum):
     THREAD = "thread"
 
 
+class LearnerMode(enum.StrEnum):
+    """Where ``algo.update`` runs."""
+
+    AUTO = "auto"  # a process when the policy is on the CPU and there are >= 2 cores, else a thread
+    THREAD = "thread"  # a thread of the run's process (GPU: kernels run asynchronously, little GIL)
+    PROCESS = "process"  # a child process (CPU: keeps the event loop's GIL free of training)
+
+
 class NonFinite(enum.StrEnum):
     """What to do with NaN or inf in an observation or reward."""
 
@@ -151,6 +159,7 @@ class RunConfig:
     num_groups: int = 2  # env groups of the pipelined schedule
     seed: int = 0
     torch_threads: int | None = 1  # torch intra-op threads in this process; None leaves torch's default
+    learner: LearnerMode = LearnerMode.AUTO
     log_dir: str | None = None  # JSON-lines log and metrics go here when set
     log_every_s: float = 5.0
     sim: SimConfig = field(default_factory=SimConfig)
@@ -175,6 +184,7 @@ class RunConfig:
             raise ConfigError("num_groups", self.num_groups, f"must be <= num_envs ({self.num_envs})")
         _check_int("seed", self.seed, 0)
         _check_int("torch_threads", self.torch_threads, 1, optional=True)
+        self.learner = _coerce_enum("learner", self.learner, LearnerMode)
         _check_float("log_every_s", self.log_every_s, 0.0, strict=True)
 
     @property

@@ -104,7 +104,7 @@ def test_mlp_box_shapes_dtypes_bounds_and_evaluate():
     logp, ent, val = policy.evaluate(torch.from_numpy(obs), torch.from_numpy(out.actions))
     assert logp.shape == ent.shape == val.shape == (64,)
     np.testing.assert_allclose(logp.detach().numpy(), out.logprobs, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(policy.value(torch.from_numpy(obs)).detach().numpy(), out.values, rtol=1e-6)
+    np.testing.assert_allclose(policy.value(torch.from_numpy(obs)).detach().numpy(), out.values, rtol=1e-5, atol=1e-5)
     logp.sum().backward()
     assert policy.log_std.grad is not None
 
@@ -266,3 +266,26 @@ def test_ppo_ratio_uses_behaviour_logprobs():
     policy = MLPPolicy(2, 2, seed=0, normalize_obs=False)
     m_stale = PPO(**kw).update(policy, stale)
     assert m_stale["approx_kl"] > 1e-3
+
+
+@pytest.mark.parametrize("discrete", [False, True])
+def test_numpy_inference_matches_the_torch_distribution(discrete):
+    """The CPU fast path acts from the same distribution: its log-probs and values agree with evaluate()."""
+    kw = {"discrete_actions": 3} if discrete else {"act_dim": 2, "action_low": -1.0, "action_high": 1.0}
+    policy = MLPPolicy(5, **kw, seed=3)
+    policy.update_obs_stats(torch.randn(100, 5) * 3 + 1)
+    obs = np.random.default_rng(0).standard_normal((64, 5)).astype(np.float32)
+    out = policy.act(obs)
+    assert policy._use_numpy()
+    logp, _, value = policy.evaluate(torch.from_numpy(obs), torch.as_tensor(out.actions))
+    np.testing.assert_allclose(out.logprobs, logp.detach().numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(out.values, value.detach().numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_numpy_inference_sees_in_place_weight_changes():
+    policy = MLPPolicy(3, 2, seed=0)
+    obs = np.ones((4, 3), np.float32)
+    before = policy.act(obs).values
+    with torch.no_grad():
+        policy.critic[-1].bias.add_(1.0)  # an optimiser step or load_state_dict does this
+    np.testing.assert_allclose(policy.act(obs).values, before + 1.0, rtol=1e-5)

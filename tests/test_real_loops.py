@@ -7,7 +7,7 @@ import gymnasium as gym
 import pytest
 
 import ebrl
-from ebrl.testing import Latency, LatencyMode, MockEnv, MockPolicy, NoopAlgo
+from ebrl.testing import Latency, MockEnv, MockPolicy, NoopAlgo
 from tests.conftest import ebrl_threads
 
 

@@ -10,7 +10,7 @@ import torch
 import ebrl
 from ebrl.algos import PPO, Batch
 from ebrl.policies import MLPPolicy
-from ebrl.testing import MockEnv
+from ebrl.testing import MockEnv, run_virtual
 
 N, T, UPDATES, SEED = 4, 8, 3, 5
 
@@ -55,15 +55,15 @@ def plain_sync_ppo():
     return policy
 
 
-@pytest.mark.parametrize("backend", ["inline", "thread"])
-def test_sync_schedule_at_lag_0_equals_plain_synchronous_ppo(backend):
+@pytest.mark.parametrize("backend, learner", [("inline", "thread"), ("thread", "thread"), ("process", "process")])
+def test_sync_schedule_at_lag_0_equals_plain_synchronous_ppo(backend, learner):
     torch.set_num_threads(1)
     reference = plain_sync_ppo()
     policy, algo = fresh()
     cfg = ebrl.RunConfig(num_envs=N, segment_len=T, total_env_steps=N * T * UPDATES, schedule="sync",
-                         max_policy_lag=0, seed=SEED, sim={"backend": backend})
+                         max_policy_lag=0, seed=SEED, sim={"backend": backend}, learner=learner)
     res = ebrl.run_sync(ebrl.Trainer(make_env, policy, algo, cfg))
-    assert res.updates == UPDATES and res.lag_max == 0
+    assert res.updates == UPDATES and res.lag_max == 0 and res.learner_mode == learner
     for (name, a), b in zip(reference.state_dict().items(), policy.state_dict().values()):
         assert torch.equal(a, b), name
 
@@ -72,8 +72,9 @@ def test_ppo_learns_the_mock_task_through_the_async_runtime():
     env_fn = lambda i: MockEnv(dim=2, episode_len=16)  # noqa: E731
     probe = env_fn(0)
     policy = MLPPolicy.from_spaces(probe.observation_space, probe.action_space, seed=0)
-    cfg = ebrl.RunConfig(num_envs=8, segment_len=32, total_env_steps=60_000, sim={"backend": "inline"})
-    res = ebrl.run_sync(ebrl.Trainer(env_fn, policy, PPO(lr=3e-3, minibatch_size=128, ent_coef=0.0), cfg))
+    cfg = ebrl.RunConfig(num_envs=8, segment_len=32, total_env_steps=60_000)
+    # virtual time: deterministic interleaving, so the threshold is not at the mercy of thread timing
+    res = run_virtual(ebrl.Trainer(env_fn, policy, PPO(lr=3e-3, minibatch_size=128, ent_coef=0.0), cfg))
     first = [h["mean_return"] for h in res.history[:3]]
     # random actions earn ~2.4 a 16-step episode, a perfect policy 16
     assert max(first) < 8

@@ -121,6 +121,22 @@ class PPO:
         self.optimizer: torch.optim.Optimizer | None = None
         self._policy: nn.Module | None = None
         self._gen = torch.Generator().manual_seed(self.config.seed)  # minibatch permutations
+        self._pending_optimizer_state: dict | None = None
+
+    # ---- state (checkpoints, and the learner process handing its state back) -------------
+
+    def state_dict(self) -> dict:
+        """Optimiser state, reward-scaling statistics and the minibatch RNG."""
+        return {"optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+                "reward_rms": (self.reward_rms.mean, self.reward_rms.var, self.reward_rms.count),
+                "rng": self._gen.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`; the optimiser state applies to the next policy updated."""
+        self.reward_rms.mean, self.reward_rms.var, self.reward_rms.count = state["reward_rms"]
+        self._gen.set_state(state["rng"])
+        self._pending_optimizer_state = state["optimizer"]
+        self.optimizer = None
 
     # ---- the objective -------------------------------------------------------------------
 
@@ -193,6 +209,9 @@ class PPO:
         if self.optimizer is None or policy is not self._policy:
             self.optimizer = torch.optim.Adam(policy.parameters(), lr=c.lr, eps=1e-5)
             self._policy = policy
+            if self._pending_optimizer_state is not None:
+                self.optimizer.load_state_dict(self._pending_optimizer_state)
+                self._pending_optimizer_state = None
         device = next(policy.parameters()).device
         b = self._batch_to(batch, device)
         mask = b.mask.bool()

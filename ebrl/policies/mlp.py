@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from ebrl.policies.base import ActResult
 
 _ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU, "gelu": nn.GELU, "silu": nn.SiLU}
+_NP_ACTIVATIONS = {"tanh": np.tanh, "relu": lambda h: np.maximum(h, 0.0)}
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 _OBS_CLIP = 10.0
 _EPS = 1e-8
@@ -73,6 +74,7 @@ class MLPPolicy(nn.Module):
         normalize_obs: bool = True,
         seed: int = 0,
         obs_shape: Sequence[int] | None = None,
+        inference: str = "auto",
     ):
         super().__init__()
         if (act_dim is None) == (discrete_actions is None):
@@ -82,6 +84,12 @@ class MLPPolicy(nn.Module):
             )
         if activation not in _ACTIVATIONS:
             raise ValueError(f"activation={activation!r} is not one of {sorted(_ACTIVATIONS)}")
+        if inference not in ("auto", "torch", "numpy"):
+            raise ValueError(f"inference={inference!r} must be 'auto', 'torch' or 'numpy'")
+        if inference == "numpy" and activation not in _NP_ACTIVATIONS:
+            raise ValueError(f"inference='numpy' supports activations {sorted(_NP_ACTIVATIONS)}, got {activation!r}")
+        self.activation = activation
+        self.inference = inference
         self.obs_shape = tuple(obs_shape) if obs_shape is not None else (int(obs_dim),)
         if math.prod(self.obs_shape) != obs_dim:
             raise ValueError(f"obs_shape={self.obs_shape} does not flatten to obs_dim={obs_dim}")
@@ -110,8 +118,11 @@ class MLPPolicy(nn.Module):
             self.register_buffer("obs_var", torch.ones(self.obs_dim))
             self.register_buffer("obs_count", torch.tensor(1e-4, dtype=torch.float64))
 
-        # A plain attribute (not a buffer), so it never enters state_dict.
+        # Plain attributes (not buffers), so they never enter state_dict.
         self._gen = torch.Generator().manual_seed(self.seed)
+        self._np_rng = np.random.default_rng(self.seed)
+        self._np_cache: tuple | None = None  # numpy mirror of the weights for CPU inference
+        self._np_versions: tuple | None = None
 
     @classmethod
     def from_spaces(cls, observation_space, action_space, **kw) -> MLPPolicy:
@@ -161,9 +172,74 @@ class MLPPolicy(nn.Module):
 
     # ---- acting (runtime) ----------------------------------------------------------------
 
+    def _use_numpy(self) -> bool:
+        if self.inference == "auto":
+            return (self.activation in _NP_ACTIVATIONS and self.critic[0].weight.device.type == "cpu"
+                    and self.critic[0].weight.dtype == torch.float32)
+        return self.inference == "numpy"
+
+    def _numpy_weights(self) -> tuple:
+        """The weights as numpy arrays, rebuilt whenever any tensor was modified in place
+        (optimiser steps and ``load_state_dict`` bump torch's per-tensor version counters)."""
+        tensors = [*self.parameters(), *self.buffers()]
+        versions = tuple(t._version for t in tensors)
+        if self._np_cache is None or versions != self._np_versions:
+            def layers(seq):
+                return [(m.weight.detach().numpy().T.copy(), m.bias.detach().numpy().copy())
+                        for m in seq if isinstance(m, nn.Linear)]
+
+            norm = None
+            if self.normalize_obs:
+                norm = (self.obs_mean.numpy().astype(np.float32),
+                        (1.0 / np.sqrt(self.obs_var.numpy() + _EPS)).astype(np.float32))
+            log_std = None if self.discrete else self.log_std.detach().numpy().copy()
+            self._np_cache = (layers(self.actor), layers(self.critic), norm, log_std)
+            self._np_versions = versions
+        return self._np_cache
+
+    def _act_numpy(self, obs: np.ndarray) -> ActResult:
+        """The same distribution as the torch path, in numpy: for small CPU batches a policy
+        call costs ~25 us instead of ~250 us, and holds the GIL once instead of per torch op."""
+        actor, critic, norm, log_std = self._numpy_weights()
+        f = _NP_ACTIVATIONS[self.activation]
+        x = np.asarray(obs, np.float32).reshape(-1, self.obs_dim)
+        if norm is not None:
+            x = np.clip((x - norm[0]) * norm[1], -_OBS_CLIP, _OBS_CLIP)
+
+        def mlp(layers, h):
+            for w, b in layers[:-1]:
+                h = f(h @ w + b)
+            w, b = layers[-1]
+            return h @ w + b
+
+        values = mlp(critic, x)[:, 0]
+        out = mlp(actor, x)
+        if self.discrete:
+            z = out - out.max(1, keepdims=True)
+            logp_all = z - np.log(np.exp(z).sum(1, keepdims=True))
+            cdf = np.cumsum(np.exp(logp_all), 1)
+            u = self._np_rng.random((len(x), 1), dtype=np.float32) * cdf[:, -1:]
+            actions = np.minimum((u > cdf).sum(1), self.act_dim - 1).astype(np.int64)
+            logp = np.take_along_axis(logp_all, actions[:, None], 1)[:, 0]
+            env_actions = actions
+        else:
+            noise = self._np_rng.standard_normal(out.shape, dtype=np.float32)
+            actions = out + noise * np.exp(log_std)
+            logp = (-0.5 * noise * noise - log_std - _LOG_SQRT_2PI).sum(1, dtype=np.float32)
+            env_actions = actions
+            if self.action_low is not None or self.action_high is not None:
+                env_actions = np.clip(actions, self.action_low, self.action_high)
+        return ActResult(actions=actions, env_actions=env_actions,
+                         logprobs=logp.astype(np.float32), values=values.astype(np.float32))
+
     @torch.no_grad()
     def act(self, obs: np.ndarray) -> ActResult:
-        """Sample actions for ``obs [B, *obs_shape]``; numpy in, numpy out, no autograd."""
+        """Sample actions for ``obs [B, *obs_shape]``; numpy in, numpy out, no autograd.
+
+        On the CPU (``inference="auto"``) this runs a numpy mirror of the weights; elsewhere torch.
+        """
+        if self._use_numpy():
+            return self._act_numpy(obs)
         device = self.critic[0].weight.device
         obs = np.ascontiguousarray(obs)  # no copy unless strided
         if not obs.flags.writeable:  # torch.from_numpy warns on read-only memory

@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from ebrl.telemetry.logging import get_logger
 
 from ebrl.config import NonFinite, RunConfig
 from ebrl.runtime.generation import ActReply, Generator
 from ebrl.runtime.rollout import RolloutQueue
 from ebrl.runtime.sim_pool import EnvStepError, SimPool, StepOut
 from ebrl.runtime.stats import RunStats
+from ebrl.telemetry.logging import get_logger
 
 log = get_logger("ebrl.env")
 

@@ -9,22 +9,28 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ebrl.telemetry.logging import get_logger
 import torch
 
-from ebrl.config import SimBackend
+from ebrl.config import LearnerMode, RunConfig, SimBackend
 from ebrl.runtime.env_task import EnvSteps, StepBudget
 from ebrl.runtime.generation import Generator
-from ebrl.runtime.learner import Learner
+from ebrl.runtime.learner import Learner, LearnerProcess
 from ebrl.runtime.rollout import RolloutQueue
-from ebrl.runtime.schedules import drivers, effective_lag, generation_target, is_lockstep
+from ebrl.runtime.schedules import (
+    drivers,
+    effective_lag,
+    generation_target,
+    is_lockstep,
+)
 from ebrl.runtime.sim_pool import make_sim_pool
 from ebrl.runtime.stats import RunResult, RunStats, summarize
 from ebrl.runtime.virtual_time import is_virtual
+from ebrl.telemetry.logging import get_logger
 
 if TYPE_CHECKING:
     from ebrl.trainer import Trainer
@@ -54,6 +60,7 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
                           max_wait_s=cfg.generation.max_wait_s, live=cfg.num_envs,
                           offload=cfg.generation.offload, inline_below_s=cfg.generation.inline_below_s,
                           on_action=rollout.mark_inflight)
+    mode = learner_mode(cfg, trainer.policy, virtual)
     learner = Learner(trainer.policy, trainer.algo, rollout, generator, stats,
                       pause_generation=lockstep or lag == 0)
     budget = StepBudget(cfg.total_env_steps)
@@ -62,6 +69,8 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
              sim_size=pool.size, total_env_steps=cfg.total_env_steps, max_policy_lag=lag, virtual_time=virtual)
     t0, wall0 = loop.time(), time.perf_counter()
     try:
+        if mode is LearnerMode.PROCESS:
+            learner.remote = LearnerProcess(trainer.policy, trainer.algo, cfg.torch_threads, cfg.sim.start_method)
         await pool.start()
         async with asyncio.TaskGroup() as tg:
             helpers = [tg.create_task(generator.serve(), name="ebrl-generator")]
@@ -82,6 +91,7 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
         raise
     finally:
         pool.close()
+        learner.close()  # with a learner process, this loads the trained state into trainer.policy/algo
         torch.set_num_threads(old_threads)
     if progress is not None:
         progress(stats, learner)
@@ -92,6 +102,7 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
                        version=learner.version, steps_per_env=list(rollout.steps_per_env),
                        history=learner.history)
     result.sim_backend = pool.backend.value
+    result.learner_mode = mode.value
     result.generator_busy_s = generator.busy_s
     result.learner_busy_s = learner.busy_s
     result.cpu_wall_s = time.perf_counter() - wall0
@@ -99,6 +110,18 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
              updates=result.updates, lag_max=result.lag_max, dropped=result.dropped,
              in_flight_at_stop=result.in_flight_at_stop, mean_return=result.mean_return)
     return result
+
+
+def learner_mode(cfg: RunConfig, policy, virtual: bool) -> LearnerMode:
+    """AUTO: a learner process when training runs on the CPU of a multi-core host."""
+    if virtual:
+        return LearnerMode.THREAD  # virtual time runs everything inline anyway
+    if cfg.learner is not LearnerMode.AUTO:
+        return cfg.learner
+    params = getattr(policy, "parameters", None)
+    first = next(iter(params()), None) if callable(params) else None
+    on_cpu = first is not None and first.device.type == "cpu"
+    return LearnerMode.PROCESS if on_cpu and (os.cpu_count() or 1) >= 2 else LearnerMode.THREAD
 
 
 async def _watch_stop(stop: asyncio.Event, budget: StepBudget, learner: Learner) -> None:

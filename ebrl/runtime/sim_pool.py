@@ -8,11 +8,8 @@ Three backends (:class:`~ebrl.config.SimBackend`):
 - ``ThreadSimPool`` runs a resizable set of lane threads sharing one request queue. Right
   for simulators that release the GIL while stepping (MuJoCo's ``mj_step``, C++ or GPU sims,
   anything that sleeps). Shrinking never interrupts a running step.
-- ``ProcessSimPool`` hosts the envs in worker processes (env ``i`` lives in worker
-  ``i % W``). Right for GIL-bound Python envs, which is most gymnasium envs. The event
-  loop talks to each worker over a pipe that it watches with ``add_reader``: requests made
-  in one loop iteration go out as one message per worker, so a worker steps a ready subset
-  of its envs per trip.
+- ``ProcessSimPool`` (in ``sim_workers.py``) hosts the envs in worker processes. Right for
+  GIL-bound Python envs, which is most gymnasium envs.
 
 Every backend resets an env in the same call as the step that ends its episode
 (gymnasium's ``AutoresetMode.SAME_STEP``): ``StepOut.obs`` is then the first observation
@@ -35,11 +32,8 @@ of the next episode and ``final_obs`` the last one of the episode that ended.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
 import os
 import queue
-import signal
-import sys
 import threading
 import time
 import traceback
@@ -49,7 +43,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import gymnasium as gym
-import numpy as np
 
 from ebrl.config import SimBackend, SimConfig
 from ebrl.runtime.virtual_time import is_virtual
@@ -304,188 +297,6 @@ def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> Non
         fut.set_exception(exc)
 
 
-# ---------------------------------------------------------------- worker processes
-
-
-def _worker_main(conn, env_fn: EnvFn, env_ids: list[int]) -> None:
-    """A worker process: hosts its envs and answers batches of (op, env_id, arg) requests."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
-    envs: dict[int, gym.Env] = {}
-    try:
-        for i in env_ids:
-            envs[i] = env_fn(i)
-        first = envs[env_ids[0]]
-        conn.send(("ready", first.observation_space, first.action_space))
-    except Exception as exc:
-        conn.send(("error", _describe(exc)))
-        return
-    try:
-        while True:
-            msg = conn.recv()
-            if msg is None:
-                break
-            replies = []
-            for op, i, arg in msg:
-                try:
-                    if op == "step":
-                        replies.append((i, True, step_env(envs[i], arg)))
-                    elif op == "reset":
-                        replies.append((i, True, envs[i].reset(seed=arg)))
-                    elif op == "rebuild":
-                        try:
-                            envs[i].close()
-                        except Exception:
-                            pass
-                        envs[i] = env_fn(i)
-                        replies.append((i, True, None))
-                except Exception as exc:
-                    replies.append((i, False, _describe(exc)))
-            conn.send(replies)
-    except (EOFError, KeyboardInterrupt, BrokenPipeError):
-        pass
-    finally:
-        for env in envs.values():
-            try:
-                env.close()
-            except Exception:
-                pass
-
-
-class _Worker:
-    def __init__(self, index: int, process, conn):
-        self.index, self.process, self.conn = index, process, conn
-        self.outbox: list[tuple[str, int, Any]] = []
-        self.waiting: dict[int, tuple[str, asyncio.Future]] = {}
-
-
-class ProcessSimPool(SimPool):
-    """Envs hosted in worker processes; the event loop batches requests per worker per iteration."""
-
-    backend = SimBackend.PROCESS
-
-    def __init__(self, env_fn: EnvFn, num_envs: int, num_workers: int, start_method: str | None = None):
-        super().__init__(env_fn, num_envs)
-        self._num_workers = max(1, min(num_workers, num_envs))
-        if start_method is None:
-            start_method = "fork" if sys.platform.startswith("linux") else "spawn"
-        self._ctx = mp.get_context(start_method)
-        self._workers: list[_Worker] = []
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._flush_scheduled = False
-        self._closed = False
-
-    @property
-    def size(self) -> int:
-        return self._num_workers
-
-    async def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        for w in range(self._num_workers):
-            ids = list(range(w, self.num_envs, self._num_workers))
-            parent, child = self._ctx.Pipe(duplex=True)
-            proc = self._ctx.Process(target=_worker_main, args=(child, self.env_fn, ids),
-                                     name=f"ebrl-sim-worker-{w}", daemon=True)
-            proc.start()
-            child.close()
-            self._workers.append(_Worker(w, proc, parent))
-        for worker in self._workers:
-            msg = await self._recv_first(worker)  # a worker builds its envs at start
-            if msg[0] == "error":
-                self.close()
-                raise EnvStepError(worker.index, "env_fn", f"in worker {worker.index}: {msg[1]}")
-            self.observation_space, self.action_space = msg[1], msg[2]
-            self._loop.add_reader(worker.conn.fileno(), self._on_readable, worker)
-
-    async def _recv_first(self, worker: _Worker):
-        ready = self._loop.create_future()
-        self._loop.add_reader(worker.conn.fileno(), lambda: ready.done() or ready.set_result(None))
-        try:
-            await ready
-        finally:
-            self._loop.remove_reader(worker.conn.fileno())
-        try:
-            return worker.conn.recv()
-        except EOFError:
-            return ("error", f"worker exited during start (exit code {worker.process.exitcode})")
-
-    def _request(self, op: str, env_id: int, arg: Any) -> asyncio.Future:
-        if self._closed:
-            raise RuntimeError("sim pool is closed")
-        worker = self._workers[env_id % self._num_workers]
-        fut = self._loop.create_future()
-        worker.outbox.append((op, env_id, arg))
-        worker.waiting[env_id] = (op, fut)
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            self._loop.call_soon(self._flush)
-        return fut
-
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        for worker in self._workers:
-            if worker.outbox:
-                msg, worker.outbox = worker.outbox, []
-                try:
-                    worker.conn.send(msg)
-                except (BrokenPipeError, OSError) as exc:
-                    self._fail_worker(worker, f"pipe to worker broke: {exc}")
-
-    def _on_readable(self, worker: _Worker) -> None:
-        try:
-            replies = worker.conn.recv()
-        except (EOFError, OSError):
-            self._fail_worker(worker, f"worker {worker.index} died (exit code {worker.process.exitcode})")
-            return
-        for env_id, ok, payload in replies:
-            op, fut = worker.waiting.pop(env_id)
-            if fut.done():
-                continue
-            if ok:
-                fut.set_result(payload)
-            else:
-                fut.set_exception(EnvStepError(env_id, op, payload))
-
-    def _fail_worker(self, worker: _Worker, why: str) -> None:
-        self._loop.remove_reader(worker.conn.fileno())
-        for env_id, (op, fut) in worker.waiting.items():
-            if not fut.done():
-                fut.set_exception(RuntimeError(f"env {env_id}: {why}"))
-        worker.waiting.clear()
-
-    async def reset(self, env_id: int, seed: int | None = None) -> tuple[Any, dict]:
-        return await self._request("reset", env_id, seed)
-
-    async def step(self, env_id: int, action: Any) -> StepOut:
-        return await self._request("step", env_id, action)
-
-    async def rebuild(self, env_id: int) -> None:
-        await self._request("rebuild", env_id, None)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for worker in self._workers:
-            try:
-                self._loop.remove_reader(worker.conn.fileno())
-            except Exception:
-                pass
-            try:
-                worker.conn.send(None)
-            except Exception:
-                pass
-        deadline = time.monotonic() + 5.0
-        for worker in self._workers:
-            worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
-            if worker.process.is_alive():
-                worker.process.kill()
-                worker.process.join()
-            worker.conn.close()
-            for _, fut in worker.waiting.values():
-                fut.cancel()
-        self._workers = []
-
-
 # ---------------------------------------------------------------- choosing a backend
 
 
@@ -538,5 +349,6 @@ def make_sim_pool(env_fn: EnvFn, num_envs: int, cfg: SimConfig, backend: SimBack
         return InlineSimPool(env_fn, num_envs, num_lanes=cfg.num_threads)
     if backend is SimBackend.THREAD:
         return ThreadSimPool(env_fn, num_envs, cfg.num_threads)
-    workers = cfg.num_workers or os.cpu_count() or 1
-    return ProcessSimPool(env_fn, num_envs, workers, cfg.start_method)
+    from ebrl.runtime.sim_workers import ProcessSimPool
+
+    return ProcessSimPool(env_fn, num_envs, cfg.num_workers or os.cpu_count() or 1, cfg.start_method)

@@ -73,6 +73,7 @@ class RunResult:
     metrics: dict[str, float]
     history: list[dict[str, Any]] = field(default_factory=list)  # one row per update
     sim_backend: str = ""
+    learner_mode: str = ""
     generator_busy_s: float = 0.0  # time in policy calls
     learner_busy_s: float = 0.0  # time in updates
     cpu_wall_s: float = 0.0  # real seconds, also under virtual time
