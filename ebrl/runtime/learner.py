@@ -142,6 +142,7 @@ class Learner:
         self.busy_s = 0.0
         self.untrained_in_hand = 0  # taken for an update that has not finished
         self.stopping = False  # a stop was requested: finish the update in flight, take no more
+        self.t0 = 0.0  # loop time at the run's start; history times are relative to it
         self._executor: ThreadPoolExecutor | None = None
         self._virtual_cost = getattr(algo, "virtual_cost", None)
         self.remote = remote
@@ -199,7 +200,7 @@ class Learner:
             st.lag[v] += c
         st.last_metrics = metrics
         self.history.append({"update": self.version, "env_steps": st.simulated, "trained": st.trained,
-                             "time": loop.time(), "mean_return": st.mean_return, **metrics})
+                             "time": loop.time() - self.t0, "mean_return": st.mean_return, **metrics})
 
     def _update(self, segments: list[Segment], version: int):
         return update_once(self.policy, self.algo, segments, version)

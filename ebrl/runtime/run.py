@@ -68,6 +68,7 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
     log.info("run_start", schedule=cfg.schedule.value, num_envs=cfg.num_envs, sim_backend=pool.backend.value,
              sim_size=pool.size, total_env_steps=cfg.total_env_steps, max_policy_lag=lag, virtual_time=virtual)
     t0, wall0 = loop.time(), time.perf_counter()
+    learner.t0 = t0
     try:
         if mode is LearnerMode.PROCESS:
             learner.remote = LearnerProcess(trainer.policy, trainer.algo, cfg.torch_threads, cfg.sim.start_method)

@@ -33,8 +33,10 @@ def get_logger(name: str) -> structlog.stdlib.BoundLogger:
     )
 
 
-def configure_logging(level: str | int = "info", json_path: str | Path | None = None, console: bool = True) -> None:
-    """Send EBRL's logs to stderr (human) and/or a JSON-lines file. Safe to call again."""
+def configure_logging(level: str | int = "info", json_path: str | Path | None = None, console: bool = True,
+                      console_level: str | int | None = None) -> None:
+    """Send EBRL's logs to stderr (human, from ``console_level``, default ``level``) and/or a
+    JSON-lines file (from ``level``). Safe to call again."""
     root = logging.getLogger("ebrl")
     for handler in list(root.handlers):
         root.removeHandler(handler)
@@ -43,6 +45,8 @@ def configure_logging(level: str | int = "info", json_path: str | Path | None = 
     root.propagate = False
     if console:
         h = logging.StreamHandler(sys.stderr)
+        if console_level is not None:
+            h.setLevel(console_level.upper() if isinstance(console_level, str) else console_level)
         h.setFormatter(structlog.stdlib.ProcessorFormatter(
             processor=structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())))
         root.addHandler(h)

@@ -1,0 +1,41 @@
+import json
+
+import pytest
+
+from ebrl.cli import build_spec, main
+from ebrl.config import ConfigError
+
+
+def test_spec_overrides_and_files(tmp_path):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('env = "mock/3"\n[run]\nnum_envs = 4\n[ppo]\nlr = 0.001\n')
+    spec = build_spec(str(cfg), ["run.total_env_steps=500", "policy.hidden=[16, 16]"])
+    assert spec["env"] == "mock/3" and spec["ppo"]["lr"] == 0.001 and spec["policy"]["hidden"] == [16, 16]
+    assert spec["run"]["num_envs"] == 4 and spec["run"]["total_env_steps"] == 500
+    assert spec["run"]["segment_len"] == 32  # tables merge over the demo's
+    with pytest.raises(ConfigError, match="unknown key"):
+        build_spec(None, ["algo.lr=1"])
+
+
+def test_train_runs_end_to_end_and_writes_results(tmp_path, capsys):
+    code = main(["train", "--quiet", "--log-dir", str(tmp_path), "--set", "env=mock/3",
+                 "--set", "run.num_envs=4", "--set", "run.total_env_steps=2000", "--set", "run.segment_len=16"])
+    assert code == 0
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["env_steps"] == 2000 and result["trained"] == 2000
+    assert (tmp_path / "events.jsonl").read_text().count('"event": "run_end"') == 1
+    assert "env steps/s (end to end)" in capsys.readouterr().out
+
+
+def test_bad_config_exits_2_with_the_field_named(tmp_path, capsys):
+    code = main(["train", "--quiet", "--log-dir", str(tmp_path), "--set", "run.num_envs=-1", "--set", "env=mock/3"])
+    assert code == 2
+    assert "num_envs=-1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("suite", ["overhead", "longtail"])
+def test_bench_suites_run_quick_and_write_json(suite, tmp_path):
+    assert main(["bench", suite, "--quick", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / f"{suite}.json").read_text())
+    assert report["rows"] and all(r["steps_per_s"] > 0 for r in report["rows"])
+    assert all(v > 0 and v != float("inf") for v in report["ratios"].values())
