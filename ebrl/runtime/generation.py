@@ -165,12 +165,14 @@ class Generator:
                 self._on_action(env_id, self.version)
         self._idle.clear()
         try:
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.thread_time()
             if virtual or not self._use_thread():
                 result = self.policy.act(obs)
                 spent = time.perf_counter() - t0
                 if not virtual:
-                    self._cost_ewma = spent if self._cost_ewma is None else 0.9 * self._cost_ewma + 0.1 * spent
+                    # CPU time, not wall: waiting for the GIL or a core under load is no reason to offload
+                    cpu = time.thread_time() - cpu0
+                    self._cost_ewma = cpu if self._cost_ewma is None else 0.9 * self._cost_ewma + 0.1 * cpu
             else:
                 if self._executor is None:
                     self._executor = ThreadPoolExecutor(1, thread_name_prefix="ebrl-generator")
