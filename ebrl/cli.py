@@ -118,7 +118,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         for name, doc in list_suites(args.suites_dir).items():
             print(f"{name:14s} {doc}")
         return 0
-    run_suite(args.suite, quick=args.quick, out_dir=Path(args.out), suites_dir=args.suites_dir)
+    run_suite(args.suite, quick=args.quick, out_dir=Path(args.out), suites_dir=args.suites_dir, trace=args.trace)
     return 0
 
 
@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--list", action="store_true", help="list the suites")
     bench.add_argument("--quick", action="store_true", help="a short run, for smoke tests")
     bench.add_argument("--out", default="bench_out", help="directory for the JSON results")
+    bench.add_argument("--trace", action="store_true", help="also write a Chrome trace and a Gantt PNG per schedule")
     bench.add_argument("--suites-dir", default=None, help="where suite files live (default: the repo's bench/)")
     bench.set_defaults(fn=cmd_bench)
     args = parser.parse_args(argv)

@@ -12,7 +12,7 @@ import asyncio
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -22,6 +22,9 @@ from ebrl.runtime.rollout import RolloutQueue
 from ebrl.runtime.sim_pool import EnvStepError, SimPool, StepOut
 from ebrl.runtime.stats import RunStats
 from ebrl.telemetry.logging import get_logger
+
+if TYPE_CHECKING:
+    from ebrl.runtime.profiler import Timeline
 
 log = get_logger("ebrl.env")
 
@@ -70,14 +73,17 @@ class EnvSteps:
     rollout: RolloutQueue
     stats: RunStats
     budget: StepBudget
+    timeline: Timeline | None = None  # stage events, when profiling (ebrl.runtime.profiler)
     ep_return: list[float] = field(init=False)
     ep_length: list[int] = field(init=False)
     resets: list[int] = field(init=False)
+    lanes: list[str] = field(init=False)  # timeline lane names, "env i"
     failure_times: deque = field(default_factory=deque)
 
     def __post_init__(self) -> None:
         n = self.cfg.num_envs
         self.ep_return, self.ep_length, self.resets = [0.0] * n, [0] * n, [0] * n
+        self.lanes = [f"env {i}" for i in range(n)]
 
     async def reset(self, env_id: int) -> Any:
         # seed each env's first episode; later resets (after a rebuild) get fresh, reproducible seeds
@@ -134,30 +140,94 @@ class EnvSteps:
             except EnvStepError as again:
                 exc = again
 
-    async def wait_can_start(self, env_ids: list[int]) -> None:
+    async def wait_can_start(self, env_ids: list[int]) -> bool:
+        """Wait until every env in ``env_ids`` may start its next step; True if that meant waiting."""
         if all(self.rollout.can_start(i) for i in env_ids):
-            return
+            return False
         self.generator.set_live(-len(env_ids))
         self.rollout.set_blocked(+1)
+        t0 = asyncio.get_running_loop().time()
         try:
             for i in env_ids:
                 await self.rollout.wait_can_start(i)
         finally:
             self.rollout.set_blocked(-1)
             self.generator.set_live(+len(env_ids))
+            if self.timeline is not None:
+                t1 = asyncio.get_running_loop().time()
+                for i in env_ids:
+                    self.timeline.record(self.lanes[i], "blocked", t0, t1)
+        return True
+
+    async def timed_step(self, env_id: int, obs: Any) -> tuple[ActReply, StepOut]:
+        """``generator.act`` then ``pool.step``, recording "act" and "sim" (or "fail") on the timeline."""
+        clock, record, lane = asyncio.get_running_loop().time, self.timeline.record, self.lanes[env_id]
+        t0 = clock()
+        reply = await self.generator.act(env_id, obs)
+        t1 = clock()
+        record(lane, "act", t0, t1)
+        res, row, _ = reply
+        try:
+            out = await self.pool.step(env_id, res.env_actions[row])
+        except EnvStepError:
+            record(lane, "fail", t1, clock())
+            raise
+        record(lane, "sim", t1, clock())
+        return reply, out
+
+    async def timed_group_step(self, env_ids: list[int], obs: dict[int, Any],
+                               ready: dict[int, float]) -> tuple[list[ActReply], list]:
+        """A lockstep group's act-gather and step-gather, recorded on the timeline.
+
+        An env's "act" runs from when it was ready (its previous step returned; ``ready``,
+        updated here) to when the group's actions arrive: the wait for the group's slowest
+        env (the barrier) shows as part of it.
+        """
+        clock, record, lanes = asyncio.get_running_loop().time, self.timeline.record, self.lanes
+        gen, pool = self.generator, self.pool
+        t0 = clock()
+        if await self.wait_can_start(env_ids):  # recorded "blocked"; the barrier before it is still "act"
+            for i in env_ids:
+                if i in ready:
+                    record(lanes[i], "act", ready[i], t0)
+            t0 = clock()
+            ready.update((i, t0) for i in env_ids)
+        replies = await asyncio.gather(*(gen.act(i, obs[i]) for i in env_ids))
+        t1 = clock()
+        for i in env_ids:
+            record(lanes[i], "act", ready.get(i, t0), t1)
+
+        began: dict[int, float] = {}
+
+        async def stamped(i: int, action: Any) -> StepOut:
+            began[i] = clock()  # gather starts the steps one after another: time each from its own start
+            try:
+                return await pool.step(i, action)
+            finally:
+                ready[i] = clock()
+
+        outs = await asyncio.gather(*(stamped(i, r[0].env_actions[r[1]]) for i, r in zip(env_ids, replies)),
+                                    return_exceptions=True)
+        for i, out in zip(env_ids, outs):
+            record(lanes[i], "fail" if isinstance(out, BaseException) else "sim", began.get(i, t1), ready[i])
+        return replies, outs
 
 
 async def env_task(steps: EnvSteps, env_id: int) -> None:
     """One env, on its own: claim a step, get an action, simulate, record; no barrier."""
     gen, pool, budget = steps.generator, steps.pool, steps.budget
+    timed = steps.timeline is not None
     try:
         obs = await steps.reset(env_id)
         while budget.claim():
             await steps.wait_can_start([env_id])
-            reply = await gen.act(env_id, obs)
-            res, row, _ = reply
             try:
-                out = await pool.step(env_id, res.env_actions[row])
+                if timed:
+                    reply, out = await steps.timed_step(env_id, obs)
+                else:
+                    reply = await gen.act(env_id, obs)
+                    res, row, _ = reply
+                    out = await pool.step(env_id, res.env_actions[row])
             except EnvStepError as exc:
                 budget.release()
                 obs = await steps.recover(env_id, exc)
@@ -171,13 +241,17 @@ async def env_task(steps: EnvSteps, env_id: int) -> None:
 async def lockstep_group(steps: EnvSteps, env_ids: list[int]) -> None:
     """A group of envs stepped together: every env waits for the slowest at each step."""
     gen, pool, budget = steps.generator, steps.pool, steps.budget
+    timed, ready = steps.timeline is not None, {}
     try:
         obs = dict(zip(env_ids, await asyncio.gather(*(steps.reset(i) for i in env_ids))))
         while budget.claim(len(env_ids)):
-            await steps.wait_can_start(env_ids)
-            replies = await asyncio.gather(*(gen.act(i, obs[i]) for i in env_ids))
-            outs = await asyncio.gather(*(pool.step(i, r[0].env_actions[r[1]]) for i, r in zip(env_ids, replies)),
-                                        return_exceptions=True)
+            if timed:
+                replies, outs = await steps.timed_group_step(env_ids, obs, ready)
+            else:
+                await steps.wait_can_start(env_ids)
+                replies = await asyncio.gather(*(gen.act(i, obs[i]) for i in env_ids))
+                outs = await asyncio.gather(*(pool.step(i, r[0].env_actions[r[1]])
+                                              for i, r in zip(env_ids, replies)), return_exceptions=True)
             for i, reply, out in zip(env_ids, replies, outs):
                 if isinstance(out, EnvStepError):
                     budget.release()

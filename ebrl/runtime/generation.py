@@ -33,13 +33,16 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ebrl.config import Offload
 from ebrl.policies.base import ActResult
 from ebrl.runtime.virtual_time import is_virtual
+
+if TYPE_CHECKING:
+    from ebrl.runtime.profiler import Timeline
 
 # What act() returns: the batch's result, this request's row in it, and the policy version.
 ActReply = tuple[ActResult, int, int]
@@ -58,7 +61,7 @@ class Generator:
 
     def __init__(self, policy, *, batch_target: int, max_wait_s: float, live: int,
                  offload: Offload = Offload.AUTO, inline_below_s: float = 200e-6,
-                 on_action: Callable[[int, int], None] | None = None):
+                 on_action: Callable[[int, int], None] | None = None, timeline: Timeline | None = None):
         self.policy = policy
         self.batch_target = batch_target
         self.max_wait_s = max_wait_s
@@ -70,6 +73,7 @@ class Generator:
         self.max_request_wait_s = 0.0
         self.busy_s = 0.0  # time spent in policy calls
         self._on_action = on_action
+        self._timeline = timeline  # records lane "generator", "batch" (arg: batch size) per policy call
         self._pending: list[tuple[int, Any, asyncio.Future, float]] = []
         self._wake = asyncio.Event()
         self._paused = False
@@ -190,6 +194,8 @@ class Generator:
             raise
         finally:
             self._idle.set()
+        if self._timeline is not None:
+            self._timeline.record("generator", "batch", now, loop.time(), len(batch))
         self.batch_sizes[len(batch)] += 1
         version = self.version
         for row, (_, _, fut, _) in enumerate(batch):

@@ -24,7 +24,7 @@ import sys
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -33,6 +33,9 @@ from ebrl.runtime.generation import Generator
 from ebrl.runtime.rollout import RolloutQueue, Segment, collate
 from ebrl.runtime.stats import RunStats
 from ebrl.runtime.virtual_time import is_virtual
+
+if TYPE_CHECKING:
+    from ebrl.runtime.profiler import Timeline
 
 
 def snapshot(state: dict) -> dict:
@@ -130,7 +133,8 @@ class LearnerProcess:
 
 class Learner:
     def __init__(self, policy, algo, rollout: RolloutQueue, generator: Generator, stats: RunStats,
-                 *, pause_generation: bool, remote: LearnerProcess | None = None):
+                 *, pause_generation: bool, remote: LearnerProcess | None = None,
+                 timeline: Timeline | None = None):
         self.policy = policy
         self.algo = algo
         self.rollout = rollout
@@ -139,13 +143,14 @@ class Learner:
         self.pause_generation = pause_generation  # lag 0 and lockstep schedules: no overlap
         self.version = 0
         self.history: list[dict[str, Any]] = []
-        self.busy_s = 0.0
+        self.busy_s = 0.0  # time in updates: loop time (virtual seconds under virtual time)
         self.untrained_in_hand = 0  # taken for an update that has not finished
         self.stopping = False  # a stop was requested: finish the update in flight, take no more
         self.t0 = 0.0  # loop time at the run's start; history times are relative to it
         self._executor: ThreadPoolExecutor | None = None
         self._virtual_cost = getattr(algo, "virtual_cost", None)
         self.remote = remote
+        self._timeline = timeline  # records lane "learner", "update" (arg: steps trained) per update
 
     async def run(self) -> None:
         try:
@@ -176,8 +181,9 @@ class Learner:
         loop = asyncio.get_running_loop()
         n = sum(s.n for s in segments)
         self.untrained_in_hand = n
-        t0 = time.perf_counter()
-        if is_virtual(loop):
+        t0, lt0 = time.perf_counter(), loop.time()
+        virtual = is_virtual(loop)
+        if virtual:
             metrics, state, lags = self._update(segments, self.version)
             if self._virtual_cost is not None:
                 await asyncio.sleep(float(self._virtual_cost(n)))
@@ -186,7 +192,11 @@ class Learner:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="ebrl-learner")
             work = self.remote.update if self.remote is not None else self._update
             metrics, state, lags = await loop.run_in_executor(self._executor, work, segments, self.version)
-        self.busy_s += time.perf_counter() - t0
+        lt1 = loop.time()
+        # under virtual time only the loop clock means anything (the update's cost is slept in it)
+        self.busy_s += lt1 - lt0 if virtual else time.perf_counter() - t0
+        if self._timeline is not None:
+            self._timeline.record("learner", "update", lt0, lt1, n)
         self.version += 1
         self.generator.publish(state, self.version)
         if self.pause_generation:

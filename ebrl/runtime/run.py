@@ -33,6 +33,7 @@ from ebrl.runtime.virtual_time import is_virtual
 from ebrl.telemetry.logging import get_logger
 
 if TYPE_CHECKING:
+    from ebrl.runtime.profiler import Timeline
     from ebrl.trainer import Trainer
 
 log = get_logger("ebrl.run")
@@ -41,10 +42,12 @@ Progress = Callable[[RunStats, "Learner"], None]
 
 
 async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
-              progress: Progress | None = None) -> RunResult:
+              progress: Progress | None = None, timeline: "Timeline | None" = None) -> RunResult:
     """Train ``trainer`` on the running event loop until ``total_env_steps`` or ``stop`` is set.
 
     ``progress(stats, learner)`` is called every ``config.log_every_s`` seconds and at the end.
+    ``timeline`` (:class:`ebrl.runtime.profiler.Timeline`) records every env step, generation
+    batch and update, in loop time.
     """
     cfg = trainer.config
     loop = asyncio.get_running_loop()
@@ -59,12 +62,12 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
     generator = Generator(copy.deepcopy(trainer.policy), batch_target=generation_target(cfg),
                           max_wait_s=cfg.generation.max_wait_s, live=cfg.num_envs,
                           offload=cfg.generation.offload, inline_below_s=cfg.generation.inline_below_s,
-                          on_action=rollout.mark_inflight)
+                          on_action=rollout.mark_inflight, timeline=timeline)
     mode = learner_mode(cfg, trainer.policy, virtual)
     learner = Learner(trainer.policy, trainer.algo, rollout, generator, stats,
-                      pause_generation=lockstep or lag == 0)
+                      pause_generation=lockstep or lag == 0, timeline=timeline)
     budget = StepBudget(cfg.total_env_steps)
-    steps = EnvSteps(cfg, pool, generator, rollout, stats, budget)
+    steps = EnvSteps(cfg, pool, generator, rollout, stats, budget, timeline)
     log.info("run_start", schedule=cfg.schedule.value, num_envs=cfg.num_envs, sim_backend=pool.backend.value,
              sim_size=pool.size, total_env_steps=cfg.total_env_steps, max_policy_lag=lag, virtual_time=virtual)
     t0, wall0 = loop.time(), time.perf_counter()
@@ -98,7 +101,8 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
         progress(stats, learner)
     stats.gen_batches = generator.batch_sizes
     stats.gen_wait_max_s = generator.max_request_wait_s
-    result = summarize(stats, schedule=cfg.schedule.value, wall_s=loop.time() - t0,
+    t_end = loop.time()
+    result = summarize(stats, schedule=cfg.schedule.value, wall_s=t_end - t0,
                        in_flight=rollout.pending_steps() + learner.untrained_in_hand,
                        version=learner.version, steps_per_env=list(rollout.steps_per_env),
                        history=learner.history)
@@ -107,6 +111,10 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
     result.generator_busy_s = generator.busy_s
     result.learner_busy_s = learner.busy_s
     result.cpu_wall_s = time.perf_counter() - wall0
+    if result.wall_s > 0:
+        result.busy = {"generator": generator.busy_s / result.wall_s, "learner": learner.busy_s / result.wall_s}
+        if timeline is not None:
+            result.busy["sim"] = timeline.busy_fraction("env", t0, t_end, name="sim")
     log.info("run_end", env_steps=result.env_steps, steps_per_s=round(result.env_steps_per_s, 1),
              updates=result.updates, lag_max=result.lag_max, dropped=result.dropped,
              in_flight_at_stop=result.in_flight_at_stop, mean_return=result.mean_return)

@@ -77,6 +77,9 @@ class RunResult:
     generator_busy_s: float = 0.0  # time in policy calls
     learner_busy_s: float = 0.0  # time in updates
     cpu_wall_s: float = 0.0  # real seconds, also under virtual time
+    # fraction of wall_s each stage was busy: "generator" and "learner" always (from their busy
+    # counters), "sim" (mean over envs) when run() was given a timeline
+    busy: dict[str, float] = field(default_factory=dict)
 
     def accounting_ok(self) -> bool:
         return self.env_steps == self.trained + sum(self.dropped.values()) + self.in_flight_at_stop
