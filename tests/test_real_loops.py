@@ -108,3 +108,13 @@ def test_run_sync_uses_uvloop_and_gymnasium_envs_work(no_leaks):
                       ebrl.RunConfig(num_envs=4, segment_len=32, total_env_steps=1000))
     res = ebrl.run_sync(tr)
     assert res.env_steps == 1000 and res.episodes > 0 and res.accounting_ok()
+
+
+@pytest.mark.parametrize("backend", ["thread", "process"])
+async def test_nonfinite_is_detected_where_the_step_runs(backend, no_leaks):
+    tr = ebrl.Trainer(lambda i: MockEnv(nan_at_step=20 if i == 1 else None), MockPolicy(act_dim=4), NoopAlgo(),
+                      ebrl.RunConfig(num_envs=2, segment_len=8, total_env_steps=200,
+                                     sim={"backend": backend}, faults={"nonfinite": "drop"}))
+    res = await ebrl.run(tr)
+    assert res.dropped["nonfinite"] == 1 + 3  # the NaN step, and the 3 steps of its open segment before it
+    assert res.accounting_ok()

@@ -9,12 +9,9 @@ trained, dropped with a reason, or still in flight when the run stops.
 from __future__ import annotations
 
 import asyncio
-import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 from ebrl.config import NonFinite, RunConfig
 from ebrl.runtime.generation import ActReply, Generator
@@ -56,12 +53,6 @@ class StepBudget:
         self.remaining = 0
 
 
-def _finite(x: Any) -> bool:
-    if isinstance(x, dict):
-        return all(_finite(v) for v in x.values())
-    a = np.asarray(x)
-    return a.dtype.kind not in "fc" or bool(np.isfinite(a).all())
-
 
 @dataclass
 class EnvSteps:
@@ -96,7 +87,7 @@ class EnvSteps:
     async def after_step(self, env_id: int, obs: Any, reply: ActReply, out: StepOut) -> Any:
         """Record a completed step; returns the env's next observation."""
         self.stats.simulated += 1
-        if not (math.isfinite(out.reward) and _finite(out.obs)):
+        if not out.finite:
             step = self.rollout.steps_per_env[env_id]
             what = f"env {env_id} produced NaN/inf at step {step} (reward={out.reward})"
             if self.cfg.faults.nonfinite is NonFinite.RAISE:
@@ -142,7 +133,8 @@ class EnvSteps:
 
     async def wait_can_start(self, env_ids: list[int]) -> bool:
         """Wait until every env in ``env_ids`` may start its next step; True if that meant waiting."""
-        if all(self.rollout.can_start(i) for i in env_ids):
+        can_start = self.rollout.can_start
+        if can_start(env_ids[0]) if len(env_ids) == 1 else all(can_start(i) for i in env_ids):
             return False
         self.generator.set_live(-len(env_ids))
         self.rollout.set_blocked(+1)

@@ -203,7 +203,9 @@ class Timeline:
         blank: nothing). A long run draws as fast as a short one.
         """
         import numpy as np
-        from matplotlib.backends.backend_agg import FigureCanvasAgg  # no pyplot: leaves the global backend alone
+        from matplotlib.backends.backend_agg import (
+            FigureCanvasAgg,  # no pyplot: leaves the global backend alone
+        )
         from matplotlib.colors import to_rgba
         from matplotlib.figure import Figure
         from matplotlib.patches import Patch

@@ -32,6 +32,7 @@ of the next episode and ``final_obs`` the last one of the episode that ended.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import queue
 import threading
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import gymnasium as gym
+import numpy as np
 
 from ebrl.config import SimBackend, SimConfig
 from ebrl.runtime.virtual_time import is_virtual
@@ -62,6 +64,7 @@ class StepOut:
     final_obs: Any = None  # last observation of the episode that ended at this step
     final_info: dict | None = None
     cost_s: float = 0.0  # declared cost (virtual time); 0 for real envs
+    finite: bool = True  # reward and observation free of NaN/inf (checked where the step ran)
 
 
 class EnvStepError(RuntimeError):
@@ -72,14 +75,25 @@ class EnvStepError(RuntimeError):
         self.env_id, self.op, self.detail = env_id, op, detail
 
 
+def all_finite(x: Any) -> bool:
+    """No NaN or inf in an observation (an array, or a dict of arrays)."""
+    if isinstance(x, dict):
+        return all(all_finite(v) for v in x.values())
+    a = np.asarray(x)
+    return a.dtype.kind not in "fc" or bool(np.isfinite(a).all())
+
+
 def step_env(env: gym.Env, action: Any) -> StepOut:
+    """One step with same-step autoreset; the NaN/inf check runs here, in the lane or worker."""
     obs, reward, terminated, truncated, info = env.step(action)
     cost = getattr(env.unwrapped, "virtual_step_cost", 0.0)
+    reward = float(reward)
+    finite = math.isfinite(reward) and all_finite(obs)
     if terminated or truncated:
         final_obs, final_info = obs, info
         obs, info = env.reset()
-        return StepOut(obs, float(reward), bool(terminated), bool(truncated), info, final_obs, final_info, cost)
-    return StepOut(obs, float(reward), False, False, info, None, None, cost)
+        return StepOut(obs, reward, bool(terminated), bool(truncated), info, final_obs, final_info, cost, finite)
+    return StepOut(obs, reward, False, False, info, None, None, cost, finite)
 
 
 def _describe(exc: BaseException) -> str:

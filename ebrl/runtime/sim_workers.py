@@ -38,7 +38,7 @@ from ebrl.runtime.sim_pool import (
 
 INFO_KEYS = ("is_success", "success")  # per-step info worth a pickle
 _STEP, _PICKLED, _QUIT = b"S", b"P", b"Q"
-TERMINATED, TRUNCATED = 1, 2
+TERMINATED, TRUNCATED, NONFINITE = 1, 2, 4
 
 
 def _shareable(space: gym.Space) -> bool:
@@ -124,7 +124,7 @@ def _step_shared(envs: dict[int, gym.Env], shm: SharedArrays, ids: np.ndarray) -
             continue
         shm.obs[i] = out.obs
         shm.reward[i] = out.reward
-        shm.flags[i] = TERMINATED * out.terminated | TRUNCATED * out.truncated
+        shm.flags[i] = TERMINATED * out.terminated | TRUNCATED * out.truncated | NONFINITE * (not out.finite)
         small = {k: out.info[k] for k in INFO_KEYS if k in out.info}
         if out.final_info is not None:
             extras[i] = ("done", small, out.final_obs, out.final_info)
@@ -282,7 +282,8 @@ class ProcessSimPool(SimPool):
                 continue
             flags = int(shm.flags[i])
             out = StepOut(shm.obs[i].copy(), float(shm.reward[i]), bool(flags & TERMINATED),
-                          bool(flags & TRUNCATED), extra[1] if extra is not None else {})
+                          bool(flags & TRUNCATED), extra[1] if extra is not None else {},
+                          finite=not flags & NONFINITE)
             if extra is not None and extra[0] == "done":
                 out.final_obs, out.final_info = extra[2], extra[3]
             fut.set_result(out)
