@@ -4,6 +4,7 @@ import asyncio
 import multiprocessing
 
 import gymnasium as gym
+import numpy as np
 import pytest
 
 import ebrl
@@ -118,3 +119,22 @@ async def test_nonfinite_is_detected_where_the_step_runs(backend, no_leaks):
     res = await ebrl.run(tr)
     assert res.dropped["nonfinite"] == 1 + 3  # the NaN step, and the 3 steps of its open segment before it
     assert res.accounting_ok()
+
+
+async def test_process_backend_carries_observations_larger_than_a_socket_buffer(no_leaks):
+
+    class BigObs(MockEnv):
+        """Dict observations of 300 kB: several socket buffers per message."""
+
+        def __init__(self):
+            super().__init__(dim=2, episode_len=5)
+            self.observation_space = gym.spaces.Dict({"big": gym.spaces.Box(0, 255, (100, 1000, 3), np.uint8),
+                                                      "state": self.observation_space})
+
+        def _observe(self):
+            return {"big": np.full((100, 1000, 3), self.steps % 255, np.uint8), "state": super()._observe()}
+
+    tr = ebrl.Trainer(lambda i: BigObs(), MockPolicy(act_dim=2), NoopAlgo(),
+                      ebrl.RunConfig(num_envs=4, segment_len=8, total_env_steps=64, sim={"backend": "process"}))
+    res = await ebrl.run(tr)
+    assert res.env_steps == 64 and res.episodes > 0 and res.accounting_ok()

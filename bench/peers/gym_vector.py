@@ -45,6 +45,33 @@ from ebrl.algos import Batch
 KINDS = {"sync": gym.vector.SyncVectorEnv, "async": gym.vector.AsyncVectorEnv}
 
 
+def _alloc(space: gym.Space, lead: tuple[int, ...]):
+    if isinstance(space, gym.spaces.Dict):
+        return {k: _alloc(v, lead) for k, v in space.spaces.items()}
+    return np.empty((*lead, *space.shape), space.dtype)
+
+
+def _put(buf, t: int, x) -> None:
+    if isinstance(buf, dict):
+        for k, v in buf.items():
+            v[t] = x[k]
+    else:
+        buf[t] = x
+
+
+def _tensor(x):
+    if isinstance(x, dict):
+        return {k: _tensor(v) for k, v in x.items()}
+    return torch.from_numpy(np.array(x))
+
+
+def _stack(items: list, like):
+    """Final observations of truncated steps, batched like the observation buffer."""
+    if isinstance(like, dict):
+        return {k: _stack([it[k] for it in items], v) for k, v in like.items()}
+    return torch.from_numpy(np.stack([np.asarray(it, like.dtype) for it in items]) if items else like[0, :0].copy())
+
+
 def run_peer(kind: str, env_fn, policy, algo, *, num_envs: int, segment_len: int, total_env_steps: int,
              seed: int = 0) -> dict:
     """Train ``policy`` with ``algo`` on ``num_envs`` copies of ``env_fn(i)`` (EBRL's convention:
@@ -74,7 +101,7 @@ def run_peer(kind: str, env_fn, policy, algo, *, num_envs: int, segment_len: int
         obs, _ = envs.reset(seed=[seed + i for i in range(N)])
         obs_space = envs.single_observation_space
         # Per-step buffers, time-major as CleanRL: [T, N, ...]; the batch is [N, T].
-        b_obs = np.empty((T, N, *obs_space.shape), obs_space.dtype)
+        b_obs = _alloc(obs_space, (T, N))
         b_logp, b_val, b_rew = (np.empty((T, N), np.float32) for _ in range(3))
         b_term, b_trunc = np.empty((T, N), bool), np.empty((T, N), bool)
         b_act = None  # shaped by the first action
@@ -87,7 +114,8 @@ def run_peer(kind: str, env_fn, policy, algo, *, num_envs: int, segment_len: int
                 out = policy.act(obs)
                 if b_act is None:
                     b_act = np.empty((T, *np.shape(out.actions)), np.asarray(out.actions).dtype)
-                b_obs[t], b_act[t], b_logp[t], b_val[t] = obs, out.actions, out.logprobs, out.values
+                _put(b_obs, t, obs)
+                b_act[t], b_logp[t], b_val[t] = out.actions, out.logprobs, out.values
                 obs, rew, term, trunc, info = envs.step(out.env_actions)
                 b_rew[t], b_term[t], b_trunc[t] = rew, term, trunc
                 for i in np.flatnonzero(trunc & ~term):
@@ -98,16 +126,17 @@ def run_peer(kind: str, env_fn, policy, algo, *, num_envs: int, segment_len: int
                     ep_ret[i] = 0.0
             finals.sort(key=lambda f: (f[0], f[1]))  # Batch order: by env, then step
 
-            def nt(x):  # [T, N, ...] -> [N, T, ...] tensor
+            def nt(x):  # [T, N, ...] -> [N, T, ...] tensor (per key for dict observations)
+                if isinstance(x, dict):
+                    return {k: nt(v) for k, v in x.items()}
                 return torch.from_numpy(np.ascontiguousarray(x.swapaxes(0, 1)))
 
             batch = Batch(
                 obs=nt(b_obs), actions=nt(b_act), logprobs=nt(b_logp), values=nt(b_val), rewards=nt(b_rew),
                 terminated=nt(b_term), truncated=nt(b_trunc), mask=torch.ones(N, T, dtype=torch.bool),
                 versions=torch.full((N, T), updates, dtype=torch.int64),
-                bootstrap_obs=torch.from_numpy(np.array(obs)),
-                final_obs=torch.from_numpy(np.stack([np.asarray(f[2], obs_space.dtype) for f in finals])
-                                           if finals else b_obs[0, :0].copy()),
+                bootstrap_obs=_tensor(obs),
+                final_obs=_stack([f[2] for f in finals], b_obs),
                 final_index=torch.tensor([(f[0], f[1]) for f in finals], dtype=torch.int64).reshape(-1, 2),
                 learner_version=updates)
             env_steps += N * T

@@ -84,6 +84,13 @@ class PPOConfig:
             check(name, isinstance(getattr(self, name), bool), "a bool")
 
 
+def _index(x: Tensor | dict[str, Tensor], idx: Tensor) -> Tensor | dict[str, Tensor]:
+    """``x[idx]``, per key for dict observations."""
+    if isinstance(x, Tensor):
+        return x[idx]
+    return {k: v[idx] for k, v in x.items()}
+
+
 class _RunningVar:
     """Running mean/variance of a stream of scalars (parallel Welford, float64)."""
 
@@ -145,7 +152,8 @@ class PPO:
 
         ``mb`` holds flat ``[M]`` tensors (``obs``/``actions`` with their trailing shapes):
         ``obs, actions, logprobs`` (behaviour), ``values`` (behaviour), ``advantages`` (already
-        normalised when ``norm_adv``), ``returns``.
+        normalised when ``norm_adv``), ``returns``. For dict observations ``mb["obs"]`` is a
+        dict of ``[M, ...]`` tensors (as are ``Batch.obs``, ``bootstrap_obs`` and ``final_obs``).
         """
         c = self.config
         new_logp, entropy, new_value = policy.evaluate(mb["obs"], mb["actions"])
@@ -201,6 +209,8 @@ class PPO:
         for k, v in moved.items():
             if isinstance(v, Tensor):
                 moved[k] = v.to(device)
+            elif isinstance(v, dict):  # dict observations: a tensor per key
+                moved[k] = {key: t.to(device) for key, t in v.items()}
         return Batch(**moved)
 
     def update(self, policy: nn.Module, batch: Batch) -> dict[str, float]:
@@ -226,8 +236,9 @@ class PPO:
                 math.nan), "reward_scale": math.sqrt(self.reward_rms.var + 1e-8)}
 
         # Stats first, so bootstrap values below see the same normalisation training will.
+        obs = _index(b.obs, mask)  # once: for pixel observations this is the big copy
         if hasattr(policy, "update_obs_stats"):
-            policy.update_obs_stats(b.obs[mask])
+            policy.update_obs_stats(obs)
         rewards = self._scaled_rewards(b)
 
         with torch.no_grad():
@@ -238,7 +249,7 @@ class PPO:
             adv, ret = gae(rewards, b.values, next_values, b.terminated, b.terminated | b.truncated,
                            mask, c.gamma, c.gae_lambda)
 
-        flat = {"obs": b.obs[mask], "actions": b.actions[mask], "logprobs": b.logprobs[mask],
+        flat = {"obs": obs, "actions": b.actions[mask], "logprobs": b.logprobs[mask],
                 "values": b.values[mask], "advantages": adv[mask], "returns": ret[mask]}
         loss_fn = self.loss_fn or self.loss
         sums: dict[str, Tensor | float] = {}
@@ -247,7 +258,7 @@ class PPO:
             perm = torch.randperm(n, generator=self._gen).to(device)
             for start in range(0, n, c.minibatch_size):
                 idx = perm[start:start + c.minibatch_size]
-                mb = {k: v[idx] for k, v in flat.items()}
+                mb = {k: _index(v, idx) for k, v in flat.items()}
                 if c.norm_adv and idx.numel() > 1:
                     a = mb["advantages"]
                     mb["advantages"] = (a - a.mean()) / (a.std() + 1e-8)

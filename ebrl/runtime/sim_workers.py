@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import os
 import pickle
 import signal
 import sys
@@ -206,14 +207,14 @@ class ProcessSimPool(SimPool):
                 self._shm = SharedArrays(self.num_envs, self.observation_space, self.action_space)
             for worker in self._workers:
                 worker.conn.send_bytes(pickle.dumps(("attach", self._shm.names) if shared else ("pickle",)))
-                self._loop.add_reader(worker.conn.fileno(), self._on_readable, worker)
+                self._watch(worker.conn.fileno(), self._on_readable, worker)
         except BaseException:
             self.close()
             raise
 
     async def _first_message(self, worker: _Worker):
         ready = self._loop.create_future()
-        self._loop.add_reader(worker.conn.fileno(), lambda: ready.done() or ready.set_result(None))
+        self._watch(worker.conn.fileno(), lambda: ready.done() or ready.set_result(None))
         try:
             await ready
         finally:
@@ -222,6 +223,13 @@ class ProcessSimPool(SimPool):
             return pickle.loads(worker.conn.recv_bytes())
         except EOFError:
             return ("error", f"worker exited during start (exit code {worker.process.exitcode})")
+
+    def _watch(self, fd: int, callback, *args) -> None:
+        self._loop.add_reader(fd, callback, *args)
+        # add_reader makes the socket non-blocking; a message larger than the socket buffer
+        # (pixels) then arrives in pieces and recv_bytes would fail half-way. Readable means a
+        # message has started, and the worker writes the rest at once: a blocking read is safe.
+        os.set_blocking(fd, True)
 
     def _future(self, worker: _Worker, op: str, env_id: int) -> asyncio.Future:
         if self._closed:

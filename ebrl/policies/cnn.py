@@ -1,0 +1,205 @@
+"""A convolutional actor-critic for pixel observations ``{"pixels": uint8 [H, W, C], "state": ...}``.
+
+A NatureCNN-style encoder (three conv layers, then a linear layer) reads the pixels, scaled by
+1/255 inside the network so observations stay ``uint8`` until they reach the policy's device.
+An optional ``"state"`` vector is normalised by running mean/variance buffers (as in
+:class:`~ebrl.policies.MLPPolicy`) and concatenated to the image features. Actor and critic
+share the encoder and an MLP trunk; Box actions get a diagonal Gaussian with a
+state-independent log-std, Discrete actions a categorical.
+
+Example::
+
+    >>> import gymnasium as gym, numpy as np
+    >>> from ebrl.policies import CNNPolicy
+    >>> obs_space = gym.spaces.Dict({"pixels": gym.spaces.Box(0, 255, (32, 32, 3), np.uint8),
+    ...                              "state": gym.spaces.Box(-np.inf, np.inf, (4,), np.float32)})
+    >>> policy = CNNPolicy.from_spaces(obs_space, gym.spaces.Box(-3.0, 3.0, (1,)), seed=0)
+    >>> out = policy.act({"pixels": np.zeros((2, 32, 32, 3), np.uint8), "state": np.zeros((2, 4), np.float32)})
+    >>> out.actions.shape, out.values.shape, bool(np.abs(out.env_actions).max() <= 3.0)
+    ((2, 1), (2,), True)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from ebrl.policies.base import ActResult
+from ebrl.policies.mlp import _EPS, _LOG_SQRT_2PI, _OBS_CLIP, _init, _mlp
+
+NATURE_CONV = ((32, 8, 4), (64, 4, 2), (64, 3, 1))  # (out_channels, kernel, stride): 84 px Atari
+SMALL_CONV = ((32, 3, 2), (64, 3, 2), (64, 3, 1))  # for images under 36 px
+
+
+class CNNPolicy(nn.Module):
+    """Actor-critic on ``pixels [N, H, W, C] uint8`` (+ optional ``state [N, state_dim]``).
+
+    ``conv`` lists ``(out_channels, kernel, stride)`` layers; by default the NatureCNN stack for
+    images of at least 36 px and a 3x3 stack below. ``feature_dim`` is the image embedding size,
+    ``hidden`` the shared trunk after concatenating the state. Give ``act_dim`` (Gaussian, with
+    ``env_actions`` clipped to ``[action_low, action_high]``) or ``discrete_actions=n``. ``seed``
+    fixes the initial weights and the sampling stream.
+    """
+
+    def __init__(self, pixels_shape: Sequence[int], act_dim: int | None = None, *, state_dim: int = 0,
+                 discrete_actions: int | None = None, action_low=None, action_high=None,
+                 conv: Sequence[tuple[int, int, int]] | None = None, feature_dim: int = 256,
+                 hidden: Sequence[int] = (256,), init_log_std: float = 0.0, normalize_state: bool = True,
+                 seed: int = 0):
+        super().__init__()
+        if (act_dim is None) == (discrete_actions is None):
+            raise ValueError(f"give exactly one of act_dim (Gaussian) or discrete_actions (categorical), "
+                             f"got act_dim={act_dim!r}, discrete_actions={discrete_actions!r}")
+        if len(pixels_shape) != 3:
+            raise ValueError(f"pixels_shape must be (H, W, C), got {tuple(pixels_shape)}")
+        self.pixels_shape = tuple(int(d) for d in pixels_shape)
+        h, w, c = self.pixels_shape
+        self.state_dim = int(state_dim)
+        self.discrete = discrete_actions is not None
+        self.act_dim = int(discrete_actions if self.discrete else act_dim)
+        self.normalize_state = bool(normalize_state) and self.state_dim > 0
+        self.seed = int(seed)
+        if conv is None:
+            conv = NATURE_CONV if min(h, w) >= 36 else SMALL_CONV
+
+        gen = torch.Generator().manual_seed(self.seed)
+        layers: list[nn.Module] = []
+        in_ch = c
+        for out_ch, kernel, stride in conv:
+            layers += [_init(nn.Conv2d(in_ch, out_ch, kernel, stride), math.sqrt(2.0), gen), nn.ReLU()]
+            in_ch = out_ch
+        layers.append(nn.Flatten())
+        conv_stack = nn.Sequential(*layers)
+        with torch.no_grad():  # the flattened size for this input size
+            try:
+                flat = conv_stack(torch.zeros(1, c, h, w)).shape[1]
+            except RuntimeError as exc:
+                raise ValueError(f"images of {h}x{w} px are too small for conv layers {list(conv)}; "
+                                 f"pass a smaller conv= stack") from exc
+        self.encoder = nn.Sequential(conv_stack, _init(nn.Linear(flat, feature_dim), math.sqrt(2.0), gen),
+                                     nn.ReLU())
+        trunk_in = feature_dim + self.state_dim
+        self.trunk = _mlp(trunk_in, hidden[:-1], hidden[-1], nn.ReLU, math.sqrt(2.0), gen) if hidden else None
+        head_in = hidden[-1] if hidden else trunk_in
+        self.actor = _init(nn.Linear(head_in, self.act_dim), 0.01, gen)
+        self.critic = _init(nn.Linear(head_in, 1), 1.0, gen)
+        if not self.discrete:
+            self.log_std = nn.Parameter(torch.full((self.act_dim,), float(init_log_std)))
+        self.action_low = None if action_low is None else np.broadcast_to(
+            np.asarray(action_low, np.float32), (self.act_dim,)).copy()
+        self.action_high = None if action_high is None else np.broadcast_to(
+            np.asarray(action_high, np.float32), (self.act_dim,)).copy()
+        if self.normalize_state:
+            self.register_buffer("obs_mean", torch.zeros(self.state_dim))
+            self.register_buffer("obs_var", torch.ones(self.state_dim))
+            self.register_buffer("obs_count", torch.tensor(1e-4, dtype=torch.float64))
+        self._gen = torch.Generator().manual_seed(self.seed)  # not a buffer: never in state_dict
+
+    @classmethod
+    def from_spaces(cls, observation_space, action_space, **kw) -> CNNPolicy:
+        """Build from a Dict space with ``"pixels"`` (uint8 ``[H, W, C]``) and optional ``"state"``
+        (Box) entries, and a 1-D Box or Discrete action space."""
+        from gymnasium import spaces
+
+        if not isinstance(observation_space, spaces.Dict) or "pixels" not in observation_space.spaces:
+            raise ValueError(f"CNNPolicy needs a Dict observation space with a 'pixels' entry, got {observation_space!r}")
+        extra = set(observation_space.spaces) - {"pixels", "state"}
+        if extra:
+            raise ValueError(f"CNNPolicy reads only 'pixels' and 'state'; the space also has {sorted(extra)}")
+        pix = observation_space["pixels"]
+        state = observation_space.spaces.get("state")
+        kw.setdefault("state_dim", math.prod(state.shape) if state is not None else 0)
+        if isinstance(action_space, spaces.Discrete):
+            if int(action_space.start) != 0:
+                raise ValueError(f"CNNPolicy needs a Discrete action space starting at 0, got {action_space!r}")
+            return cls(pix.shape, discrete_actions=int(action_space.n), **kw)
+        if isinstance(action_space, spaces.Box) and len(action_space.shape) == 1:
+            return cls(pix.shape, int(action_space.shape[0]), action_low=action_space.low,
+                       action_high=action_space.high, **kw)
+        raise ValueError(f"CNNPolicy supports 1-D Box or Discrete action spaces, got {action_space!r}")
+
+    # ---- observations --------------------------------------------------------------------
+
+    @torch.no_grad()
+    def update_obs_stats(self, obs: dict) -> None:
+        """Merge a batch of ``obs["state"]`` into the running mean/var (parallel Welford)."""
+        if not self.normalize_state:
+            return
+        x = torch.as_tensor(obs["state"], device=self.obs_mean.device).reshape(-1, self.state_dim).double()
+        n = x.shape[0]
+        if n == 0:
+            return
+        b_mean, b_var = x.mean(0), x.var(0, unbiased=False)
+        mean, var, count = self.obs_mean.double(), self.obs_var.double(), self.obs_count
+        tot = count + n
+        delta = b_mean - mean
+        self.obs_mean.copy_(mean + delta * n / tot)
+        self.obs_var.copy_((var * count + b_var * n + delta.square() * count * n / tot) / tot)
+        self.obs_count.copy_(tot)
+
+    def _features(self, obs: dict) -> Tensor:
+        """``[N, head_in]`` features: the encoded pixels, the normalised state, then the trunk."""
+        weight = self.actor.weight
+        pixels = torch.as_tensor(obs["pixels"]).to(weight.device, non_blocking=True)
+        x = pixels.reshape(-1, *self.pixels_shape).permute(0, 3, 1, 2).to(weight.dtype) * (1.0 / 255.0)
+        x = self.encoder(x)
+        if self.state_dim:
+            s = torch.as_tensor(obs["state"]).to(weight.device).reshape(-1, self.state_dim).to(weight.dtype)
+            if self.normalize_state:
+                s = ((s - self.obs_mean) / torch.sqrt(self.obs_var + _EPS)).clamp(-_OBS_CLIP, _OBS_CLIP)
+            x = torch.cat([x, s], -1)
+        return torch.relu(self.trunk(x)) if self.trunk is not None else x
+
+    # ---- acting (runtime) ----------------------------------------------------------------
+
+    @torch.no_grad()
+    def act(self, obs: dict) -> ActResult:
+        """Sample actions for a dict of numpy arrays ``[B, ...]``; numpy out, no autograd."""
+        device = self.actor.weight.device
+        tensors = {}
+        for k, v in obs.items():
+            v = np.ascontiguousarray(v)
+            tensors[k] = torch.from_numpy(v if v.flags.writeable else v.copy())
+        x = self._features(tensors)
+        if self._gen.device != device:  # moved to another device: restart the stream there
+            self._gen = torch.Generator(device).manual_seed(self.seed)
+        values = self.critic(x).squeeze(-1)
+        out = self.actor(x)
+        if self.discrete:
+            logp_all = torch.log_softmax(out, -1)
+            a = torch.multinomial(logp_all.exp(), 1, generator=self._gen)
+            logp = logp_all.gather(-1, a).squeeze(-1)
+            actions = env_actions = a.squeeze(-1).cpu().numpy()
+        else:
+            noise = torch.randn(out.shape, generator=self._gen, device=device, dtype=out.dtype)
+            logp = (-0.5 * noise.square() - self.log_std - _LOG_SQRT_2PI).sum(-1)
+            actions = env_actions = (out + noise * self.log_std.exp()).cpu().numpy()
+            if self.action_low is not None or self.action_high is not None:
+                env_actions = np.clip(actions, self.action_low, self.action_high)
+        return ActResult(actions=actions, env_actions=env_actions, logprobs=logp.cpu().numpy(),
+                         values=values.cpu().numpy())
+
+    # ---- training (algorithm) ------------------------------------------------------------
+
+    def value(self, obs: dict) -> Tensor:
+        """State values ``[N]`` for a dict of tensors ``[N, ...]``, with gradients."""
+        return self.critic(self._features(obs)).squeeze(-1)
+
+    def evaluate(self, obs: dict, actions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``(logprob [N], entropy [N], value [N])`` of ``actions`` under the current weights."""
+        x = self._features(obs)
+        out = self.actor(x)
+        if self.discrete:
+            logp_all = torch.log_softmax(out, -1)
+            logp = logp_all.gather(-1, actions.reshape(-1, 1).long()).squeeze(-1)
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+        else:
+            log_std = self.log_std.expand_as(out)
+            z = (actions.reshape(out.shape).to(out.dtype) - out) * torch.exp(-log_std)
+            logp = (-0.5 * z.square() - log_std - _LOG_SQRT_2PI).sum(-1)
+            entropy = (0.5 + _LOG_SQRT_2PI + log_std).sum(-1)
+        return logp, entropy, self.critic(x).squeeze(-1)
