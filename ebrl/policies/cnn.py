@@ -29,13 +29,14 @@ import torch
 from torch import Tensor, nn
 
 from ebrl.policies.base import ActResult
-from ebrl.policies.mlp import _EPS, _LOG_SQRT_2PI, _OBS_CLIP, _init, _mlp
+from ebrl.policies.heads import ActorCriticHeads, merge_moments
+from ebrl.policies.mlp import _EPS, _OBS_CLIP, _init, _mlp
 
 NATURE_CONV = ((32, 8, 4), (64, 4, 2), (64, 3, 1))  # (out_channels, kernel, stride): 84 px Atari
 SMALL_CONV = ((32, 3, 2), (64, 3, 2), (64, 3, 1))  # for images under 36 px
 
 
-class CNNPolicy(nn.Module):
+class CNNPolicy(ActorCriticHeads, nn.Module):
     """Actor-critic on ``pixels [N, H, W, C] uint8`` (+ optional ``state [N, state_dim]``).
 
     ``conv`` lists ``(out_channels, kernel, stride)`` layers; by default the NatureCNN stack for
@@ -129,17 +130,8 @@ class CNNPolicy(nn.Module):
         """Merge a batch of ``obs["state"]`` into the running mean/var (parallel Welford)."""
         if not self.normalize_state:
             return
-        x = torch.as_tensor(obs["state"], device=self.obs_mean.device).reshape(-1, self.state_dim).double()
-        n = x.shape[0]
-        if n == 0:
-            return
-        b_mean, b_var = x.mean(0), x.var(0, unbiased=False)
-        mean, var, count = self.obs_mean.double(), self.obs_var.double(), self.obs_count
-        tot = count + n
-        delta = b_mean - mean
-        self.obs_mean.copy_(mean + delta * n / tot)
-        self.obs_var.copy_((var * count + b_var * n + delta.square() * count * n / tot) / tot)
-        self.obs_count.copy_(tot)
+        merge_moments(self.obs_mean, self.obs_var, self.obs_count,
+                      torch.as_tensor(obs["state"], device=self.obs_mean.device).reshape(-1, self.state_dim))
 
     def _features(self, obs: dict) -> Tensor:
         """``[N, head_in]`` features: the encoded pixels, the normalised state, then the trunk."""
@@ -159,29 +151,11 @@ class CNNPolicy(nn.Module):
     @torch.no_grad()
     def act(self, obs: dict) -> ActResult:
         """Sample actions for a dict of numpy arrays ``[B, ...]``; numpy out, no autograd."""
-        device = self.actor.weight.device
         tensors = {}
         for k, v in obs.items():
             v = np.ascontiguousarray(v)
             tensors[k] = torch.from_numpy(v if v.flags.writeable else v.copy())
-        x = self._features(tensors)
-        if self._gen.device != device:  # moved to another device: restart the stream there
-            self._gen = torch.Generator(device).manual_seed(self.seed)
-        values = self.critic(x).squeeze(-1)
-        out = self.actor(x)
-        if self.discrete:
-            logp_all = torch.log_softmax(out, -1)
-            a = torch.multinomial(logp_all.exp(), 1, generator=self._gen)
-            logp = logp_all.gather(-1, a).squeeze(-1)
-            actions = env_actions = a.squeeze(-1).cpu().numpy()
-        else:
-            noise = torch.randn(out.shape, generator=self._gen, device=device, dtype=out.dtype)
-            logp = (-0.5 * noise.square() - self.log_std - _LOG_SQRT_2PI).sum(-1)
-            actions = env_actions = (out + noise * self.log_std.exp()).cpu().numpy()
-            if self.action_low is not None or self.action_high is not None:
-                env_actions = np.clip(actions, self.action_low, self.action_high)
-        return ActResult(actions=actions, env_actions=env_actions, logprobs=logp.cpu().numpy(),
-                         values=values.cpu().numpy())
+        return self._sample(self._features(tensors))
 
     # ---- training (algorithm) ------------------------------------------------------------
 
@@ -191,15 +165,4 @@ class CNNPolicy(nn.Module):
 
     def evaluate(self, obs: dict, actions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``(logprob [N], entropy [N], value [N])`` of ``actions`` under the current weights."""
-        x = self._features(obs)
-        out = self.actor(x)
-        if self.discrete:
-            logp_all = torch.log_softmax(out, -1)
-            logp = logp_all.gather(-1, actions.reshape(-1, 1).long()).squeeze(-1)
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
-        else:
-            log_std = self.log_std.expand_as(out)
-            z = (actions.reshape(out.shape).to(out.dtype) - out) * torch.exp(-log_std)
-            logp = (-0.5 * z.square() - log_std - _LOG_SQRT_2PI).sum(-1)
-            entropy = (0.5 + _LOG_SQRT_2PI + log_std).sum(-1)
-        return logp, entropy, self.critic(x).squeeze(-1)
+        return self._evaluate(self._features(obs), actions)

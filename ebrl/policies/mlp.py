@@ -26,10 +26,10 @@ import torch
 from torch import Tensor, nn
 
 from ebrl.policies.base import ActResult
+from ebrl.policies.heads import LOG_SQRT_2PI, ActorCriticHeads, merge_moments
 
 _ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU, "gelu": nn.GELU, "silu": nn.SiLU}
 _NP_ACTIVATIONS = {"tanh": np.tanh, "relu": lambda h: np.maximum(h, 0.0)}
-_LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 _OBS_CLIP = 10.0
 _EPS = 1e-8
 
@@ -51,7 +51,7 @@ def _init(layer: nn.Linear, gain: float, gen: torch.Generator) -> nn.Linear:
     return layer
 
 
-class MLPPolicy(nn.Module):
+class MLPPolicy(ActorCriticHeads, nn.Module):
     """Separate actor and critic MLPs on (normalised) flat observations.
 
     Give ``act_dim`` for a Gaussian policy over ``R^act_dim`` (``env_actions`` clipped to
@@ -150,18 +150,8 @@ class MLPPolicy(nn.Module):
         """Merge a batch ``[N, *obs_shape]`` into the running mean/var (parallel Welford, as SB3)."""
         if not self.normalize_obs:
             return
-        x = torch.as_tensor(obs, device=self.obs_mean.device).reshape(-1, self.obs_dim).double()
-        n = x.shape[0]
-        if n == 0:
-            return
-        b_mean, b_var = x.mean(0), x.var(0, unbiased=False)
-        mean, var, count = self.obs_mean.double(), self.obs_var.double(), self.obs_count
-        tot = count + n
-        delta = b_mean - mean
-        m2 = var * count + b_var * n + delta.square() * count * n / tot
-        self.obs_mean.copy_(mean + delta * n / tot)
-        self.obs_var.copy_(m2 / tot)
-        self.obs_count.copy_(tot)
+        merge_moments(self.obs_mean, self.obs_var, self.obs_count,
+                      torch.as_tensor(obs, device=self.obs_mean.device).reshape(-1, self.obs_dim))
 
     def _features(self, obs: Tensor) -> Tensor:
         """Flatten to ``[N, obs_dim]`` float32 and normalise (clipped to [-10, 10])."""
@@ -225,7 +215,7 @@ class MLPPolicy(nn.Module):
         else:
             noise = self._np_rng.standard_normal(out.shape, dtype=np.float32)
             actions = out + noise * np.exp(log_std)
-            logp = (-0.5 * noise * noise - log_std - _LOG_SQRT_2PI).sum(1, dtype=np.float32)
+            logp = (-0.5 * noise * noise - log_std - LOG_SQRT_2PI).sum(1, dtype=np.float32)
             env_actions = actions
             if self.action_low is not None or self.action_high is not None:
                 env_actions = np.clip(actions, self.action_low, self.action_high)
@@ -244,32 +234,7 @@ class MLPPolicy(nn.Module):
         obs = np.ascontiguousarray(obs)  # no copy unless strided
         if not obs.flags.writeable:  # torch.from_numpy warns on read-only memory
             obs = obs.copy()
-        x = self._features(torch.from_numpy(obs).to(device, non_blocking=True))
-        if self._gen.device != device:  # moved to another device: restart the stream there
-            self._gen = torch.Generator(device).manual_seed(self.seed)
-        values = self.critic(x).squeeze(-1)
-        out = self.actor(x)
-        if self.discrete:
-            logp_all = torch.log_softmax(out, -1)
-            a = torch.multinomial(logp_all.exp(), 1, generator=self._gen)
-            logp = logp_all.gather(-1, a).squeeze(-1)
-            actions = a.squeeze(-1).cpu().numpy()
-            env_actions = actions  # nothing to clip; the same int64 array
-        else:
-            noise = torch.randn(out.shape, generator=self._gen, device=device, dtype=out.dtype)
-            a = out + noise * self.log_std.exp()
-            # log N(a; mu, sigma) with (a - mu) / sigma == noise exactly.
-            logp = (-0.5 * noise.square() - self.log_std - _LOG_SQRT_2PI).sum(-1)
-            actions = a.cpu().numpy()
-            env_actions = actions
-            if self.action_low is not None or self.action_high is not None:
-                env_actions = np.clip(actions, self.action_low, self.action_high)
-        return ActResult(
-            actions=actions,
-            env_actions=env_actions,
-            logprobs=logp.cpu().numpy(),
-            values=values.cpu().numpy(),
-        )
+        return self._sample(self._features(torch.from_numpy(obs).to(device, non_blocking=True)))
 
     # ---- training (algorithm) ------------------------------------------------------------
 
@@ -279,15 +244,4 @@ class MLPPolicy(nn.Module):
 
     def evaluate(self, obs: Tensor, actions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``(logprob [N], entropy [N], value [N])`` of ``actions`` under the current weights."""
-        x = self._features(obs)
-        out = self.actor(x)
-        if self.discrete:
-            logp_all = torch.log_softmax(out, -1)
-            logp = logp_all.gather(-1, actions.reshape(-1, 1).long()).squeeze(-1)
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
-        else:
-            log_std = self.log_std.expand_as(out)
-            z = (actions.reshape(out.shape).to(out.dtype) - out) * torch.exp(-log_std)
-            logp = (-0.5 * z.square() - log_std - _LOG_SQRT_2PI).sum(-1)
-            entropy = (0.5 + _LOG_SQRT_2PI + log_std).sum(-1)
-        return logp, entropy, self.critic(x).squeeze(-1)
+        return self._evaluate(self._features(obs), actions)

@@ -60,9 +60,9 @@ class SharedArrays:
             if names is None:
                 block = shared_memory.SharedMemory(create=True, size=nbytes)
             else:
+                # workers share the parent's resource tracker (started before they are), so
+                # attaching registers nothing new; the parent unlinks the block once, at close
                 block = shared_memory.SharedMemory(name=names[k])
-                # the parent owns (and unlinks) the block; Python 3.11's tracker would unlink it twice
-                resource_tracker.unregister(block._name, "shared_memory")
             self.blocks.append(block)
             arrays.append(np.ndarray((num_envs, *shape), dtype=dtype, buffer=block.buf))
         self.obs, self.act, self.reward, self.flags = arrays
@@ -187,6 +187,9 @@ class ProcessSimPool(SimPool):
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        # one resource tracker for parent and workers: a worker forked before the parent's
+        # tracker exists starts its own, which unlinks the shared memory when the worker exits
+        resource_tracker.ensure_running()
         for w in range(self._num_workers):
             parent, child = self._ctx.Pipe(duplex=True)
             proc = self._ctx.Process(

@@ -1,0 +1,73 @@
+"""The action heads every actor-critic here shares: a diagonal Gaussian with a
+state-independent log-std (Box actions) or a categorical (Discrete actions), and the
+running mean/variance behind observation normalisation.
+
+A policy using :class:`ActorCriticHeads` provides ``actor`` and ``critic`` (feature ->
+outputs), ``discrete``, ``log_std`` (Gaussian only), ``action_low``/``action_high`` (numpy
+or None), ``seed`` and a ``torch.Generator`` in ``_gen``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ebrl.policies.base import ActResult
+
+LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
+
+
+class ActorCriticHeads:
+    def _sample(self, x: Tensor) -> ActResult:
+        """Sample from the heads on features ``x [B, F]`` (call under ``torch.no_grad``)."""
+        if self._gen.device != x.device:  # moved to another device: restart the stream there
+            self._gen = torch.Generator(x.device).manual_seed(self.seed)
+        values = self.critic(x).squeeze(-1)
+        out = self.actor(x)
+        if self.discrete:
+            logp_all = torch.log_softmax(out, -1)
+            a = torch.multinomial(logp_all.exp(), 1, generator=self._gen)
+            logp = logp_all.gather(-1, a).squeeze(-1)
+            actions = env_actions = a.squeeze(-1).cpu().numpy()  # nothing to clip
+        else:
+            noise = torch.randn(out.shape, generator=self._gen, device=x.device, dtype=out.dtype)
+            # log N(a; mu, sigma) with (a - mu) / sigma == noise exactly
+            logp = (-0.5 * noise.square() - self.log_std - LOG_SQRT_2PI).sum(-1)
+            actions = env_actions = (out + noise * self.log_std.exp()).cpu().numpy()
+            if self.action_low is not None or self.action_high is not None:
+                env_actions = np.clip(actions, self.action_low, self.action_high)
+        return ActResult(actions=actions, env_actions=env_actions, logprobs=logp.cpu().numpy(),
+                         values=values.cpu().numpy())
+
+    def _evaluate(self, x: Tensor, actions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``(logprob [N], entropy [N], value [N])`` of ``actions`` on features ``x``, with gradients."""
+        out = self.actor(x)
+        if self.discrete:
+            logp_all = torch.log_softmax(out, -1)
+            logp = logp_all.gather(-1, actions.reshape(-1, 1).long()).squeeze(-1)
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+        else:
+            log_std = self.log_std.expand_as(out)
+            z = (actions.reshape(out.shape).to(out.dtype) - out) * torch.exp(-log_std)
+            logp = (-0.5 * z.square() - log_std - LOG_SQRT_2PI).sum(-1)
+            entropy = (0.5 + LOG_SQRT_2PI + log_std).sum(-1)
+        return logp, entropy, self.critic(x).squeeze(-1)
+
+
+@torch.no_grad()
+def merge_moments(mean: Tensor, var: Tensor, count: Tensor, x: Tensor) -> None:
+    """Merge a batch ``x [N, D]`` into running mean/var buffers in place (parallel Welford, as SB3)."""
+    x = x.double()
+    n = x.shape[0]
+    if n == 0:
+        return
+    b_mean, b_var = x.mean(0), x.var(0, unbiased=False)
+    m, v = mean.double(), var.double()
+    tot = count + n
+    delta = b_mean - m
+    mean.copy_(m + delta * n / tot)
+    var.copy_((v * count + b_var * n + delta.square() * count * n / tot) / tot)
+    count.copy_(tot)
