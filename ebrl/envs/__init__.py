@@ -1,9 +1,10 @@
-"""Environment construction: ``make("suite/task")``.
+"""Environment construction: one registry, one naming scheme, ``make("suite/task")``.
 
-This is the seed of the registry (the simulators issue adds dm_control, robotics,
-Meta-World, ManiSkill and LIBERO adapters). Today: ``mujoco/<Task>`` for gymnasium's MuJoCo
-envs, ``mock/<dim>`` for :class:`ebrl.testing.MockEnv`, and any registered gymnasium id.
-``pixels=`` turns a rendering env into a pixel env (:class:`PixelObservation`).
+Suites: ``mujoco/<Task>`` (gymnasium's MuJoCo envs), ``robotics/<Task>`` (gymnasium-robotics:
+Fetch, Shadow hand, Adroit, Franka kitchen), ``dmc/<domain>-<task>`` (dm_control),
+``mock/<dim>`` (:class:`ebrl.testing.MockEnv`); any other registered gymnasium id works as is.
+``list_envs()`` names them all. ``pixels=`` turns a rendering gymnasium env into a pixel env
+(:class:`PixelObservation`); dm_control renders its own (``make("dmc/...", pixels=84)``).
 
     >>> from ebrl.envs import make
     >>> make("mujoco/HalfCheetah-v5").observation_space.shape
@@ -35,6 +36,11 @@ def make(name: str, *, pixels: int | tuple[int, int] | None = None, frame_stack:
     :class:`PixelObservation`). Other keyword arguments go to the env's constructor.
     """
     suite, _, task = name.partition("/")
+    if suite == "dmc" and task:
+        from ebrl.envs.dmc import DMCEnv
+
+        domain, _, dm_task = task.partition("-")
+        return DMCEnv(domain, dm_task, pixels=pixels, **({"camera": camera} if camera is not None else {}), **kwargs)
     if pixels is None:
         if frame_stack != 1 or camera is not None or keep_state is not True or fast_render:
             raise ValueError("frame_stack=, camera=, keep_state= and fast_render= apply to pixel envs: "
@@ -53,18 +59,44 @@ def make(name: str, *, pixels: int | tuple[int, int] | None = None, frame_stack:
         from ebrl.testing import MockEnv
 
         env = MockEnv(int(task), **kwargs)
+    elif suite == "robotics" and task:
+        from ebrl.envs.robotics import make_robotics
+
+        try:
+            env = make_robotics(task, **kwargs)
+        except gym.error.Error as exc:
+            raise ValueError(_unknown(name, task, list_envs("robotics"), exc)) from None
     else:
         env_id = task if suite == "mujoco" and task else name
         try:
             env = gym.make(env_id, **kwargs)
         except gym.error.Error as exc:
-            known = sorted(gym.registry)
-            close = difflib.get_close_matches(env_id, known, n=5)
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise ValueError(f"unknown env {name!r}{hint} ({exc})") from None
+            raise ValueError(_unknown(name, env_id, sorted(gym.registry), exc)) from None
     if pixels is not None:
         env = PixelObservation(env, frame_stack=frame_stack, keep_state=keep_state, fast_render=fast_render)
     return env
 
 
-__all__ = ["PixelObservation", "ensure_gl", "make"]
+def _unknown(name: str, key: str, known: list[str], exc: Exception) -> str:
+    close = difflib.get_close_matches(key, [k.partition("/")[2] or k for k in known], n=5)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    return f"unknown env {name!r}{hint} ({exc})"
+
+
+def list_envs(suite: str | None = None) -> list[str]:
+    """Registry names, ``suite/task``; suites whose simulator is not installed list nothing."""
+    from ebrl.envs import dmc, robotics
+
+    names: list[str] = []
+    if suite in (None, "mujoco"):
+        names += sorted(f"mujoco/{k}" for k, spec in gym.registry.items()
+                        if "mujoco" in str(spec.entry_point) and "robotics" not in str(spec.entry_point)
+                        and (spec.version or 0) >= 4)  # v2/v3 need the retired mujoco-py
+    if suite in (None, "robotics"):
+        names += [f"robotics/{t}" for t in robotics.task_names()]
+    if suite in (None, "dmc"):
+        names += [f"dmc/{t}" for t in dmc.task_names()]
+    return names
+
+
+__all__ = ["PixelObservation", "ensure_gl", "list_envs", "make"]

@@ -74,13 +74,14 @@ class EnvSteps:
     def __post_init__(self) -> None:
         n = self.cfg.num_envs
         self.ep_return, self.ep_length, self.resets = [0.0] * n, [0] * n, [0] * n
+        self.ep_success: list[bool | None] = [None] * n  # None until the env reports a success flag
         self.lanes = [f"env {i}" for i in range(n)]
 
     async def reset(self, env_id: int) -> Any:
         # seed each env's first episode; later resets (after a rebuild) get fresh, reproducible seeds
         seed = self.cfg.seed + env_id + self.cfg.num_envs * self.resets[env_id]
         self.resets[env_id] += 1
-        self.ep_return[env_id], self.ep_length[env_id] = 0.0, 0
+        self.ep_return[env_id], self.ep_length[env_id], self.ep_success[env_id] = 0.0, 0, None
         obs, _ = await self.pool.reset(env_id, seed=seed)
         return obs
 
@@ -101,12 +102,17 @@ class EnvSteps:
                             out.reward, out.terminated, out.truncated, out.obs, out.final_obs)
         self.ep_return[env_id] += out.reward
         self.ep_length[env_id] += 1
-        if out.terminated or out.truncated:
-            info = out.final_info or {}
-            success = info.get("is_success", info.get("success"))
-            self.stats.episode(self.ep_return[env_id], self.ep_length[env_id],
+        ended = out.terminated or out.truncated
+        # the step's own info: for an episode's last step it is final_info (info is the next episode's)
+        info = (out.final_info or {}) if ended else out.info
+        success = info.get("is_success", info.get("success"))
+        if success is not None:
+            self.ep_success[env_id] = bool(success) or bool(self.ep_success[env_id])
+        if ended:
+            once = self.ep_success[env_id]
+            self.stats.episode(self.ep_return[env_id], self.ep_length[env_id], once,
                                None if success is None else bool(success))
-            self.ep_return[env_id], self.ep_length[env_id] = 0.0, 0
+            self.ep_return[env_id], self.ep_length[env_id], self.ep_success[env_id] = 0.0, 0, None
         return out.obs
 
     async def recover(self, env_id: int, exc: EnvStepError) -> Any:

@@ -27,19 +27,21 @@ class RunStats:
     episodes: int = 0
     returns: deque = field(default_factory=lambda: deque(maxlen=100))
     lengths: deque = field(default_factory=lambda: deque(maxlen=100))
-    successes: deque = field(default_factory=lambda: deque(maxlen=100))
+    success_once: deque = field(default_factory=lambda: deque(maxlen=100))  # succeeded at any step
+    success_at_end: deque = field(default_factory=lambda: deque(maxlen=100))  # succeeded at the last step
     last_metrics: dict = field(default_factory=dict)
 
     def drop(self, reason: str, n: int) -> None:
         if n:
             self.dropped[reason] += n
 
-    def episode(self, ret: float, length: int, success: bool | None) -> None:
+    def episode(self, ret: float, length: int, success_once: bool | None, success_at_end: bool | None) -> None:
         self.episodes += 1
         self.returns.append(ret)
         self.lengths.append(length)
-        if success is not None:
-            self.successes.append(float(success))
+        if success_once is not None:
+            self.success_once.append(float(success_once))
+            self.success_at_end.append(float(bool(success_at_end)))
 
     @property
     def mean_return(self) -> float:
@@ -68,7 +70,8 @@ class RunResult:
     gen_wait_max_s: float
     episodes: int
     mean_return: float
-    success_rate: float
+    success_once: float  # fraction of the last 100 episodes that succeeded at any step (NaN: no success signal)
+    success_at_end: float  # ... that ended in success
     steps_per_env: list[int]
     metrics: dict[str, float]
     history: list[dict[str, Any]] = field(default_factory=list)  # one row per update
@@ -83,6 +86,10 @@ class RunResult:
 
     def accounting_ok(self) -> bool:
         return self.env_steps == self.trained + sum(self.dropped.values()) + self.in_flight_at_stop
+
+
+def _mean(xs) -> float:
+    return sum(xs) / len(xs) if xs else math.nan
 
 
 def summarize(stats: RunStats, *, schedule: str, wall_s: float, in_flight: int, version: int,
@@ -108,7 +115,8 @@ def summarize(stats: RunStats, *, schedule: str, wall_s: float, in_flight: int, 
         gen_wait_max_s=stats.gen_wait_max_s,
         episodes=stats.episodes,
         mean_return=stats.mean_return,
-        success_rate=sum(stats.successes) / len(stats.successes) if stats.successes else math.nan,
+        success_once=_mean(stats.success_once),
+        success_at_end=_mean(stats.success_at_end),
         steps_per_env=steps_per_env,
         metrics=dict(stats.last_metrics),
         history=history,

@@ -55,8 +55,9 @@ def summary_table(result: RunResult, title: str = "EBRL run") -> Table:
                                           f"{result.in_flight_at_stop:,}"),
         ("env failures", f"{result.env_failures}"),
     ]
-    if not math.isnan(result.success_rate):
-        rows.append(("success rate (last 100 episodes)", f"{result.success_rate:.2f}"))
+    if not math.isnan(result.success_once):
+        rows.append(("success once / at end (last 100 episodes)",
+                     f"{result.success_once:.2f} / {result.success_at_end:.2f}"))
     table = Table(title=title, show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")

@@ -1,0 +1,84 @@
+"""The simulators of the [sims] extra, through the registry and the runtime."""
+
+import math
+import sys
+
+import numpy as np
+import pytest
+
+import ebrl
+from ebrl.envs import list_envs, make
+from ebrl.testing import MockPolicy, NoopAlgo
+
+CASES = ["mujoco/Hopper-v5", "robotics/FetchReachDense-v4", "robotics/FetchPush-v4",
+         "robotics/HandManipulateBlock-v1", "robotics/AdroitHandDoor-v1", "robotics/FrankaKitchen-v1",
+         "dmc/cartpole-swingup", "dmc/walker-walk"]
+
+
+def test_list_envs_names_every_installed_suite():
+    names = set(list_envs())
+    assert {"mujoco/HalfCheetah-v5", "robotics/FetchReachDense-v4", "dmc/cartpole-swingup"} <= names
+    assert all(n.startswith("dmc/") for n in list_envs("dmc"))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_env_steps_under_the_async_runtime(name):
+    probe = make(name)
+    obs_shape, act = probe.observation_space.shape, probe.action_space
+    probe.close()
+    assert obs_shape is not None and len(obs_shape) == 1  # flattened to one vector
+    cfg = ebrl.RunConfig(num_envs=2, segment_len=25, total_env_steps=300, sim={"backend": "thread"})
+    algo = NoopAlgo()
+    res = ebrl.run_sync(ebrl.Trainer(lambda i: make(name), MockPolicy(act_dim=act.shape[0], random=True), algo, cfg))
+    assert res.env_steps == 300 and res.trained == 300 and res.accounting_ok()
+    batch = algo.batches[0]
+    assert tuple(batch.obs.shape[2:]) == obs_shape and tuple(batch.actions.shape[2:]) == act.shape
+    if name.startswith("robotics/Fetch"):  # 50-step episodes that report is_success
+        assert res.episodes >= 4 and not math.isnan(res.success_once) and not math.isnan(res.success_at_end)
+
+
+@pytest.mark.parametrize("name", ["dmc/cartpole-swingup", "robotics/FetchReachDense-v4", "mujoco/Hopper-v5"])
+def test_seeded_resets_are_reproducible(name):
+    a, b = make(name), make(name)
+    oa, _ = a.reset(seed=7)
+    ob, _ = b.reset(seed=7)
+    np.testing.assert_array_equal(oa, ob)
+    oc, _ = a.reset(seed=8)
+    assert not np.array_equal(oa, oc)
+
+
+def test_dmc_time_limit_is_truncation_not_termination():
+    env = make("dmc/cartpole-swingup")
+    env.reset(seed=0)
+    steps, done = 0, False
+    while not done:
+        _, reward, terminated, truncated, _ = env.step(np.zeros(1, np.float32))
+        steps += 1
+        done = terminated or truncated
+        assert np.isfinite(reward)
+    assert steps == 1000 and truncated and not terminated
+
+
+def test_success_once_and_at_end_are_counted_per_episode():
+    from ebrl.runtime.stats import RunStats
+
+    st = RunStats()
+    st.episode(1.0, 10, True, False)  # succeeded mid-episode, then lost it
+    st.episode(1.0, 10, True, True)
+    st.episode(1.0, 10, None, None)  # an env without a success signal does not dilute the rate
+    assert list(st.success_once) == [1.0, 1.0] and list(st.success_at_end) == [0.0, 1.0]
+
+
+@pytest.mark.parametrize("module, name", [("gymnasium_robotics", "robotics/FetchReach-v4"),
+                                          ("dm_control", "dmc/cartpole-swingup")])
+def test_missing_simulator_says_what_to_install(monkeypatch, module, name):
+    monkeypatch.setitem(sys.modules, module, None)  # import now fails, as when it is not installed
+    with pytest.raises(ImportError, match=r"pip install 'ebrl\[sims\]'"):
+        make(name)
+
+
+def test_unknown_names_suggest_close_matches():
+    with pytest.raises(ValueError, match="did you mean FetchReach-v4"):
+        make("robotics/FetchRech-v4")
+    with pytest.raises(ValueError, match="did you mean cartpole-swingup"):
+        make("dmc/cartpole-swingp")
