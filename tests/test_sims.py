@@ -82,3 +82,67 @@ def test_unknown_names_suggest_close_matches():
         make("robotics/FetchRech-v4")
     with pytest.raises(ValueError, match="did you mean cartpole-swingup"):
         make("dmc/cartpole-swingp")
+
+
+def test_action_chunks_step_exactly_and_stop_at_episode_end():
+    from ebrl.envs.chunks import ActionChunk
+    from ebrl.testing import MockEnv
+
+    inner = MockEnv(dim=2, episode_len=10)
+    env = ActionChunk(inner, k=4)
+    env.reset(seed=0)
+    taken, rewards, ends = [], [], 0
+    for _ in range(6):
+        _, reward, terminated, truncated, info = env.step(np.zeros((4, 2), np.float32))
+        taken.append(info["chunk_steps"])
+        assert reward == pytest.approx(info["chunk_rewards"].sum())
+        if terminated or truncated:
+            ends += 1
+            env.reset()
+    assert taken[:3] == [4, 4, 2] and ends == 2  # 10-step episodes: 4 + 4 + 2
+    assert sum(taken) == inner.steps  # every primitive step counted once
+    with pytest.raises(ValueError, match="expected 4 actions"):
+        env.step(np.zeros((3, 2), np.float32))
+
+
+class FakeMetaWorldEnv(__import__("gymnasium").Env):
+    """Stands in for Meta-World's MT1 env (its mujoco pin keeps it out of this environment)."""
+
+    def __init__(self, env_name, seed=None):
+        import gymnasium as gym
+
+        self.env_name, self.t = env_name, 0
+        self.observation_space = gym.spaces.Box(-1, 1, (39,), np.float32)
+        self.action_space = gym.spaces.Box(-1, 1, (4,), np.float32)
+
+    def reset(self, *, seed=None, options=None):
+        self.t = 0
+        return np.zeros(39, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        return np.zeros(39, np.float32), 0.0, False, self.t >= 10, {"success": float(self.t in (3, 4))}
+
+
+def test_metaworld_adapter_builds_mt1_and_its_success_reaches_the_stats(monkeypatch):
+    import types
+
+    import gymnasium as gym
+
+    monkeypatch.setitem(sys.modules, "metaworld", types.ModuleType("metaworld"))
+    gym.register("Meta-World/MT1", entry_point=FakeMetaWorldEnv)
+    try:
+        env = make("metaworld/reach-v3", seed=3)
+        assert env.unwrapped.env_name == "reach-v3"
+        res = ebrl.run_sync(ebrl.Trainer(lambda i: make("metaworld/reach-v3"), MockPolicy(act_dim=4), NoopAlgo(),
+                                         ebrl.RunConfig(num_envs=2, segment_len=10, total_env_steps=40,
+                                                        sim={"backend": "inline"})))
+        assert res.episodes == 4 and res.success_once == 1.0 and res.success_at_end == 0.0
+    finally:
+        gym.registry.pop("Meta-World/MT1", None)
+
+
+def test_metaworld_missing_says_it_needs_its_own_environment(monkeypatch):
+    monkeypatch.setitem(sys.modules, "metaworld", None)
+    with pytest.raises(ImportError, match=r"mujoco 3.3.0.*ebrl\[metaworld\]"):
+        make("metaworld/reach-v3")

@@ -2,6 +2,7 @@
 
 Suites: ``mujoco/<Task>`` (gymnasium's MuJoCo envs), ``robotics/<Task>`` (gymnasium-robotics:
 Fetch, Shadow hand, Adroit, Franka kitchen), ``dmc/<domain>-<task>`` (dm_control),
+``metaworld/<task>-v3`` (Meta-World MT1, in its own environment: it pins mujoco 3.3.0),
 ``mock/<dim>`` (:class:`ebrl.testing.MockEnv`); any other registered gymnasium id works as is.
 ``list_envs()`` names them all. ``pixels=`` turns a rendering gymnasium env into a pixel env
 (:class:`PixelObservation`); dm_control renders its own (``make("dmc/...", pixels=84)``).
@@ -59,6 +60,10 @@ def make(name: str, *, pixels: int | tuple[int, int] | None = None, frame_stack:
         from ebrl.testing import MockEnv
 
         env = MockEnv(int(task), **kwargs)
+    elif suite == "metaworld" and task:
+        from ebrl.envs.metaworld import make_metaworld
+
+        env = make_metaworld(task, **kwargs)
     elif suite == "robotics" and task:
         from ebrl.envs.robotics import make_robotics
 
