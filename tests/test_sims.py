@@ -91,7 +91,7 @@ def test_action_chunks_step_exactly_and_stop_at_episode_end():
     inner = MockEnv(dim=2, episode_len=10)
     env = ActionChunk(inner, k=4)
     env.reset(seed=0)
-    taken, rewards, ends = [], [], 0
+    taken, ends = [], 0
     for _ in range(6):
         _, reward, terminated, truncated, info = env.step(np.zeros((4, 2), np.float32))
         taken.append(info["chunk_steps"])
