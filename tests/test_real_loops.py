@@ -114,10 +114,11 @@ def test_run_sync_uses_uvloop_and_gymnasium_envs_work(no_leaks):
 @pytest.mark.parametrize("backend", ["thread", "process"])
 async def test_nonfinite_is_detected_where_the_step_runs(backend, no_leaks):
     tr = ebrl.Trainer(lambda i: MockEnv(nan_at_step=20 if i == 1 else None), MockPolicy(act_dim=4), NoopAlgo(),
-                      ebrl.RunConfig(num_envs=2, segment_len=8, total_env_steps=200,
+                      ebrl.RunConfig(num_envs=2, segment_len=8, total_env_steps=200, schedule="sync",
                                      sim={"backend": backend}, faults={"nonfinite": "drop"}))
     res = await ebrl.run(tr)
-    assert res.dropped["nonfinite"] == 1 + 3  # the NaN step, and the 3 steps of its open segment before it
+    # lockstep: no lag-deadline cuts, so env 1's open segment holds exactly steps 17-19 at the NaN step 20
+    assert res.dropped["nonfinite"] == 1 + 3
     assert res.accounting_ok()
 
 
@@ -138,3 +139,24 @@ async def test_process_backend_carries_observations_larger_than_a_socket_buffer(
                       ebrl.RunConfig(num_envs=4, segment_len=8, total_env_steps=64, sim={"backend": "process"}))
     res = await ebrl.run(tr)
     assert res.env_steps == 64 and res.episodes > 0 and res.accounting_ok()
+
+
+@pytest.mark.parametrize("backend", ["inline", "thread", "process"])
+async def test_envs_that_reuse_their_observation_array_are_recorded_correctly(backend):
+    class InPlace(MockEnv):
+        """Writes every observation into the same array, as some envs do."""
+
+        def __init__(self):
+            super().__init__(dim=1, episode_len=1000)
+            self._buf = np.zeros(1, np.float32)
+
+        def _observe(self):
+            self._buf[0] = self.steps  # the observation is the step count
+            return self._buf
+
+    algo = NoopAlgo()
+    tr = ebrl.Trainer(lambda i: InPlace(), MockPolicy(act_dim=1), algo,
+                      ebrl.RunConfig(num_envs=1, segment_len=8, total_env_steps=16, sim={"backend": backend}))
+    await ebrl.run(tr)
+    obs = np.concatenate([b.obs[0, :, 0].numpy() for b in algo.batches])
+    np.testing.assert_array_equal(obs, np.arange(16))  # each transition kept the observation it acted on

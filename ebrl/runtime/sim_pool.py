@@ -83,15 +83,29 @@ def all_finite(x: Any) -> bool:
     return a.dtype.kind not in "fc" or bool(np.isfinite(a).all())
 
 
+def own(obs: Any) -> Any:
+    """A copy of an observation: some envs return the same array every step and write into it,
+    and the runtime keeps each observation until its transition is recorded."""
+    if isinstance(obs, dict):
+        return {k: own(v) for k, v in obs.items()}
+    return np.array(obs, copy=True)
+
+
+def reset_env(env: gym.Env, seed: int | None = None) -> tuple[Any, dict]:
+    obs, info = env.reset(seed=seed)
+    return own(obs), info
+
+
 def step_env(env: gym.Env, action: Any) -> StepOut:
     """One step with same-step autoreset; the NaN/inf check runs here, in the lane or worker."""
     obs, reward, terminated, truncated, info = env.step(action)
+    obs = own(obs)
     cost = getattr(env.unwrapped, "virtual_step_cost", 0.0)
     reward = float(reward)
     finite = math.isfinite(reward) and all_finite(obs)
     if terminated or truncated:
         final_obs, final_info = obs, info
-        obs, info = env.reset()
+        obs, info = reset_env(env)
         return StepOut(obs, reward, bool(terminated), bool(truncated), info, final_obs, final_info, cost, finite)
     return StepOut(obs, reward, False, False, info, None, None, cost, finite)
 
@@ -199,7 +213,7 @@ class InlineSimPool(_LocalEnvs, SimPool):
 
     async def reset(self, env_id: int, seed: int | None = None) -> tuple[Any, dict]:
         try:
-            return self.envs[env_id].reset(seed=seed)
+            return reset_env(self.envs[env_id], seed)
         except Exception as exc:
             raise EnvStepError(env_id, "reset", _describe(exc)) from exc
 
@@ -285,7 +299,7 @@ class ThreadSimPool(_LocalEnvs, SimPool):
             raise EnvStepError(env_id, op, _describe(exc)) from exc
 
     async def reset(self, env_id: int, seed: int | None = None) -> tuple[Any, dict]:
-        return await self._submit(env_id, "reset", lambda: self.envs[env_id].reset(seed=seed))
+        return await self._submit(env_id, "reset", reset_env, self.envs[env_id], seed)
 
     async def step(self, env_id: int, action: Any) -> StepOut:
         return await self._submit(env_id, "step", step_env, self.envs[env_id], action)
