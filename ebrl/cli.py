@@ -7,6 +7,7 @@ HalfCheetah-v5 (state observations) for a few minutes, then prints a summary tab
     ebrl train my_run.toml --set run.num_envs=32 --set ppo.lr=1e-3
     ebrl bench overhead                               # runtime cost per env step
     ebrl bench longtail                               # async vs sync vs pipelined, long-tail envs
+    ebrl plot runs/<run>/result.json                  # the learning curve as a PNG
 
 A config file has top-level ``env`` (a registry name, see ``ebrl.envs.make``) and tables
 ``[run]`` (RunConfig), ``[ppo]`` (PPOConfig), ``[policy]`` (MLPPolicy keywords) and
@@ -122,6 +123,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plot(args: argparse.Namespace) -> int:
+    from ebrl.telemetry.plots import plot_history
+
+    out = plot_history(args.result, args.out or Path(args.result).with_suffix(".png"), title=args.title)
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ebrl", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -139,6 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--trace", action="store_true", help="also write a Chrome trace and a Gantt PNG per schedule")
     bench.add_argument("--suites-dir", default=None, help="where suite files live (default: the repo's bench/)")
     bench.set_defaults(fn=cmd_bench)
+    plot = sub.add_parser("plot", help="draw the learning curve of a run's result.json")
+    plot.add_argument("result", help="a result.json written by ebrl train")
+    plot.add_argument("--out", help="PNG path (default: next to result.json)")
+    plot.add_argument("--title")
+    plot.set_defaults(fn=cmd_plot)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

@@ -19,12 +19,15 @@ def test_spec_overrides_and_files(tmp_path):
 
 def test_train_runs_end_to_end_and_writes_results(tmp_path, capsys):
     code = main(["train", "--quiet", "--log-dir", str(tmp_path), "--set", "env=mock/3",
-                 "--set", "run.num_envs=4", "--set", "run.total_env_steps=2000", "--set", "run.segment_len=16"])
+                 "--set", "run.num_envs=4", "--set", "run.total_env_steps=2000", "--set", "run.segment_len=16",
+                 "--set", "env_kwargs.episode_len=8"])
     assert code == 0
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["env_steps"] == 2000 and result["trained"] == 2000
     assert (tmp_path / "events.jsonl").read_text().count('"event": "run_end"') == 1
     assert "env steps/s (end to end)" in capsys.readouterr().out
+    assert main(["plot", str(tmp_path / "result.json"), "--out", str(tmp_path / "curve.png")]) == 0
+    assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bad_config_exits_2_with_the_field_named(tmp_path, capsys):
