@@ -211,7 +211,7 @@ class Learner:
         st.last_metrics = metrics
         self.history.append({"update": self.version, "env_steps": st.simulated, "trained": st.trained,
                              "time": loop.time() - self.t0, "mean_return": st.mean_return,
-                             "success_once": (sum(st.success_once) / len(st.success_once)) if st.success_once else float("nan"), **metrics})
+                             "success_once": (sum(st.success_once) / len(st.success_once)) if st.success_once else None, **metrics})
 
     def _update(self, segments: list[Segment], version: int):
         return update_once(self.policy, self.algo, segments, version)

@@ -20,7 +20,7 @@ def plot_history(result_json: str | Path, out_png: str | Path, title: str | None
     if not rows:
         raise ValueError(f"{result_json}: no finished episodes to plot")
     steps = [h["env_steps"] for h in rows]
-    success = [h.get("success_once", math.nan) for h in rows]
+    success = [math.nan if h.get("success_once") is None else h["success_once"] for h in rows]
     has_success = any(not math.isnan(x) for x in success)
     fig = Figure(figsize=(9, 3.2 if not has_success else 5.6))
     FigureCanvasAgg(fig)
