@@ -72,7 +72,7 @@ def measure_schedule(suite: Suite, env_fn, schedule: str, steps: int, seed: int,
                          schedule=schedule, seed=seed, **suite.run_config)
     trainer = ebrl.Trainer(env_fn, policy, suite.algo_fn(seed), cfg)
     cpu0, t0 = _cpu_seconds(), time.perf_counter()
-    result = ebrl.run_sync(trainer, timeline=timeline) if timeline is not None else ebrl.run_sync(trainer)
+    result = ebrl.run_sync(trainer, timeline=timeline)
     wall = time.perf_counter() - t0
     # lockstep schedules (and lag 0) stop generating while they train: that time is not rollout
     paused = result.learner_busy_s if schedule != "async" or cfg.max_policy_lag == 0 else 0.0
@@ -185,7 +185,6 @@ def generation_capacity(suite: Suite, env_fn, seed: int = 0) -> tuple[float, int
 
 def training_capacity(suite: Suite, env_fn, seed: int = 0) -> float:
     """Env steps/s the algorithm trains on alone (one update on a batch of num_envs x T steps)."""
-    from ebrl.algos.batch import Batch  # noqa: F401  (the algorithm's input type)
     from ebrl.runtime.learner import update_once
     from ebrl.runtime.rollout import Segment
 

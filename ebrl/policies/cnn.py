@@ -29,7 +29,12 @@ import torch
 from torch import Tensor, nn
 
 from ebrl.policies.base import ActResult
-from ebrl.policies.heads import ActorCriticHeads, merge_moments
+from ebrl.policies.heads import (
+    ActorCriticHeads,
+    action_bounds,
+    merge_moments,
+    register_moments,
+)
 from ebrl.policies.mlp import _EPS, _OBS_CLIP, _init, _mlp
 
 NATURE_CONV = ((32, 8, 4), (64, 4, 2), (64, 3, 1))  # (out_channels, kernel, stride): 84 px Atari
@@ -90,14 +95,9 @@ class CNNPolicy(ActorCriticHeads, nn.Module):
         self.critic = _init(nn.Linear(head_in, 1), 1.0, gen)
         if not self.discrete:
             self.log_std = nn.Parameter(torch.full((self.act_dim,), float(init_log_std)))
-        self.action_low = None if action_low is None else np.broadcast_to(
-            np.asarray(action_low, np.float32), (self.act_dim,)).copy()
-        self.action_high = None if action_high is None else np.broadcast_to(
-            np.asarray(action_high, np.float32), (self.act_dim,)).copy()
+        self.action_low, self.action_high = action_bounds(action_low, action_high, self.act_dim)
         if self.normalize_state:
-            self.register_buffer("obs_mean", torch.zeros(self.state_dim))
-            self.register_buffer("obs_var", torch.ones(self.state_dim))
-            self.register_buffer("obs_count", torch.tensor(1e-4, dtype=torch.float64))
+            register_moments(self, self.state_dim)
         self._gen = torch.Generator().manual_seed(self.seed)  # not a buffer: never in state_dict
 
     @classmethod

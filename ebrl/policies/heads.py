@@ -57,6 +57,22 @@ class ActorCriticHeads:
         return logp, entropy, self.critic(x).squeeze(-1)
 
 
+def action_bounds(low, high, act_dim: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Clipping bounds as float32 numpy arrays (clipping happens on act()'s numpy output)."""
+    def one(b):
+        return None if b is None else np.broadcast_to(np.asarray(b, np.float32), (act_dim,)).copy()
+
+    return one(low), one(high)
+
+
+def register_moments(module: torch.nn.Module, dim: int) -> None:
+    """Running mean/var buffers for normalisation: in state_dict (so they reach the inference
+    copy) but not in the optimiser. Updated by :func:`merge_moments`."""
+    module.register_buffer("obs_mean", torch.zeros(dim))
+    module.register_buffer("obs_var", torch.ones(dim))
+    module.register_buffer("obs_count", torch.tensor(1e-4, dtype=torch.float64))
+
+
 @torch.no_grad()
 def merge_moments(mean: Tensor, var: Tensor, count: Tensor, x: Tensor) -> None:
     """Merge a batch ``x [N, D]`` into running mean/var buffers in place (parallel Welford, as SB3)."""

@@ -26,7 +26,13 @@ import torch
 from torch import Tensor, nn
 
 from ebrl.policies.base import ActResult
-from ebrl.policies.heads import LOG_SQRT_2PI, ActorCriticHeads, merge_moments
+from ebrl.policies.heads import (
+    LOG_SQRT_2PI,
+    ActorCriticHeads,
+    action_bounds,
+    merge_moments,
+    register_moments,
+)
 
 _ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU, "gelu": nn.GELU, "silu": nn.SiLU}
 _NP_ACTIVATIONS = {"tanh": np.tanh, "relu": lambda h: np.maximum(h, 0.0)}
@@ -106,17 +112,9 @@ class MLPPolicy(ActorCriticHeads, nn.Module):
         if not self.discrete:
             self.log_std = nn.Parameter(torch.full((self.act_dim,), float(init_log_std)))
 
-        # Bounds stay numpy: clipping happens on the numpy output of act(), after torch.
-        self.action_low = None if action_low is None else np.broadcast_to(
-            np.asarray(action_low, np.float32), (self.act_dim,)).copy()
-        self.action_high = None if action_high is None else np.broadcast_to(
-            np.asarray(action_high, np.float32), (self.act_dim,)).copy()
-
+        self.action_low, self.action_high = action_bounds(action_low, action_high, self.act_dim)
         if self.normalize_obs:
-            # Buffers, not parameters: they go through state_dict but not the optimiser.
-            self.register_buffer("obs_mean", torch.zeros(self.obs_dim))
-            self.register_buffer("obs_var", torch.ones(self.obs_dim))
-            self.register_buffer("obs_count", torch.tensor(1e-4, dtype=torch.float64))
+            register_moments(self, self.obs_dim)
 
         # Plain attributes (not buffers), so they never enter state_dict.
         self._gen = torch.Generator().manual_seed(self.seed)

@@ -110,6 +110,14 @@ def step_env(env: gym.Env, action: Any) -> StepOut:
     return StepOut(obs, reward, False, False, info, None, None, cost, finite)
 
 
+def close_quietly(env: gym.Env) -> None:
+    """Close an env that is being replaced or shut down; its own errors no longer matter."""
+    try:
+        env.close()
+    except Exception:
+        pass
+
+
 def _describe(exc: BaseException) -> str:
     return "".join(traceback.format_exception_only(type(exc), exc)).strip()
 
@@ -166,18 +174,12 @@ class _LocalEnvs:
             raise EnvStepError(env_id, "env_fn", _describe(exc)) from exc
 
     def _rebuild_local(self, env_id: int) -> None:
-        try:
-            self.envs[env_id].close()
-        except Exception:
-            pass  # the env is being replaced because it is broken
+        close_quietly(self.envs[env_id])
         self.envs[env_id] = self._build(env_id)
 
     def _close_envs(self) -> None:
         for env in getattr(self, "envs", []):
-            try:
-                env.close()
-            except Exception:
-                pass
+            close_quietly(env)
         self.envs = []
 
 

@@ -34,6 +34,7 @@ from ebrl.runtime.sim_pool import (
     SimPool,
     StepOut,
     _describe,
+    close_quietly,
     step_env,
 )
 
@@ -109,10 +110,7 @@ def _worker_main(conn, env_fn: EnvFn, env_ids: list[int], num_envs: int) -> None
         if shm is not None:
             shm.close(unlink=False)
         for env in envs.values():
-            try:
-                env.close()
-            except Exception:
-                pass
+            close_quietly(env)
 
 
 def _step_shared(envs: dict[int, gym.Env], shm: SharedArrays, ids: np.ndarray) -> bytes:
@@ -145,10 +143,7 @@ def _serve(envs: dict[int, gym.Env], env_fn: EnvFn, requests: list[tuple[str, in
             elif op == "reset":
                 replies.append((i, True, envs[i].reset(seed=arg)))
             elif op == "rebuild":
-                try:
-                    envs[i].close()
-                except Exception:
-                    pass
+                close_quietly(envs[i])
                 envs[i] = env_fn(i)
                 replies.append((i, True, None))
         except Exception as exc:
