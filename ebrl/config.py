@@ -106,6 +106,9 @@ class SimConfig:
     num_workers: int | None = None  # processes of the process backend; None = one per core
     start_method: str | None = None  # multiprocessing start method; None = fork on Linux
     inline_below_s: float = 20e-6  # AUTO steps inline when a step costs less than this
+    # envs per env_fn call: > 1 means env_fn(k) builds a gymnasium VectorEnv of that many envs
+    # (a GPU simulator), stepped as one task (ebrl.runtime.vector_envs)
+    vector_size: int = 1
 
     def __post_init__(self) -> None:
         self.backend = _coerce_enum("sim.backend", self.backend, SimBackend)
@@ -114,6 +117,7 @@ class SimConfig:
         if self.start_method not in (None, "fork", "spawn", "forkserver"):
             raise ConfigError("sim.start_method", self.start_method, "must be 'fork', 'spawn', 'forkserver' or None")
         _check_float("sim.inline_below_s", self.inline_below_s, 0.0)
+        _check_int("sim.vector_size", self.vector_size, 1)
 
 
 @dataclass
@@ -180,8 +184,12 @@ class RunConfig:
         _check_int("max_policy_lag", self.max_policy_lag, 0)
         _check_int("batch_segments", self.batch_segments, 1, optional=True)
         _check_int("num_groups", self.num_groups, 1)
-        if self.schedule is Schedule.PIPELINED and self.num_groups > self.num_envs:
-            raise ConfigError("num_groups", self.num_groups, f"must be <= num_envs ({self.num_envs})")
+        vector = self.sim.vector_size
+        if self.num_envs % vector:
+            raise ConfigError("num_envs", self.num_envs, f"must be a multiple of sim.vector_size ({vector})")
+        if self.schedule is Schedule.PIPELINED and self.num_groups > self.num_envs // vector:
+            units = f"num_envs / sim.vector_size ({self.num_envs // vector})" if vector > 1 else f"num_envs ({self.num_envs})"
+            raise ConfigError("num_groups", self.num_groups, f"must be <= {units}")
         _check_int("seed", self.seed, 0)
         _check_int("torch_threads", self.torch_threads, 1, optional=True)
         self.learner = _coerce_enum("learner", self.learner, LearnerMode)

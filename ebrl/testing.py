@@ -30,7 +30,8 @@ import numpy as np
 from ebrl.policies.base import ActResult
 from ebrl.runtime.virtual_time import VirtualTimeLoop
 
-__all__ = ["Latency", "LatencyMode", "MockEnv", "MockPolicy", "NoopAlgo", "VirtualTimeLoop", "run_virtual"]
+__all__ = ["Latency", "LatencyMode", "MockEnv", "MockPolicy", "NoopAlgo", "VirtualTimeLoop", "mock_vector_env",
+           "run_virtual"]
 
 
 class LatencyMode(enum.StrEnum):
@@ -216,6 +217,21 @@ class NoopAlgo:
 
     def virtual_cost(self, steps: int) -> float:
         return self.base_cost_s + self.per_step_cost_s * steps
+
+
+def mock_vector_env(num_envs: int, *, autoreset: str = "same_step", **kwargs) -> gym.vector.SyncVectorEnv:
+    """``num_envs`` MockEnvs as one vector env (``sim.vector_size = num_envs``), standing in for
+    a GPU simulator; under virtual time a step costs what its slowest env declares.
+
+        >>> import ebrl
+        >>> from ebrl.testing import MockPolicy, NoopAlgo, mock_vector_env, run_virtual
+        >>> cfg = ebrl.RunConfig(num_envs=8, segment_len=4, total_env_steps=160, sim={"vector_size": 4})
+        >>> res = run_virtual(ebrl.Trainer(lambda k: mock_vector_env(4), MockPolicy(act_dim=4), NoopAlgo(), cfg))
+        >>> res.env_steps, res.accounting_ok()
+        (160, True)
+    """
+    mode = gym.vector.AutoresetMode[autoreset.upper()]  # "same_step" or "disabled"
+    return gym.vector.SyncVectorEnv([lambda: MockEnv(**kwargs)] * num_envs, autoreset_mode=mode)
 
 
 def run_virtual(trainer, **kwargs):

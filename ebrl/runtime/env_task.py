@@ -1,4 +1,5 @@
-"""The env drivers: one coroutine per env (``async``) or per lockstep group (``sync``, ``pipelined``).
+"""The env drivers: one coroutine per env (``async``) or per lockstep group (``sync``, ``pipelined``);
+for vectorised envs (``sim.vector_size > 1``), one per vector env or per lockstep set of them.
 
 Both share :class:`EnvSteps`, the per-step bookkeeping: record the transition, track the
 episode, check for NaN/inf, and recover a failed env (drop its open segment, rebuild it
@@ -77,13 +78,32 @@ class EnvSteps:
         self.ep_success: list[bool | None] = [None] * n  # None until the env reports a success flag
         self.lanes = [f"env {i}" for i in range(n)]
 
-    async def reset(self, env_id: int) -> Any:
+    def _seed(self, env_id: int) -> int:
         # seed each env's first episode; later resets (after a rebuild) get fresh, reproducible seeds
         seed = self.cfg.seed + env_id + self.cfg.num_envs * self.resets[env_id]
         self.resets[env_id] += 1
         self.ep_return[env_id], self.ep_length[env_id], self.ep_success[env_id] = 0.0, 0, None
-        obs, _ = await self.pool.reset(env_id, seed=seed)
+        return seed
+
+    async def reset(self, env_id: int) -> Any:
+        """Reset one env (one row of its vector env, when vectorised) with its next seed."""
+        size = self.cfg.sim.vector_size
+        if size > 1:
+            unit, row = divmod(env_id, size)
+            obs, _ = await self.pool.reset(unit, {row: self._seed(env_id)})
+            return obs[row]
+        obs, _ = await self.pool.reset(env_id, seed=self._seed(env_id))
         return obs
+
+    async def reset_vector(self, unit: int) -> list[Any]:
+        """Reset every env of vector env ``unit``; the same seeds as resetting each env alone."""
+        ids = self.vector_ids(unit)
+        obs, _ = await self.pool.reset(unit, [self._seed(i) for i in ids])
+        return [obs[row] for row in range(len(ids))]
+
+    def vector_ids(self, unit: int) -> list[int]:
+        size = self.cfg.sim.vector_size
+        return list(range(unit * size, (unit + 1) * size))
 
     async def after_step(self, env_id: int, obs: Any, reply: ActReply, out: StepOut) -> Any:
         """Record a completed step; returns the env's next observation."""
@@ -117,12 +137,20 @@ class EnvSteps:
 
     async def recover(self, env_id: int, exc: EnvStepError) -> Any:
         """Drop the failed env's open segment, rebuild it from env_fn, reset it."""
+        return await self._recover([env_id], env_id, exc, self.reset)
+
+    async def recover_vector(self, unit: int, exc: EnvStepError) -> list[Any]:
+        """A vector env failed: every env in it loses its open segment; rebuild and reset it whole."""
+        return await self._recover(self.vector_ids(unit), unit, exc, self.reset_vector)
+
+    async def _recover(self, env_ids: list[int], unit: int, exc: EnvStepError, reset) -> Any:
         loop = asyncio.get_running_loop()
         while True:
             self.stats.env_failures += 1
-            dropped = self.rollout.drop_open(env_id, "env_error")
-            log.warning("env_failed", env=env_id, step=self.rollout.steps_per_env[env_id], op=exc.op,
-                        error=exc.detail, dropped_steps=dropped)
+            dropped = sum(self.rollout.drop_open(i, "env_error") for i in env_ids)
+            log.warning("env_failed", env=env_ids[0] if len(env_ids) == 1 else f"{env_ids[0]}-{env_ids[-1]}",
+                        step=self.rollout.steps_per_env[env_ids[0]], op=exc.op, error=exc.detail,
+                        dropped_steps=dropped)
             now = loop.time()
             self.failure_times.append(now)
             while self.failure_times and now - self.failure_times[0] > self.cfg.faults.failure_window_s:
@@ -132,8 +160,8 @@ class EnvSteps:
                     f"{len(self.failure_times)} env failures within {self.cfg.faults.failure_window_s}s "
                     f"(faults.max_env_failures={self.cfg.faults.max_env_failures}); last: {exc}") from exc
             try:
-                await self.pool.rebuild(env_id)
-                return await self.reset(env_id)
+                await self.pool.rebuild(unit)
+                return await reset(unit)
             except EnvStepError as again:
                 exc = again
 
@@ -260,4 +288,48 @@ async def lockstep_group(steps: EnvSteps, env_ids: list[int]) -> None:
                     obs[i] = await steps.after_step(i, obs[i], reply, out)
     finally:
         gen.set_live(-len(env_ids))
+        steps.rollout.driver_done()
+
+
+async def vector_task(steps: EnvSteps, units: list[int]) -> None:
+    """Vector envs stepped together: one per driver under ``async`` (no barrier with any other),
+    a lockstep set of them under ``sync`` and ``pipelined``. One ``act_many`` request and one
+    simulator call per vector env per step."""
+    gen, pool, budget, timeline = steps.generator, steps.pool, steps.budget, steps.timeline
+    clock = asyncio.get_running_loop().time
+    ids = {k: steps.vector_ids(k) for k in units}
+    all_ids = [i for k in units for i in ids[k]]
+    size = len(ids[units[0]])
+    ended: dict[int, float] = {}
+
+    async def step(k: int, replies: list[ActReply]) -> list[StepOut]:
+        res, first = replies[0][0], replies[0][1]
+        try:
+            return await pool.step(k, res.env_actions[first:first + size])  # one request: contiguous rows
+        finally:
+            ended[k] = clock()
+
+    try:
+        obs = dict(zip(units, await asyncio.gather(*(steps.reset_vector(k) for k in units))))
+        while budget.claim(len(all_ids)):
+            await steps.wait_can_start(all_ids)
+            t0 = clock()
+            replies = await asyncio.gather(*(gen.act_many(ids[k], obs[k]) for k in units))
+            t1 = clock()
+            outs = await asyncio.gather(*(step(k, r) for k, r in zip(units, replies)), return_exceptions=True)
+            for k, reply, out in zip(units, replies, outs):
+                if timeline is not None:
+                    name = "fail" if isinstance(out, BaseException) else "sim"
+                    for i in ids[k]:
+                        timeline.record(steps.lanes[i], "act", t0, t1)
+                        timeline.record(steps.lanes[i], name, t1, ended[k])
+                if isinstance(out, EnvStepError):
+                    budget.release(size)
+                    obs[k] = await steps.recover_vector(k, out)
+                elif isinstance(out, BaseException):
+                    raise out
+                else:
+                    obs[k] = [await steps.after_step(i, o, r, so) for i, o, r, so in zip(ids[k], obs[k], reply, out)]
+    finally:
+        gen.set_live(-len(all_ids))
         steps.rollout.driver_done()

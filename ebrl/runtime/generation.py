@@ -74,7 +74,9 @@ class Generator:
         self.busy_s = 0.0  # time spent in policy calls
         self._on_action = on_action
         self._timeline = timeline  # records lane "generator", "batch" (arg: batch size) per policy call
-        self._pending: list[tuple[int, Any, asyncio.Future, float]] = []
+        # requests: (env id, obs, future, time) or, from a vector env, (env ids, obs list, future, time)
+        self._pending: list[tuple[Any, Any, asyncio.Future, float]] = []
+        self._pending_rows = 0
         self._wake = asyncio.Event()
         self._paused = False
         self._unpaused = asyncio.Event()
@@ -93,6 +95,16 @@ class Generator:
         """Wait for an action for ``obs``; returns ``(result, row, version)``."""
         fut = asyncio.get_running_loop().create_future()
         self._pending.append((env_id, obs, fut, asyncio.get_running_loop().time()))
+        self._pending_rows += 1
+        if len(self._pending) == 1 or self._due():
+            self._wake.set()
+        return await fut
+
+    async def act_many(self, env_ids: list[int], obs: list[Any]) -> list[ActReply]:
+        """One request for several envs (a vector env's); they land in the same batch."""
+        fut = asyncio.get_running_loop().create_future()
+        self._pending.append((env_ids, obs, fut, asyncio.get_running_loop().time()))
+        self._pending_rows += len(env_ids)
         if len(self._pending) == 1 or self._due():
             self._wake.set()
         return await fut
@@ -104,7 +116,7 @@ class Generator:
             self._wake.set()
 
     def _due(self) -> bool:
-        return len(self._pending) >= min(self.batch_target, max(self.live, 1))
+        return self._pending_rows >= min(self.batch_target, max(self.live, 1))
 
     # ---------------------------------------------------------------- weights and pausing
 
@@ -155,17 +167,23 @@ class Generator:
 
     async def _run_batch(self, loop: asyncio.AbstractEventLoop, virtual: bool) -> None:
         batch, self._pending = self._pending, []
+        rows, self._pending_rows = self._pending_rows, 0
         if self._new_weights is not None:
             state, self.version = self._new_weights
             self._new_weights = None
             self.policy.load_state_dict(state)
         now = loop.time()
         self.max_request_wait_s = max(self.max_request_wait_s, now - batch[0][3])
-        obs = stack_obs([item[1] for item in batch])
+        if rows == len(batch):
+            obs = stack_obs([item[1] for item in batch])
+            env_ids = [item[0] for item in batch]
+        else:  # some requests carry several envs
+            obs = stack_obs([o for item in batch for o in (item[1] if isinstance(item[0], list) else (item[1],))])
+            env_ids = [i for item in batch for i in (item[0] if isinstance(item[0], list) else (item[0],))]
         if self._on_action is not None:
             # the version is fixed now: mark the actions in flight before the policy runs, so a
             # learner cut taken meanwhile waits for them instead of missing them
-            for env_id, *_ in batch:
+            for env_id in env_ids:
                 self._on_action(env_id, self.version)
         self._idle.clear()
         try:
@@ -183,7 +201,7 @@ class Generator:
                 result = await loop.run_in_executor(self._executor, self.policy.act, obs)
                 spent = time.perf_counter() - t0
             if virtual and self._virtual_cost is not None:
-                spent = float(self._virtual_cost(len(batch)))
+                spent = float(self._virtual_cost(rows))
                 await asyncio.sleep(spent)
             self.busy_s += spent
             self.batch_s_ewma = 0.8 * self.batch_s_ewma + 0.2 * spent
@@ -195,12 +213,15 @@ class Generator:
         finally:
             self._idle.set()
         if self._timeline is not None:
-            self._timeline.record("generator", "batch", now, loop.time(), len(batch))
-        self.batch_sizes[len(batch)] += 1
+            self._timeline.record("generator", "batch", now, loop.time(), rows)
+        self.batch_sizes[rows] += 1
         version = self.version
-        for row, (_, _, fut, _) in enumerate(batch):
+        row = 0
+        for ids, _, fut, _ in batch:
+            n = len(ids) if isinstance(ids, list) else 0
             if not fut.done():
-                fut.set_result((result, row, version))
+                fut.set_result([(result, r, version) for r in range(row, row + n)] if n else (result, row, version))
+            row += n or 1
 
     def _use_thread(self) -> bool:
         if self.offload is Offload.THREAD:

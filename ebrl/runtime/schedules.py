@@ -15,7 +15,7 @@ import math
 from collections.abc import Coroutine
 
 from ebrl.config import RunConfig, Schedule
-from ebrl.runtime.env_task import EnvSteps, env_task, lockstep_group
+from ebrl.runtime.env_task import EnvSteps, env_task, lockstep_group, vector_task
 
 
 def is_lockstep(schedule: Schedule) -> bool:
@@ -28,19 +28,24 @@ def effective_lag(cfg: RunConfig) -> int:
 
 
 def groups(cfg: RunConfig) -> list[list[int]]:
-    """Env ids of each lockstep group (contiguous, sizes differing by at most one)."""
+    """Each lockstep group's units: env ids, or vector env ids when ``sim.vector_size > 1``
+    (contiguous, sizes differing by at most one)."""
+    units = cfg.num_envs // cfg.sim.vector_size
     n = 1 if cfg.schedule is Schedule.SYNC else cfg.num_groups
-    size = math.ceil(cfg.num_envs / n)
-    return [list(range(s, min(s + size, cfg.num_envs))) for s in range(0, cfg.num_envs, size)]
+    size = math.ceil(units / n)
+    return [list(range(s, min(s + size, units))) for s in range(0, units, size)]
 
 
 def generation_target(cfg: RunConfig) -> int:
     if cfg.schedule is Schedule.ASYNC:
         return cfg.gen_batch_target
-    return max(len(g) for g in groups(cfg))  # a lockstep group is one batch
+    return max(len(g) for g in groups(cfg)) * cfg.sim.vector_size  # a lockstep group is one batch
 
 
 def drivers(cfg: RunConfig, steps: EnvSteps) -> list[Coroutine]:
+    vectorised = cfg.sim.vector_size > 1
     if cfg.schedule is Schedule.ASYNC:
+        if vectorised:
+            return [vector_task(steps, [k]) for k in range(cfg.num_envs // cfg.sim.vector_size)]
         return [env_task(steps, i) for i in range(cfg.num_envs)]
-    return [lockstep_group(steps, ids) for ids in groups(cfg)]
+    return [(vector_task if vectorised else lockstep_group)(steps, ids) for ids in groups(cfg)]

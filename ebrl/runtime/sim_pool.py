@@ -46,7 +46,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from ebrl.config import SimBackend, SimConfig
+from ebrl.config import ConfigError, SimBackend, SimConfig
 from ebrl.runtime.virtual_time import is_virtual
 
 EnvFn = Callable[[int], gym.Env]
@@ -160,18 +160,45 @@ class SimPool(ABC):
 
 
 class _LocalEnvs:
-    """Envs living in this process (inline and thread backends)."""
+    """Envs living in this process (inline and thread backends).
+
+    With ``vector_size > 1`` each unit is a vectorised env (see :mod:`ebrl.runtime.vector_envs`):
+    ``step`` takes its envs' actions and returns one ``StepOut`` per env, and ``reset`` takes a
+    list of seeds (every env) or ``{row: seed}`` (some).
+    """
+
+    vector_size = 1
+    _step_fn = staticmethod(step_env)
+    _reset_fn = staticmethod(reset_env)
+
+    def _host_vectors(self, vector_size: int) -> None:
+        if vector_size > 1:
+            from ebrl.runtime.vector_envs import reset_vector_env, step_vector_env
+
+            self.vector_size = vector_size
+            self._step_fn, self._reset_fn = step_vector_env, reset_vector_env
 
     def _build_all(self) -> None:
         self.envs = [self._build(i) for i in range(self.num_envs)]
-        self.observation_space = self.envs[0].observation_space
-        self.action_space = self.envs[0].action_space
+        first = self.envs[0]
+        grouped = self.vector_size > 1
+        self.observation_space = first.single_observation_space if grouped else first.observation_space
+        self.action_space = first.single_action_space if grouped else first.action_space
 
     def _build(self, env_id: int) -> gym.Env:
         try:
-            return self.env_fn(env_id)
+            env = self.env_fn(env_id)
         except Exception as exc:
             raise EnvStepError(env_id, "env_fn", _describe(exc)) from exc
+        if self.vector_size > 1:
+            from ebrl.runtime.vector_envs import check_vector_env
+
+            try:
+                check_vector_env(env, env_id, self.vector_size)
+            except (TypeError, ValueError):
+                close_quietly(env)
+                raise  # a configuration error, not an env failure to retry
+        return env
 
     def _rebuild_local(self, env_id: int) -> None:
         close_quietly(self.envs[env_id])
@@ -189,8 +216,9 @@ class InlineSimPool(_LocalEnvs, SimPool):
     backend = SimBackend.INLINE
     resizable = True
 
-    def __init__(self, env_fn: EnvFn, num_envs: int, num_lanes: int = 1):
+    def __init__(self, env_fn: EnvFn, num_envs: int, num_lanes: int = 1, vector_size: int = 1):
         super().__init__(env_fn, num_envs)
+        self._host_vectors(vector_size)
         self._lanes = num_lanes
         self._virtual = False
         self._lane_sem: asyncio.Semaphore | None = None
@@ -215,23 +243,24 @@ class InlineSimPool(_LocalEnvs, SimPool):
 
     async def reset(self, env_id: int, seed: int | None = None) -> tuple[Any, dict]:
         try:
-            return reset_env(self.envs[env_id], seed)
+            return self._reset_fn(self.envs[env_id], seed)
         except Exception as exc:
             raise EnvStepError(env_id, "reset", _describe(exc)) from exc
 
     async def step(self, env_id: int, action: Any) -> StepOut:
         if not self._virtual:
             try:
-                return step_env(self.envs[env_id], action)
+                return self._step_fn(self.envs[env_id], action)
             except Exception as exc:
                 raise EnvStepError(env_id, "step", _describe(exc)) from exc
         async with self._lane_sem:
             try:
-                out = step_env(self.envs[env_id], action)
+                out = self._step_fn(self.envs[env_id], action)
             except Exception as exc:
                 raise EnvStepError(env_id, "step", _describe(exc)) from exc
-            if out.cost_s > 0:
-                await asyncio.sleep(out.cost_s)
+            cost = out[0].cost_s if isinstance(out, list) else out.cost_s  # a vector env's steps share one cost
+            if cost > 0:
+                await asyncio.sleep(cost)
             return out
 
     async def rebuild(self, env_id: int) -> None:
@@ -247,8 +276,9 @@ class ThreadSimPool(_LocalEnvs, SimPool):
     backend = SimBackend.THREAD
     resizable = True
 
-    def __init__(self, env_fn: EnvFn, num_envs: int, num_threads: int):
+    def __init__(self, env_fn: EnvFn, num_envs: int, num_threads: int, vector_size: int = 1):
         super().__init__(env_fn, num_envs)
+        self._host_vectors(vector_size)
         self._target = num_threads
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
@@ -301,10 +331,10 @@ class ThreadSimPool(_LocalEnvs, SimPool):
             raise EnvStepError(env_id, op, _describe(exc)) from exc
 
     async def reset(self, env_id: int, seed: int | None = None) -> tuple[Any, dict]:
-        return await self._submit(env_id, "reset", reset_env, self.envs[env_id], seed)
+        return await self._submit(env_id, "reset", self._reset_fn, self.envs[env_id], seed)
 
     async def step(self, env_id: int, action: Any) -> StepOut:
-        return await self._submit(env_id, "step", step_env, self.envs[env_id], action)
+        return await self._submit(env_id, "step", self._step_fn, self.envs[env_id], action)
 
     async def rebuild(self, env_id: int) -> None:
         await self._submit(env_id, "env_fn", self._rebuild_local, env_id)
@@ -372,7 +402,21 @@ def choose_backend(env_fn: EnvFn, cfg: SimConfig) -> tuple[SimBackend, float]:
 
 
 def make_sim_pool(env_fn: EnvFn, num_envs: int, cfg: SimConfig, backend: SimBackend | None = None) -> SimPool:
+    """A pool for ``num_envs`` envs: ``num_envs // cfg.vector_size`` vector envs when that is > 1."""
     backend = backend or cfg.backend
+    size = cfg.vector_size
+    if size > 1:
+        # a vectorised (typically GPU) simulator lives in this process, and one call steps many
+        # envs, so it is worth a thread hop
+        if backend is SimBackend.PROCESS:
+            raise ConfigError("sim.backend", "process", f"vector envs (sim.vector_size={size}) step in this "
+                              "process: use 'thread', 'inline' or 'auto'")
+        if backend is SimBackend.AUTO:
+            backend = SimBackend.THREAD
+        units = num_envs // size
+        if backend is SimBackend.INLINE:
+            return InlineSimPool(env_fn, units, num_lanes=cfg.num_threads, vector_size=size)
+        return ThreadSimPool(env_fn, units, cfg.num_threads, vector_size=size)
     if backend is SimBackend.AUTO:
         backend, _ = choose_backend(env_fn, cfg)
     if backend is SimBackend.INLINE:

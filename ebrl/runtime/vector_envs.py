@@ -1,0 +1,158 @@
+"""Vectorised envs: one simulator stepping many envs at once (a GPU simulator such as ManiSkill,
+or any gymnasium ``VectorEnv``), hosted as one unit of the sim pool.
+
+With ``sim.vector_size = V > 1``, ``env_fn(k)`` builds vector env ``k``: a
+``gymnasium.vector.VectorEnv`` of ``V`` envs, which are envs ``k*V ... k*V + V-1`` of the run.
+Each vector env is one task in the runtime: one ``act`` request for its ``V`` observations, one
+simulator call for its ``V`` actions, and ``V`` transitions recorded, each in its env's own
+segment. Vector envs never wait for each other under the ``async`` schedule; inside one, the
+simulator itself is the barrier.
+
+A vector env must reset its finished envs in the step that ends them (gymnasium's
+``AutoresetMode.SAME_STEP``, with ``infos["final_obs"]``/``["final_info"]``) or not at all
+(``DISABLED``: the runtime then resets the finished rows with ``options={"reset_mask": mask}``).
+gymnasium's default, ``NEXT_STEP``, is refused: its step after an episode's end is a reset that
+ignores the action, so the runtime would record a transition that never happened.
+
+    >>> import gymnasium as gym
+    >>> from ebrl.runtime.vector_envs import reset_vector_env, step_vector_env
+    >>> venv = gym.make_vec("CartPole-v1", num_envs=3, vectorization_mode="sync",
+    ...                     vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
+    >>> obs, _ = reset_vector_env(venv, [0, 1, 2])
+    >>> sorted(obs), obs[0].shape
+    ([0, 1, 2], (4,))
+    >>> outs = step_vector_env(venv, np.array([0, 1, 0]))
+    >>> len(outs), outs[1].obs.shape, outs[1].terminated
+    (3, (4,), False)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+from ebrl.runtime.sim_pool import StepOut, own
+
+SAME_STEP, DISABLED = gym.vector.AutoresetMode.SAME_STEP, gym.vector.AutoresetMode.DISABLED
+
+
+def check_vector_env(venv: Any, index: int, vector_size: int) -> None:
+    """Refuse what cannot be hosted, naming what to change."""
+    if not isinstance(venv, gym.vector.VectorEnv):
+        raise TypeError(f"sim.vector_size={vector_size} makes env_fn(k) build a vector env of that many envs "
+                        f"(a gymnasium.vector.VectorEnv); env_fn({index}) returned {type(venv).__name__}")
+    if venv.num_envs != vector_size:
+        raise ValueError(f"env_fn({index}) built a VectorEnv of {venv.num_envs} envs; "
+                         f"sim.vector_size is {vector_size}")
+    mode = autoreset_mode(venv)
+    if mode not in (SAME_STEP, DISABLED):
+        raise ValueError(f"env_fn({index}) built a VectorEnv with autoreset_mode={mode}: the runtime needs "
+                         "AutoresetMode.SAME_STEP or DISABLED (NEXT_STEP spends a step on each reset); e.g. "
+                         "gym.make_vec(..., vector_kwargs={'autoreset_mode': gym.vector.AutoresetMode.SAME_STEP})")
+
+
+def autoreset_mode(venv: gym.vector.VectorEnv) -> gym.vector.AutoresetMode:
+    mode = venv.metadata.get("autoreset_mode", gym.vector.AutoresetMode.NEXT_STEP)
+    return gym.vector.AutoresetMode(mode) if isinstance(mode, str) else mode
+
+
+def _rows(batch: Any, n: int) -> list[Any]:
+    """Per-env views of a batched observation (an array or a dict of arrays)."""
+    if isinstance(batch, dict):
+        cols = {k: _rows(v, n) for k, v in batch.items()}
+        return [{k: col[i] for k, col in cols.items()} for i in range(n)]
+    return list(batch)
+
+
+def _finite_rows(batch: Any, n: int) -> np.ndarray:
+    if isinstance(batch, dict):
+        ok = np.ones(n, bool)
+        for v in batch.values():
+            ok &= _finite_rows(v, n)
+        return ok
+    a = np.asarray(batch)
+    if a.dtype.kind not in "fc":
+        return np.ones(n, bool)
+    return np.isfinite(a.reshape(n, -1)).all(axis=1)
+
+
+def row_info(infos: dict, i: int) -> dict:
+    """Env ``i``'s own info from gymnasium's vector infos (values batched, ``_key`` masks)."""
+    out = {}
+    for key, value in infos.items():
+        if key.startswith("_") or key in ("final_obs", "final_info"):
+            continue
+        mask = infos.get("_" + key)
+        if mask is not None and not mask[i]:
+            continue
+        out[key] = row_info(value, i) if isinstance(value, dict) else value[i]
+    return out
+
+
+def _vector_cost(venv: gym.vector.VectorEnv) -> float:
+    """Declared virtual-time cost of the last step: the vector env's own, or its slowest env's."""
+    cost = getattr(venv, "virtual_step_cost", None)
+    if cost is not None:
+        return float(cost)
+    return max((getattr(e.unwrapped, "virtual_step_cost", 0.0) for e in getattr(venv, "envs", ())), default=0.0)
+
+
+def reset_vector_env(venv: gym.vector.VectorEnv, seed: list[int | None] | dict[int, int | None] | None = None
+                    ) -> tuple[dict[int, Any], dict[int, dict]]:
+    """Reset every env (``seed`` a list, one per env, or None) or some (``seed`` = ``{row: seed}``).
+
+    Returns ``({row: obs}, {row: info})`` for the rows that were reset.
+    """
+    n = venv.num_envs
+    if isinstance(seed, dict):
+        mask = np.zeros(n, bool)
+        mask[list(seed)] = True
+        seeds = [seed.get(i) for i in range(n)]
+        obs, infos = venv.reset(seed=seeds, options={"reset_mask": mask})
+        rows = sorted(seed)
+    else:
+        obs, infos = venv.reset(seed=seed)
+        rows = range(n)
+    obs = _rows(own(obs), n)
+    return {i: obs[i] for i in rows}, {i: row_info(infos, i) for i in rows}
+
+
+def step_vector_env(venv: gym.vector.VectorEnv, actions: Any) -> list[StepOut]:
+    """One step of every env, as one ``StepOut`` per env (same-step autoreset)."""
+    n = venv.num_envs
+    obs, rewards, terminated, truncated, infos = venv.step(actions)
+    rewards = np.asarray(rewards, np.float64).reshape(n)
+    terminated = np.asarray(terminated, bool).reshape(n)
+    truncated = np.asarray(truncated, bool).reshape(n)
+    done = terminated | truncated
+    obs = own(obs)
+    finite = _finite_rows(obs, n) & np.isfinite(rewards)
+    rows = _rows(obs, n)
+    row_infos = [row_info(infos, i) for i in range(n)] if infos else [{} for _ in range(n)]
+    final_obs: dict[int, Any] = {}
+    final_info: dict[int, dict] = {}
+    if done.any():
+        if autoreset_mode(venv) is DISABLED:
+            final_obs = {int(i): rows[i] for i in np.flatnonzero(done)}
+            final_info = {i: row_infos[i] for i in final_obs}
+            reset_obs, reset_infos = reset_vector_env(venv, {i: None for i in final_obs})
+            for i, o in reset_obs.items():
+                rows[i], row_infos[i] = o, reset_infos[i]
+                finite[i] &= _finite_rows(_batch1(o), 1)[0]
+        else:  # SAME_STEP: the venv reset them already; infos are the new episodes'
+            for i in np.flatnonzero(done):
+                final_obs[int(i)] = own(infos["final_obs"][i])
+                final_info[int(i)] = row_info(infos.get("final_info", {}), i)
+                finite[i] &= _finite_rows(_batch1(final_obs[int(i)]), 1)[0]
+    cost = _vector_cost(venv)
+    return [StepOut(rows[i], float(rewards[i]), bool(terminated[i]), bool(truncated[i]), row_infos[i],
+                    final_obs.get(i), final_info.get(i), cost, bool(finite[i]))
+            for i in range(n)]
+
+
+def _batch1(obs: Any) -> Any:
+    if isinstance(obs, dict):
+        return {k: _batch1(v) for k, v in obs.items()}
+    return np.asarray(obs)[None]
