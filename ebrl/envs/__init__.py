@@ -3,7 +3,9 @@
 Suites: ``mujoco/<Task>`` (gymnasium's MuJoCo envs), ``robotics/<Task>`` (gymnasium-robotics:
 Fetch, Shadow hand, Adroit, Franka kitchen), ``dmc/<domain>-<task>`` (dm_control),
 ``metaworld/<task>-v3`` (Meta-World MT1, in its own environment: it pins mujoco 3.3.0),
-``mock/<dim>`` (:class:`ebrl.testing.MockEnv`); any other registered gymnasium id works as is.
+``maniskill/<Task>`` (ManiSkill3 on a GPU: a vector env of ``num_envs=`` envs, see
+:mod:`ebrl.envs.maniskill`), ``libero/<suite>/<task>`` (LIBERO, assets from a local path, see
+:mod:`ebrl.envs.libero`), ``mock/<dim>`` (:class:`ebrl.testing.MockEnv`); any other registered gymnasium id works as is.
 ``list_envs()`` names them all. ``pixels=`` turns a rendering gymnasium env into a pixel env
 (:class:`PixelObservation`); dm_control renders its own (``make("dmc/...", pixels=84)``).
 
@@ -37,6 +39,24 @@ def make(name: str, *, pixels: int | tuple[int, int] | None = None, frame_stack:
     :class:`PixelObservation`). Other keyword arguments go to the env's constructor.
     """
     suite, _, task = name.partition("/")
+    if suite == "maniskill" and task:
+        from ebrl.envs.maniskill import ManiSkillEnvs
+
+        if frame_stack != 1 or keep_state is not True or fast_render:
+            raise ValueError("maniskill envs take pixels= and camera= only (frame_stack, keep_state and "
+                             "fast_render apply to MuJoCo pixel envs)")
+        return ManiSkillEnvs(task, kwargs.pop("num_envs", 1), pixels=pixels, camera=camera, **kwargs)
+    if suite == "libero" and task:
+        from ebrl.envs.libero import make_libero
+
+        if frame_stack != 1 or keep_state is not True or fast_render:
+            raise ValueError("libero envs take pixels= and camera= only (their observations are camera images "
+                             "and proprioception already)")
+        if pixels is not None:
+            kwargs["image_size"] = pixels
+        if camera is not None:
+            kwargs["cameras"] = (camera,) if isinstance(camera, str) else tuple(camera)
+        return make_libero(task, **kwargs)
     if suite == "dmc" and task:
         from ebrl.envs.dmc import DMCEnv
 
@@ -90,7 +110,7 @@ def _unknown(name: str, key: str, known: list[str], exc: Exception) -> str:
 
 def list_envs(suite: str | None = None) -> list[str]:
     """Registry names, ``suite/task``; suites whose simulator is not installed list nothing."""
-    from ebrl.envs import dmc, robotics
+    from ebrl.envs import dmc, libero, maniskill, robotics
 
     names: list[str] = []
     if suite in (None, "mujoco"):
@@ -101,6 +121,10 @@ def list_envs(suite: str | None = None) -> list[str]:
         names += [f"robotics/{t}" for t in robotics.task_names()]
     if suite in (None, "dmc"):
         names += [f"dmc/{t}" for t in dmc.task_names()]
+    if suite in (None, "maniskill"):
+        names += [f"maniskill/{t}" for t in maniskill.task_names()]
+    if suite in (None, "libero"):
+        names += [f"libero/{s}/{t}" for s in libero.SUITES for t in libero.task_names(s)]
     return names
 
 
