@@ -10,8 +10,11 @@ HalfCheetah-v5 (state observations) for a few minutes, then prints a summary tab
     ebrl plot runs/<run>/result.json                  # the learning curve as a PNG
 
 A config file has top-level ``env`` (a registry name, see ``ebrl.envs.make``) and tables
-``[run]`` (RunConfig), ``[ppo]`` (PPOConfig), ``[policy]`` (MLPPolicy keywords) and
-``[env_kwargs]``.
+``[run]`` (RunConfig), ``[ppo]`` (PPOConfig), ``[policy]`` (``kind = "auto" | "mlp" | "cnn"``
+and that policy's keywords; ``auto`` picks the CNN for pixel observations) and ``[env_kwargs]``
+(keywords of ``ebrl.envs.make``, e.g. ``pixels = 84``). With ``run.sim.vector_size > 1`` each
+group of that many envs is one vector env (``ebrl.envs.make_vector``); ManiSkill tasks are one
+GPU vector env of ``run.num_envs`` unless set otherwise.
 """
 
 from __future__ import annotations
@@ -61,23 +64,60 @@ def build_spec(config: str | None, overrides: list[str]) -> dict[str, Any]:
     return spec
 
 
+POLICY_KINDS = ("auto", "mlp", "cnn")
+VECTOR_SUITES = ("maniskill/",)  # simulators that step many envs per call: one vector env by default
+
+
+def build_policy(observation_space, action_space, options: dict[str, Any]):
+    """``policy.kind``: ``mlp`` (Box observations), ``cnn`` (``{"pixels", "state"}`` dicts) or
+    ``auto`` (by the observation space); the other ``[policy]`` keys go to the policy class."""
+    from gymnasium import spaces
+
+    from ebrl.policies import CNNPolicy, MLPPolicy
+
+    options = dict(options)
+    kind = options.pop("kind", "auto")
+    if kind not in POLICY_KINDS:
+        raise ConfigError("policy.kind", kind, f"must be one of {', '.join(POLICY_KINDS)}")
+    if kind == "auto":
+        is_pixels = isinstance(observation_space, spaces.Dict) and "pixels" in observation_space.spaces
+        kind = "cnn" if is_pixels else "mlp"
+    cls = CNNPolicy if kind == "cnn" else MLPPolicy
+    try:
+        return cls.from_spaces(observation_space, action_space, **options)
+    except TypeError as exc:  # an unknown keyword for this policy class
+        raise ConfigError("policy", options, f"{cls.__name__}: {exc}") from None
+    except ValueError as exc:  # spaces this policy cannot read
+        hint = (" (dict observations without pixels: flatten them, e.g. env_kwargs.flatten=true)"
+                if isinstance(observation_space, spaces.Dict) and kind == "mlp" else "")
+        raise ConfigError("policy.kind", kind, f"{exc}{hint}") from None
+
+
 def build_trainer(spec: dict[str, Any]):
     import ebrl
     from ebrl.algos import PPO
-    from ebrl.envs import make
-    from ebrl.policies import MLPPolicy
+    from ebrl.envs import make, make_vector
 
     name, env_kwargs = spec["env"], dict(spec["env_kwargs"])
+    run = dict(spec["run"])
+    sim = dict(run.get("sim", {}))
+    if name.startswith(VECTOR_SUITES) and sim.get("vector_size", 1) == 1:
+        sim["vector_size"] = run.get("num_envs", RunConfig.num_envs)  # one GPU simulator for every env
+        run["sim"] = sim
+    run_cfg = RunConfig().with_overrides(run)
+    size = run_cfg.sim.vector_size
 
     def env_fn(i: int):
-        return make(name, **env_kwargs)
+        return make_vector(name, size, **env_kwargs) if size > 1 else make(name, **env_kwargs)
 
     probe = env_fn(0)
     try:
-        policy = MLPPolicy.from_spaces(probe.observation_space, probe.action_space, **spec["policy"])
+        vector = size > 1
+        obs_space = probe.single_observation_space if vector else probe.observation_space
+        act_space = probe.single_action_space if vector else probe.action_space
+        policy = build_policy(obs_space, act_space, spec["policy"])
     finally:
         probe.close()
-    run_cfg = RunConfig().with_overrides(spec["run"])
     try:
         algo = PPO(**spec["ppo"])
     except TypeError as exc:

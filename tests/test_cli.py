@@ -34,3 +34,41 @@ def test_bad_config_exits_2_with_the_field_named(tmp_path, capsys):
     code = main(["train", "--quiet", "--log-dir", str(tmp_path), "--set", "run.num_envs=-1", "--set", "env=mock/3"])
     assert code == 2
     assert "num_envs=-1" in capsys.readouterr().err
+
+
+def test_policy_kind_follows_the_observations_and_can_be_chosen():
+    from ebrl.cli import build_trainer
+    from ebrl.policies import CNNPolicy, MLPPolicy
+
+    pixels = build_spec(None, ["env=mujoco/InvertedPendulum-v5", "env_kwargs.pixels=16", "policy.hidden=[32]"])
+    assert isinstance(build_trainer(pixels).policy, CNNPolicy)  # auto: pixels -> CNN
+    assert isinstance(build_trainer(build_spec(None, ["env=mock/3"])).policy, MLPPolicy)
+    with pytest.raises(ConfigError, match="policy.kind.*CNNPolicy needs a Dict"):
+        build_trainer(build_spec(None, ["env=mock/3", "policy.kind=cnn"]))
+    with pytest.raises(ConfigError, match="policy.kind='rnn'.*auto, mlp, cnn"):
+        build_trainer(build_spec(None, ["env=mock/3", "policy.kind=rnn"]))
+    with pytest.raises(ConfigError, match="flatten"):
+        build_trainer(build_spec(None, ["env=robotics/FetchReach-v4", "env_kwargs.flatten=false"]))
+
+
+def test_train_from_pixels_end_to_end(tmp_path):
+    code = main(["train", "--quiet", "--log-dir", str(tmp_path), "--set", "env=mujoco/InvertedPendulum-v5",
+                 "--set", "env_kwargs.pixels=16", "--set", "policy.hidden=[32]", "--set", "run.num_envs=2",
+                 "--set", "run.segment_len=16", "--set", "run.total_env_steps=96", "--set", "ppo.minibatch_size=16"])
+    assert code == 0
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["env_steps"] == result["trained"] == 96 and result["updates"] >= 1
+
+
+def test_train_with_vector_envs(tmp_path):
+    from ebrl.cli import build_trainer
+
+    spec = build_spec(None, ["env=mock/3", "run.num_envs=4", "run.sim.vector_size=2"])
+    venv = build_trainer(spec).env_fn(0)
+    assert venv.num_envs == 2
+    code = main(["train", "--quiet", "--log-dir", str(tmp_path), "--set", "env=mock/3", "--set", "run.num_envs=4",
+                 "--set", "run.sim.vector_size=2", "--set", "run.total_env_steps=640", "--set", "run.segment_len=16"])
+    assert code == 0
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["env_steps"] == 640 and result["trained"] + sum(result["dropped"].values()) \
+        + result["in_flight_at_stop"] == 640

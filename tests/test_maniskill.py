@@ -164,3 +164,14 @@ def test_missing_maniskill_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "mani_skill", None)
     with pytest.raises(ImportError, match=r"ebrl\[maniskill\]"):
         make(f"maniskill/{TASK}", num_envs=2)
+
+
+def test_ebrl_train_runs_a_maniskill_task_as_one_vector_env(fake_maniskill, tmp_path):
+    from ebrl.cli import build_spec, build_trainer, main
+
+    trainer = build_trainer(build_spec(None, [f"env=maniskill/{TASK}", "run.num_envs=8"]))
+    assert trainer.config.sim.vector_size == 8  # one GPU simulator for all envs unless told otherwise
+    code = main(["train", "--quiet", "--log-dir", str(tmp_path), "--set", f"env=maniskill/{TASK}",
+                 "--set", "run.num_envs=8", "--set", "run.sim.vector_size=4", "--set", "run.segment_len=10",
+                 "--set", "run.total_env_steps=320", "--set", "ppo.minibatch_size=40"])
+    assert code == 0

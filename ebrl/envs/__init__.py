@@ -102,6 +102,24 @@ def make(name: str, *, pixels: int | tuple[int, int] | None = None, frame_stack:
     return env
 
 
+def make_vector(name: str, num_envs: int, **kwargs) -> gym.vector.VectorEnv:
+    """``num_envs`` envs of ``name`` as one vector env, for ``sim.vector_size = num_envs``.
+
+    Natively vectorised suites (``maniskill``) build one simulator for all of them; any other
+    env becomes a gymnasium ``SyncVectorEnv`` with same-step autoreset.
+
+        >>> from ebrl.envs import make_vector
+        >>> venv = make_vector("mujoco/Hopper-v5", 4)
+        >>> venv.num_envs, venv.single_observation_space.shape
+        (4, (11,))
+        >>> venv.close()
+    """
+    if name.startswith("maniskill/"):
+        return make(name, num_envs=num_envs, **kwargs)
+    return gym.vector.SyncVectorEnv([lambda: make(name, **kwargs)] * num_envs,
+                                    autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+
+
 def _unknown(name: str, key: str, known: list[str], exc: Exception) -> str:
     close = difflib.get_close_matches(key, [k.partition("/")[2] or k for k in known], n=5)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
@@ -128,4 +146,4 @@ def list_envs(suite: str | None = None) -> list[str]:
     return names
 
 
-__all__ = ["PixelObservation", "ensure_gl", "list_envs", "make"]
+__all__ = ["PixelObservation", "ensure_gl", "list_envs", "make", "make_vector"]
