@@ -20,7 +20,7 @@ from types import ModuleType
 from rich.console import Console
 from rich.table import Table
 
-CONSOLE_COLUMNS = ("case", "round", "runner", "env", "observation", "schedule", "num_envs", "env_steps", "wall_s", "steps_per_s",
+CONSOLE_COLUMNS = ("case", "round", "runner", "env", "observation", "schedule", "num_envs", "vector_size", "env_steps", "wall_s", "steps_per_s",
                    "rollout_steps_per_s", "us_per_step", "cpu_util", "gen_batch_mean", "lag_mean", "mean_return")
 REPO_BENCH = Path(__file__).resolve().parent.parent / "bench" / "suites"
 

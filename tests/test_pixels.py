@@ -222,3 +222,13 @@ def test_pixel_ppo_runs_end_to_end_through_the_runtime():
     res = ebrl.run_sync(ebrl.Trainer(env_fn, policy, PPO(minibatch_size=64), cfg))
     assert res.env_steps == 128 and res.trained == 128
     assert res.updates >= 1 and math.isfinite(res.metrics["value_loss"])
+
+
+def test_robotics_envs_render_pixels_next_to_their_flat_state_and_keep_is_success():
+    env = make("robotics/FetchReachDense-v4", pixels=32)
+    obs, _ = env.reset(seed=0)
+    assert obs["pixels"].shape == (32, 32, 3) and obs["pixels"].dtype == np.uint8
+    assert obs["state"].shape == (16,) and obs["pixels"].std() > 10  # a real frame, not a black one
+    _, _, _, _, info = env.step(env.action_space.sample())
+    assert "is_success" in info
+    env.close()
