@@ -69,6 +69,28 @@ def test_success_once_and_at_end_are_counted_per_episode():
     assert list(st.success_once) == [1.0, 1.0] and list(st.success_at_end) == [0.0, 1.0]
 
 
+def test_every_episode_is_logged_with_its_env_and_aggregated(tmp_path):
+    import json
+
+    from ebrl.telemetry import configure_logging
+    from ebrl.testing import MockEnv, MockPolicy, NoopAlgo, run_virtual
+
+    cfg = ebrl.RunConfig(num_envs=3, segment_len=8, total_env_steps=300)
+    configure_logging("info", json_path=tmp_path / "events.jsonl", console=False)
+    try:
+        res = run_virtual(ebrl.Trainer(lambda i: MockEnv(episode_len=10 + i), MockPolicy(act_dim=4), NoopAlgo(), cfg))
+    finally:
+        configure_logging("warning", console=False)
+    logs = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    episodes = [e for e in logs if e["event"] == "episode"]
+    assert len(episodes) == res.episodes > 0
+    for env_id in range(3):
+        mine = [e for e in episodes if e["env"] == env_id]
+        assert mine and all(e["length"] == 10 + env_id and e["truncated"] for e in mine)
+        assert len(mine) == res.steps_per_env[env_id] // (10 + env_id)
+    assert sum(e["ep_return"] for e in episodes) == pytest.approx(res.mean_return * res.episodes)
+
+
 @pytest.mark.parametrize("module, name", [("gymnasium_robotics", "robotics/FetchReach-v4"),
                                           ("dm_control", "dmc/cartpole-swingup")])
 def test_missing_simulator_says_what_to_install(monkeypatch, module, name):

@@ -129,9 +129,10 @@ class EnvSteps:
         if success is not None:
             self.ep_success[env_id] = bool(success) or bool(self.ep_success[env_id])
         if ended:
-            once = self.ep_success[env_id]
-            self.stats.episode(self.ep_return[env_id], self.ep_length[env_id], once,
-                               None if success is None else bool(success))
+            once, at_end = self.ep_success[env_id], None if success is None else bool(success)
+            self.stats.episode(self.ep_return[env_id], self.ep_length[env_id], once, at_end)
+            log.info("episode", env=env_id, ep_return=round(self.ep_return[env_id], 4), length=self.ep_length[env_id],
+                     success_once=once, success_at_end=at_end, truncated=out.truncated and not out.terminated)
             self.ep_return[env_id], self.ep_length[env_id], self.ep_success[env_id] = 0.0, 0, None
         return out.obs
 
