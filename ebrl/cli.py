@@ -5,6 +5,7 @@ HalfCheetah-v5 (state observations) for a few minutes, then prints a summary tab
 
     ebrl train                                        # the demo
     ebrl train my_run.toml --set run.num_envs=32 --set ppo.lr=1e-3
+    ebrl train --resume runs/<run>/checkpoint.pt      # continue (Ctrl-C stops a run and saves one)
     ebrl bench overhead                               # runtime cost per env step
     ebrl bench longtail                               # async vs sync vs pipelined, long-tail envs
     ebrl plot runs/<run>/result.json                  # the learning curve as a PNG
@@ -20,6 +21,7 @@ GPU vector env of ``run.num_envs`` unless set otherwise.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import copy
 import dataclasses
 import json
@@ -125,8 +127,40 @@ def build_trainer(spec: dict[str, Any]):
     return ebrl.Trainer(env_fn=env_fn, policy=policy, algo=algo, config=run_cfg)
 
 
+def run_until_signal(trainer, progress=None):
+    """``ebrl.run`` on uvloop, where the first SIGINT/SIGTERM stops the run cleanly (no new
+    steps, the update in flight finishes) and a second one aborts it. Returns
+    ``(result, stopped_by_signal)``; an abort raises ``asyncio.CancelledError``."""
+    import asyncio
+    import signal
+
+    from ebrl.runtime.run import loop_factory, run
+
+    async def main():
+        loop, task, stop = asyncio.get_running_loop(), asyncio.current_task(), asyncio.Event()
+
+        def on_signal() -> None:
+            if stop.is_set():
+                task.cancel()
+            else:
+                stop.set()
+                print("\nebrl: stopping after the update in flight (again to abort)", file=sys.stderr)
+
+        signals = (signal.SIGINT, signal.SIGTERM)
+        for sig in signals:
+            loop.add_signal_handler(sig, on_signal)
+        try:
+            return await run(trainer, stop=stop, progress=progress), stop.is_set()
+        finally:
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        return runner.run(main())
+
+
 def cmd_train(args: argparse.Namespace) -> int:
-    import ebrl
+    from ebrl.checkpoint import load_checkpoint, save_checkpoint
     from ebrl.telemetry import configure_logging
     from ebrl.telemetry.progress import ProgressBar, print_summary
 
@@ -135,6 +169,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir or Path("runs") / f"{slug}-{time.strftime('%Y%m%d-%H%M%S')}")
     spec["run"].setdefault("log_dir", str(log_dir))
     trainer = build_trainer(spec)
+    done = 0  # env steps of the runs this one continues
+    if args.resume:
+        try:
+            done = int(load_checkpoint(args.resume, trainer).get("env_steps", 0))
+        except (FileNotFoundError, ValueError) as exc:  # missing, not ours, or another policy
+            print(f"ebrl: cannot resume: {exc}", file=sys.stderr)
+            return 2
+        remaining = trainer.config.total_env_steps - done
+        if remaining <= 0:
+            print(f"{args.resume} already has {done:,} of run.total_env_steps={trainer.config.total_env_steps:,}: "
+                  "raise it to train on")
+            return 0
+        trainer.config = dataclasses.replace(trainer.config, total_env_steps=remaining)
     log_dir.mkdir(parents=True, exist_ok=True)
     # the JSON log keeps info events; the console shows warnings only, under the progress bar
     configure_logging("info", json_path=log_dir / "events.jsonl", console=True,
@@ -142,13 +189,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     (log_dir / "spec.json").write_text(json.dumps(spec, indent=2))
     bar = None if args.quiet else ProgressBar(trainer.config.total_env_steps, desc=spec["env"])
     try:
-        result = ebrl.run_sync(trainer, progress=bar)
+        result, stopped = run_until_signal(trainer, progress=bar)
     finally:
         if bar is not None:
             bar.close()
+    checkpoint = log_dir / "checkpoint.pt"
+    save_checkpoint(checkpoint, trainer, env_steps=done + result.env_steps, resumed_from=args.resume,
+                    stopped_early=stopped)
     (log_dir / "result.json").write_text(json.dumps(dataclasses.asdict(result), indent=2, default=str))
     print_summary(result, title=f"{spec['env']}: {trainer.config.schedule.value} schedule")
-    print(f"logs and result: {log_dir}/")
+    print(f"logs, result and checkpoint: {log_dir}/")
+    if stopped:
+        print(f"stopped early at {done + result.env_steps:,} env steps; continue with: ebrl train ... --resume {checkpoint}")
+        return 130
     return 0
 
 
@@ -179,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, e.g. run.num_envs=32")
     train.add_argument("--log-dir", help="where events.jsonl and result.json go (default runs/<env>-<time>)")
     train.add_argument("--quiet", action="store_true", help="no progress bar or info logs")
+    train.add_argument("--resume", metavar="CHECKPOINT", help="continue from a checkpoint.pt up to run.total_env_steps")
     train.set_defaults(fn=cmd_train)
     bench = sub.add_parser("bench", help="run a bundled benchmark suite")
     bench.add_argument("suite", nargs="?", help="suite name (see --list)")
@@ -199,9 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"ebrl: bad configuration: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("ebrl: interrupted", file=sys.stderr)
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("ebrl: aborted", file=sys.stderr)
         return 130
+
 
 
 if __name__ == "__main__":

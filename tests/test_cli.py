@@ -72,3 +72,63 @@ def test_train_with_vector_envs(tmp_path):
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["env_steps"] == 640 and result["trained"] + sum(result["dropped"].values()) \
         + result["in_flight_at_stop"] == 640
+
+
+def _train_args(log_dir, *extra):
+    return ["train", "--quiet", "--log-dir", str(log_dir), "--set", "env=mock/3", "--set", "run.num_envs=4",
+            "--set", "run.segment_len=16", "--set", "env_kwargs.episode_len=8", *extra]
+
+
+def test_sigint_stops_cleanly_saves_a_checkpoint_and_resume_continues(tmp_path):
+    import os
+    import signal
+    import threading
+    import time
+
+    import torch
+
+    from ebrl.checkpoint import load_checkpoint
+    from ebrl.cli import build_spec, build_trainer
+
+    first = tmp_path / "first"
+    events = first / "events.jsonl"
+
+    def interrupt_once_running():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if events.exists() and events.read_text().count('"event": "episode"') > 50:  # training is under way
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.05)
+
+    threading.Thread(target=interrupt_once_running, daemon=True).start()
+    assert main(_train_args(first, "--set", "run.total_env_steps=5000000")) == 130  # stopped early
+    result = json.loads((first / "result.json").read_text())
+    assert 0 < result["env_steps"] < 5_000_000
+    assert result["env_steps"] == result["trained"] + sum(result["dropped"].values()) + result["in_flight_at_stop"]
+    spec = build_spec(None, ["env=mock/3", "run.num_envs=4", "env_kwargs.episode_len=8"])
+    saved = build_trainer(spec)
+    meta = load_checkpoint(first / "checkpoint.pt", saved)
+    assert meta["env_steps"] == result["env_steps"] and meta["stopped_early"]
+    assert not any(p.name.startswith(".checkpoint") for p in first.iterdir())  # written by rename, no leftovers
+
+    total = result["env_steps"] + 640
+    second = tmp_path / "second"
+    assert main(_train_args(second, "--set", f"run.total_env_steps={total}", "--resume",
+                            str(first / "checkpoint.pt"))) == 0
+    assert json.loads((second / "result.json").read_text())["env_steps"] == 640  # the remainder only
+    assert load_checkpoint(second / "checkpoint.pt", build_trainer(spec))["env_steps"] == total
+    fresh = build_trainer(spec).policy.state_dict()
+    assert any(not torch.equal(fresh[k], v) for k, v in saved.policy.state_dict().items())  # trained weights
+
+
+def test_resume_from_a_bad_checkpoint_exits_2_naming_it(tmp_path, capsys):
+    assert main(_train_args(tmp_path, "--resume", str(tmp_path / "nope.pt"))) == 2
+    assert "cannot resume: no checkpoint at" in capsys.readouterr().err
+    from ebrl.checkpoint import save_checkpoint
+    from ebrl.cli import build_spec, build_trainer
+
+    other = build_trainer(build_spec(None, ["env=mock/5"]))  # another observation size
+    save_checkpoint(tmp_path / "other.pt", other, env_steps=10)
+    assert main(_train_args(tmp_path, "--resume", str(tmp_path / "other.pt"))) == 2
+    assert "does not fit the trainer's MLPPolicy" in capsys.readouterr().err

@@ -146,12 +146,16 @@ async def _report(progress: Progress, stats: RunStats, learner: Learner, every_s
         progress(stats, learner)
 
 
-def run_sync(trainer: "Trainer", **kwargs) -> RunResult:
-    """Run on a fresh uvloop event loop (asyncio's own where uvloop is not installed)."""
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop where uvloop is installed, else None (asyncio's own)."""
     try:
         import uvloop
-        factory = uvloop.new_event_loop
     except ImportError:
-        factory = None
-    with asyncio.Runner(loop_factory=factory) as runner:
+        return None
+    return uvloop.new_event_loop
+
+
+def run_sync(trainer: "Trainer", **kwargs) -> RunResult:
+    """Run on a fresh uvloop event loop (asyncio's own where uvloop is not installed)."""
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
         return runner.run(run(trainer, **kwargs))

@@ -1,0 +1,70 @@
+"""Checkpoints: the policy's weights and the algorithm's state, written atomically.
+
+``ebrl train`` writes ``checkpoint.pt`` into its run directory when a run ends, also when it
+is stopped by Ctrl-C or SIGTERM (the first signal stops generating, finishes the update in
+flight and saves; a second one aborts), and ``ebrl train --resume PATH`` continues from one.
+In your own scripts::
+
+    >>> import ebrl, tempfile, os
+    >>> from ebrl.checkpoint import load_checkpoint, save_checkpoint
+    >>> from ebrl.algos import PPO
+    >>> from ebrl.policies import MLPPolicy
+    >>> from ebrl.testing import MockEnv
+    >>> make = lambda: ebrl.Trainer(lambda i: MockEnv(), MLPPolicy(3, 4, seed=0), PPO())
+    >>> path = os.path.join(tempfile.mkdtemp(), "checkpoint.pt")
+    >>> save_checkpoint(path, make(), env_steps=1000)
+    >>> trainer = make()
+    >>> load_checkpoint(path, trainer)["env_steps"]
+    1000
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT = 1
+
+
+def save_checkpoint(path: str | os.PathLike, trainer, **meta: Any) -> None:
+    """Write ``trainer.policy``'s and ``trainer.algo``'s state and ``meta`` (e.g. ``env_steps``) to ``path``.
+
+    Written to a temporary file first and renamed, so a crash never leaves half a checkpoint.
+    """
+    path = Path(path)
+    algo_state = trainer.algo.state_dict() if callable(getattr(trainer.algo, "state_dict", None)) else None
+    data = {"format": FORMAT, "policy": trainer.policy.state_dict(), "algo": algo_state,
+            "policy_class": type(trainer.policy).__name__, "meta": meta}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        torch.save(data, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def load_checkpoint(path: str | os.PathLike, trainer) -> dict[str, Any]:
+    """Load a checkpoint into ``trainer.policy`` and ``trainer.algo``; returns its ``meta``.
+
+    A checkpoint of another policy class or shape raises ``ValueError`` naming both.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    data = torch.load(path, map_location="cpu", weights_only=False)  # our own file: states and numpy RNG state
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError(f"{path} is not an EBRL checkpoint (format {FORMAT})")
+    ours = type(trainer.policy).__name__
+    if data["policy_class"] != ours:
+        raise ValueError(f"{path} holds a {data['policy_class']}, the trainer's policy is a {ours}")
+    try:
+        trainer.policy.load_state_dict(data["policy"])
+    except RuntimeError as exc:  # torch names the missing keys and shape mismatches
+        raise ValueError(f"{path} does not fit the trainer's {ours}: {exc}") from None
+    if data["algo"] is not None and callable(getattr(trainer.algo, "load_state_dict", None)):
+        trainer.algo.load_state_dict(data["algo"])
+    return data["meta"]
