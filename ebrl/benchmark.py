@@ -65,8 +65,9 @@ def _cpu_seconds() -> float:
 
 
 def measure_schedule(suite: Suite, env_fn, schedule: str, steps: int, seed: int, timeline=None) -> dict:
-    probe = env_fn(0)
-    policy = suite.policy_fn(probe.observation_space, probe.action_space, seed)
+    probe = env_fn(0)  # an env, or a vector env when run_config sets sim.vector_size
+    policy = suite.policy_fn(getattr(probe, "single_observation_space", probe.observation_space),
+                             getattr(probe, "single_action_space", probe.action_space), seed)
     probe.close()
     cfg = ebrl.RunConfig(num_envs=suite.num_envs, segment_len=suite.segment_len, total_env_steps=steps,
                          schedule=schedule, seed=seed, **suite.run_config)
