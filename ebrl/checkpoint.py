@@ -3,7 +3,9 @@
 ``ebrl train`` writes ``checkpoint.pt`` into its run directory when a run ends, also when it
 is stopped by Ctrl-C or SIGTERM (the first signal stops generating, finishes the update in
 flight and saves; a second one aborts), and ``ebrl train --resume PATH`` continues from one.
-In your own scripts::
+With ``RunConfig.checkpoint_every_s`` (and ``log_dir``) the runtime also writes
+``log_dir/checkpoint.pt`` during the run, after an update at most that often. In your own
+scripts::
 
     >>> import ebrl, tempfile, os
     >>> from ebrl.checkpoint import load_checkpoint, save_checkpoint
@@ -34,10 +36,19 @@ def save_checkpoint(path: str | os.PathLike, trainer, **meta: Any) -> None:
 
     Written to a temporary file first and renamed, so a crash never leaves half a checkpoint.
     """
+    write_checkpoint(path, trainer.policy.state_dict(), algo_state(trainer.algo), type(trainer.policy).__name__,
+                     **meta)
+
+
+def algo_state(algo) -> dict | None:
+    return algo.state_dict() if callable(getattr(algo, "state_dict", None)) else None
+
+
+def write_checkpoint(path: str | os.PathLike, policy_state: dict, algo_state: dict | None, policy_class: str,
+                     **meta: Any) -> None:
+    """:func:`save_checkpoint` from states already taken (the runtime's periodic checkpoints)."""
     path = Path(path)
-    algo_state = trainer.algo.state_dict() if callable(getattr(trainer.algo, "state_dict", None)) else None
-    data = {"format": FORMAT, "policy": trainer.policy.state_dict(), "algo": algo_state,
-            "policy_class": type(trainer.policy).__name__, "meta": meta}
+    data = {"format": FORMAT, "policy": policy_state, "algo": algo_state, "policy_class": policy_class, "meta": meta}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -50,7 +61,9 @@ def save_checkpoint(path: str | os.PathLike, trainer, **meta: Any) -> None:
 def load_checkpoint(path: str | os.PathLike, trainer) -> dict[str, Any]:
     """Load a checkpoint into ``trainer.policy`` and ``trainer.algo``; returns its ``meta``.
 
-    A checkpoint of another policy class or shape raises ``ValueError`` naming both.
+    ``trainer.env_steps_done`` becomes the checkpoint's ``env_steps``, so checkpoints the
+    continued run writes count from there. A checkpoint of another policy class or shape
+    raises ``ValueError`` naming both.
     """
     path = Path(path)
     if not path.is_file():
@@ -67,4 +80,5 @@ def load_checkpoint(path: str | os.PathLike, trainer) -> dict[str, Any]:
         raise ValueError(f"{path} does not fit the trainer's {ours}: {exc}") from None
     if data["algo"] is not None and callable(getattr(trainer.algo, "load_state_dict", None)):
         trainer.algo.load_state_dict(data["algo"])
+    trainer.env_steps_done = int(data["meta"].get("env_steps", 0))
     return data["meta"]

@@ -168,14 +168,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     slug = spec["env"].replace("/", "-")
     log_dir = Path(args.log_dir or Path("runs") / f"{slug}-{time.strftime('%Y%m%d-%H%M%S')}")
     spec["run"].setdefault("log_dir", str(log_dir))
+    spec["run"].setdefault("checkpoint_every_s", 60.0)  # a crash loses at most a minute
     trainer = build_trainer(spec)
     done = 0  # env steps of the runs this one continues
     if args.resume:
         try:
-            done = int(load_checkpoint(args.resume, trainer).get("env_steps", 0))
+            load_checkpoint(args.resume, trainer)  # sets trainer.env_steps_done
         except (FileNotFoundError, ValueError) as exc:  # missing, not ours, or another policy
             print(f"ebrl: cannot resume: {exc}", file=sys.stderr)
             return 2
+        done = trainer.env_steps_done
         remaining = trainer.config.total_env_steps - done
         if remaining <= 0:
             print(f"{args.resume} already has {done:,} of run.total_env_steps={trainer.config.total_env_steps:,}: "
@@ -194,8 +196,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
     checkpoint = log_dir / "checkpoint.pt"
-    save_checkpoint(checkpoint, trainer, env_steps=done + result.env_steps, resumed_from=args.resume,
-                    stopped_early=stopped)
+    save_checkpoint(checkpoint, trainer, env_steps=done + result.env_steps, trained=result.trained,
+                    updates=result.updates, resumed_from=args.resume, stopped_early=stopped)
     (log_dir / "result.json").write_text(json.dumps(dataclasses.asdict(result), indent=2, default=str))
     print_summary(result, title=f"{spec['env']}: {trainer.config.schedule.value} schedule")
     print(f"logs, result and checkpoint: {log_dir}/")

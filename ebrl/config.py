@@ -165,6 +165,7 @@ class RunConfig:
     torch_threads: int | None = 1  # torch intra-op threads in this process; None leaves torch's default
     learner: LearnerMode = LearnerMode.AUTO
     log_dir: str | None = None  # JSON-lines log and metrics go here when set
+    checkpoint_every_s: float | None = None  # write log_dir/checkpoint.pt after an update, at most this often
     log_every_s: float = 5.0
     sim: SimConfig = field(default_factory=SimConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
@@ -194,6 +195,10 @@ class RunConfig:
         _check_int("torch_threads", self.torch_threads, 1, optional=True)
         self.learner = _coerce_enum("learner", self.learner, LearnerMode)
         _check_float("log_every_s", self.log_every_s, 0.0, strict=True)
+        if self.checkpoint_every_s is not None:
+            _check_float("checkpoint_every_s", self.checkpoint_every_s, 0.0)
+            if self.log_dir is None:
+                raise ConfigError("checkpoint_every_s", self.checkpoint_every_s, "needs log_dir: checkpoints go there")
 
     @property
     def segments_per_batch(self) -> int:

@@ -23,6 +23,7 @@ class Trainer:
     policy: object
     algo: object
     config: RunConfig = field(default_factory=RunConfig)
+    env_steps_done: int = 0  # env steps of earlier runs this one continues (set by load_checkpoint)
 
     def __post_init__(self) -> None:
         if not callable(self.env_fn):

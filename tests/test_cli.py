@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from ebrl.cli import build_spec, main
 from ebrl.config import ConfigError
@@ -132,3 +133,29 @@ def test_resume_from_a_bad_checkpoint_exits_2_naming_it(tmp_path, capsys):
     save_checkpoint(tmp_path / "other.pt", other, env_steps=10)
     assert main(_train_args(tmp_path, "--resume", str(tmp_path / "other.pt"))) == 2
     assert "does not fit the trainer's MLPPolicy" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("learner", ["thread", "process"])
+def test_periodic_checkpoints_hold_the_latest_weights_and_algo_state(tmp_path, learner):
+    import ebrl
+    from ebrl.algos import PPO
+    from ebrl.checkpoint import load_checkpoint
+    from ebrl.policies import MLPPolicy
+    from ebrl.testing import MockEnv
+
+    def trainer(total, every):
+        cfg = ebrl.RunConfig(num_envs=4, segment_len=16, total_env_steps=total, learner=learner,
+                             log_dir=str(tmp_path), checkpoint_every_s=every)
+        return ebrl.Trainer(lambda i: MockEnv(dim=3), MLPPolicy(3, 3, seed=0), PPO(minibatch_size=32), cfg)
+
+    t = trainer(640, 0.0)  # every update
+    res = ebrl.run_sync(t)
+    other = trainer(640, 0.0)
+    meta = load_checkpoint(tmp_path / "checkpoint.pt", other)
+    assert meta["periodic"] and meta["updates"] == res.updates and meta["trained"] == res.trained
+    for k, v in t.policy.state_dict().items():  # the last update's weights: what the run ended with
+        assert torch.equal(other.policy.state_dict()[k], v), k
+    assert other.algo.state_dict()["reward_rms"] == t.algo.state_dict()["reward_rms"]
+    assert 0 < other.env_steps_done == meta["env_steps"] <= res.env_steps  # steps simulated when it was written
+    with pytest.raises(ConfigError, match="checkpoint_every_s.*needs log_dir"):
+        ebrl.RunConfig(checkpoint_every_s=10.0)

@@ -17,6 +17,7 @@ sees a half-written tensor.
 from __future__ import annotations
 
 import asyncio
+import math
 import multiprocessing as mp
 import pickle
 import signal
@@ -24,18 +25,24 @@ import sys
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from ebrl.checkpoint import algo_state, write_checkpoint
 from ebrl.runtime.generation import Generator
 from ebrl.runtime.rollout import RolloutQueue, Segment, collate
 from ebrl.runtime.stats import RunStats
 from ebrl.runtime.virtual_time import is_virtual
+from ebrl.telemetry.logging import get_logger
 
 if TYPE_CHECKING:
     from ebrl.runtime.profiler import Timeline
+
+log = get_logger("ebrl.learner")
 
 
 def snapshot(state: dict) -> dict:
@@ -74,9 +81,10 @@ def _learner_main(conn, policy, algo, torch_threads: int | None) -> None:
                     _send(conn, ("ok", metrics, state, lags))
                 except Exception as exc:
                     _send(conn, ("error", "".join(traceback.format_exception(exc))))
+            elif msg[0] == "algo_state":  # for a checkpoint
+                _send(conn, ("algo_state", algo_state(algo)))
             else:  # "close": hand the trained state back
-                algo_state = algo.state_dict() if callable(getattr(algo, "state_dict", None)) else None
-                _send(conn, ("final", policy.state_dict(), algo_state))
+                _send(conn, ("final", policy.state_dict(), algo_state(algo)))
                 return
     except (EOFError, KeyboardInterrupt, BrokenPipeError):
         pass
@@ -108,6 +116,11 @@ class LearnerProcess:
         _, metrics, state, lags = msg
         return metrics, state, lags
 
+    def algo_state(self) -> dict | None:
+        """Blocking, like :meth:`update`: the algorithm's state, for a checkpoint."""
+        _send(self.conn, ("algo_state",))
+        return self._recv()[1]
+
     def _recv(self):
         try:
             return _recv(self.conn)
@@ -131,10 +144,25 @@ class LearnerProcess:
             self.conn.close()
 
 
+@dataclass
+class Checkpointing:
+    """Periodic checkpoints (``RunConfig.checkpoint_every_s``): where, how often, and the env
+    steps of earlier runs this one continues."""
+
+    path: Path
+    every_s: float
+    policy_class: str
+    base_env_steps: int = 0
+    last: float = -math.inf
+
+    def due(self, now: float) -> bool:
+        return now - self.last >= self.every_s
+
+
 class Learner:
     def __init__(self, policy, algo, rollout: RolloutQueue, generator: Generator, stats: RunStats,
                  *, pause_generation: bool, remote: LearnerProcess | None = None,
-                 timeline: Timeline | None = None):
+                 timeline: Timeline | None = None, checkpoint: Checkpointing | None = None):
         self.policy = policy
         self.algo = algo
         self.rollout = rollout
@@ -151,6 +179,7 @@ class Learner:
         self._virtual_cost = getattr(algo, "virtual_cost", None)
         self.remote = remote
         self._timeline = timeline  # records lane "learner", "update" (arg: steps trained) per update
+        self.checkpoint = checkpoint
 
     async def run(self) -> None:
         try:
@@ -212,6 +241,26 @@ class Learner:
         self.history.append({"update": self.version, "env_steps": st.simulated, "trained": st.trained,
                              "time": loop.time() - self.t0, "mean_return": st.mean_return,
                              "success_once": (sum(st.success_once) / len(st.success_once)) if st.success_once else None, **metrics})
+        if self.checkpoint is not None and self.checkpoint.due(loop.time()):
+            await self._write_checkpoint(state)
+
+    async def _write_checkpoint(self, policy_state: dict) -> None:
+        """The weights just trained and the algorithm's state, written off the loop."""
+        cp, loop = self.checkpoint, asyncio.get_running_loop()
+        cp.last = loop.time()
+        meta = {"env_steps": cp.base_env_steps + self.stats.simulated, "trained": self.stats.trained,
+                "updates": self.version, "periodic": True}
+        if is_virtual(loop):
+            algo = algo_state(self.algo)
+            write_checkpoint(cp.path, policy_state, algo, cp.policy_class, **meta)
+            return
+
+        def work() -> None:  # the learner's thread: idle between updates, so the algo is not mid-update
+            algo = self.remote.algo_state() if self.remote is not None else algo_state(self.algo)
+            write_checkpoint(cp.path, policy_state, algo, cp.policy_class, **meta)
+
+        await loop.run_in_executor(self._executor, work)
+        log.info("checkpoint", path=str(cp.path), **meta)
 
     def _update(self, segments: list[Segment], version: int):
         return update_once(self.policy, self.algo, segments, version)

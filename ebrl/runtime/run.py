@@ -12,6 +12,7 @@ import copy
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,7 +20,7 @@ import torch
 from ebrl.config import LearnerMode, RunConfig, SimBackend
 from ebrl.runtime.env_task import EnvSteps, StepBudget
 from ebrl.runtime.generation import Generator
-from ebrl.runtime.learner import Learner, LearnerProcess
+from ebrl.runtime.learner import Checkpointing, Learner, LearnerProcess
 from ebrl.runtime.rollout import RolloutQueue
 from ebrl.runtime.schedules import (
     drivers,
@@ -64,8 +65,12 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
                           offload=cfg.generation.offload, inline_below_s=cfg.generation.inline_below_s,
                           on_action=rollout.mark_inflight, timeline=timeline)
     mode = learner_mode(cfg, trainer.policy, virtual)
+    checkpoint = None
+    if cfg.checkpoint_every_s is not None:
+        checkpoint = Checkpointing(Path(cfg.log_dir) / "checkpoint.pt", cfg.checkpoint_every_s,
+                                   type(trainer.policy).__name__, trainer.env_steps_done)
     learner = Learner(trainer.policy, trainer.algo, rollout, generator, stats,
-                      pause_generation=lockstep or lag == 0, timeline=timeline)
+                      pause_generation=lockstep or lag == 0, timeline=timeline, checkpoint=checkpoint)
     budget = StepBudget(cfg.total_env_steps)
     steps = EnvSteps(cfg, pool, generator, rollout, stats, budget, timeline)
     log.info("run_start", schedule=cfg.schedule.value, num_envs=cfg.num_envs, sim_backend=pool.backend.value,
