@@ -26,6 +26,15 @@ import gymnasium as gym
 
 from ebrl.envs.pixels import PixelObservation, ensure_gl
 
+# suites whose simulator steps many envs per call: make_vector builds one simulator for them
+VECTOR_SUITES = ("maniskill/",)
+
+
+def did_you_mean(key: str, known, n: int = 5, cutoff: float = 0.6) -> str:
+    """``"; did you mean a, b?"`` for the close matches of ``key`` among ``known``, else ``""``."""
+    close = difflib.get_close_matches(key, list(known), n=n, cutoff=cutoff)
+    return f"; did you mean {', '.join(close)}?" if close else ""
+
 
 def make(name: str, *, pixels: int | tuple[int, int] | None = None, frame_stack: int = 1,
          camera: str | int | None = None, keep_state: bool = True, fast_render: bool = False,
@@ -39,17 +48,18 @@ def make(name: str, *, pixels: int | tuple[int, int] | None = None, frame_stack:
     :class:`PixelObservation`). Other keyword arguments go to the env's constructor.
     """
     suite, _, task = name.partition("/")
+    mujoco_pixel_options = frame_stack != 1 or keep_state is not True or fast_render
     if suite == "maniskill" and task:
         from ebrl.envs.maniskill import ManiSkillEnvs
 
-        if frame_stack != 1 or keep_state is not True or fast_render:
+        if mujoco_pixel_options:
             raise ValueError("maniskill envs take pixels= and camera= only (frame_stack, keep_state and "
                              "fast_render apply to MuJoCo pixel envs)")
         return ManiSkillEnvs(task, kwargs.pop("num_envs", 1), pixels=pixels, camera=camera, **kwargs)
     if suite == "libero" and task:
         from ebrl.envs.libero import make_libero
 
-        if frame_stack != 1 or keep_state is not True or fast_render:
+        if mujoco_pixel_options:
             raise ValueError("libero envs take pixels= and camera= only (their observations are camera images "
                              "and proprioception already)")
         if pixels is not None:
@@ -63,7 +73,7 @@ def make(name: str, *, pixels: int | tuple[int, int] | None = None, frame_stack:
         domain, _, dm_task = task.partition("-")
         return DMCEnv(domain, dm_task, pixels=pixels, **({"camera": camera} if camera is not None else {}), **kwargs)
     if pixels is None:
-        if frame_stack != 1 or camera is not None or keep_state is not True or fast_render:
+        if mujoco_pixel_options or camera is not None:
             raise ValueError("frame_stack=, camera=, keep_state= and fast_render= apply to pixel envs: "
                              "pass pixels= too")
     else:
@@ -114,15 +124,14 @@ def make_vector(name: str, num_envs: int, **kwargs) -> gym.vector.VectorEnv:
         (4, (11,))
         >>> venv.close()
     """
-    if name.startswith("maniskill/"):
+    if name.startswith(VECTOR_SUITES):
         return make(name, num_envs=num_envs, **kwargs)
     return gym.vector.SyncVectorEnv([lambda: make(name, **kwargs)] * num_envs,
                                     autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
 
 
 def _unknown(name: str, key: str, known: list[str], exc: Exception) -> str:
-    close = difflib.get_close_matches(key, [k.partition("/")[2] or k for k in known], n=5)
-    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    hint = did_you_mean(key, [k.partition("/")[2] or k for k in known])
     return f"unknown env {name!r}{hint} ({exc})"
 
 
@@ -146,4 +155,4 @@ def list_envs(suite: str | None = None) -> list[str]:
     return names
 
 
-__all__ = ["PixelObservation", "ensure_gl", "list_envs", "make", "make_vector"]
+__all__ = ["VECTOR_SUITES", "PixelObservation", "did_you_mean", "ensure_gl", "list_envs", "make", "make_vector"]

@@ -20,6 +20,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
+from ebrl.envs import did_you_mean
 from ebrl.envs.robotics import INSTALL
 
 
@@ -51,12 +52,9 @@ class DMCEnv(gym.Env):
             ensure_gl()  # before dm_control picks its GL backend
         suite = _suite()
         if (domain, task) not in suite.ALL_TASKS:
-            import difflib
-
             known = [f"{d}-{t}" for d, t in suite.ALL_TASKS]
-            close = difflib.get_close_matches(f"{domain}-{task}", known, n=5)
             raise ValueError(f"unknown dm_control task {domain + '-' + task!r}"
-                             + (f"; did you mean {', '.join(close)}?" if close else ""))
+                             + did_you_mean(f"{domain}-{task}", known))
         self._env = suite.load(domain, task, task_kwargs={"random": seed})
         self._pixels, self._camera = pixels, camera
         spec = self._env.action_spec()

@@ -24,7 +24,6 @@ Tasks are ``<suite>/<task index or name>``, suites ``libero_spatial|object|goal|
 from __future__ import annotations
 
 import atexit
-import difflib
 import json
 import math
 import os
@@ -37,6 +36,8 @@ from typing import Any, ClassVar
 
 import gymnasium as gym
 import numpy as np
+
+from ebrl.envs import did_you_mean
 
 ASSETS_ENV = "EBRL_LIBERO_ASSETS"
 SUITES = ("libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90")
@@ -54,8 +55,7 @@ def suite_name(name: str) -> str:
     """``"spatial"`` or ``"libero_spatial"`` -> ``"libero_spatial"``; unknown -> ValueError."""
     full = name if name.startswith("libero_") else f"libero_{name}"
     if full not in SUITES:
-        close = difflib.get_close_matches(full, SUITES, n=3, cutoff=0.5)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        hint = did_you_mean(full, SUITES, n=3, cutoff=0.5)
         raise ValueError(f"unknown LIBERO suite {name!r}{hint} (suites: {', '.join(SUITES)})")
     return full
 
@@ -156,8 +156,7 @@ def make_libero(task: str, *, assets: str | os.PathLike | None = None, image_siz
     elif name in names:
         index = names.index(name)
     else:
-        close = difflib.get_close_matches(name, names, n=3, cutoff=0.4)
-        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        hint = did_you_mean(name, names, n=3, cutoff=0.4)
         raise ValueError(f"unknown LIBERO task {which!r} in {suite} (tasks 0..{len(names) - 1}, or a name){hint}")
     info = bench.get_task(index)
     # the same paths as Benchmark.get_task_bddl_file_path / get_task_init_states, from our root

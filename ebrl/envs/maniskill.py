@@ -26,12 +26,13 @@ which needs a Vulkan-capable GPU driver even for state observations; on a machin
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
+
+from ebrl.envs import did_you_mean
 
 INSTALL = "pip install 'ebrl[maniskill]' (ManiSkill3 and SAPIEN; a Vulkan-capable GPU driver is needed to run it)"
 NO_VULKAN = ("ManiSkill could not start SAPIEN's renderer/simulator: it needs a Vulkan-capable GPU and driver "
@@ -102,9 +103,7 @@ class ManiSkillEnvs(gym.vector.VectorEnv):
         if not isinstance(num_envs, int) or num_envs < 1:
             raise ValueError(f"maniskill num_envs={num_envs!r}: must be an integer >= 1")
         if task not in gym.registry:
-            close = difflib.get_close_matches(task, task_names(), n=5)
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise ValueError(f"unknown ManiSkill task {task!r}{hint}")
+            raise ValueError(f"unknown ManiSkill task {task!r}{did_you_mean(task, task_names())}")
         self.pixels = pixels is not None
         if self.pixels:
             height, width = (pixels, pixels) if isinstance(pixels, int) else tuple(pixels)
