@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 import ebrl
+from ebrl.runtime.sim_pool import single_spaces
 
 PEERS_FILE = Path(__file__).resolve().parent.parent / "bench" / "peers" / "gym_vector.py"
 
@@ -66,8 +67,7 @@ def _cpu_seconds() -> float:
 
 def measure_schedule(suite: Suite, env_fn, schedule: str, steps: int, seed: int, timeline=None) -> dict:
     probe = env_fn(0)  # an env, or a vector env when run_config sets sim.vector_size
-    policy = suite.policy_fn(getattr(probe, "single_observation_space", probe.observation_space),
-                             getattr(probe, "single_action_space", probe.action_space), seed)
+    policy = suite.policy_fn(*single_spaces(probe), seed)
     probe.close()
     cfg = ebrl.RunConfig(num_envs=suite.num_envs, segment_len=suite.segment_len, total_env_steps=steps,
                          schedule=schedule, seed=seed, **suite.run_config)

@@ -67,7 +67,6 @@ def build_spec(config: str | None, overrides: list[str]) -> dict[str, Any]:
 
 
 POLICY_KINDS = ("auto", "mlp", "cnn")
-VECTOR_SUITES = ("maniskill/",)  # simulators that step many envs per call: one vector env by default
 
 
 def build_policy(observation_space, action_space, options: dict[str, Any]):
@@ -98,7 +97,8 @@ def build_policy(observation_space, action_space, options: dict[str, Any]):
 def build_trainer(spec: dict[str, Any]):
     import ebrl
     from ebrl.algos import PPO
-    from ebrl.envs import make, make_vector
+    from ebrl.envs import VECTOR_SUITES, make, make_vector
+    from ebrl.runtime.sim_pool import single_spaces
 
     name, env_kwargs = spec["env"], dict(spec["env_kwargs"])
     run = dict(spec["run"])
@@ -114,10 +114,7 @@ def build_trainer(spec: dict[str, Any]):
 
     probe = env_fn(0)
     try:
-        vector = size > 1
-        obs_space = probe.single_observation_space if vector else probe.observation_space
-        act_space = probe.single_action_space if vector else probe.action_space
-        policy = build_policy(obs_space, act_space, spec["policy"])
+        policy = build_policy(*single_spaces(probe), spec["policy"])
     finally:
         probe.close()
     try:
@@ -131,7 +128,6 @@ def run_until_signal(trainer, progress=None):
     """``ebrl.run`` on uvloop, where the first SIGINT/SIGTERM stops the run cleanly (no new
     steps, the update in flight finishes) and a second one aborts it. Returns
     ``(result, stopped_by_signal)``; an abort raises ``asyncio.CancelledError``."""
-    import asyncio
     import signal
 
     from ebrl.runtime.run import loop_factory, run
@@ -170,7 +166,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     spec["run"].setdefault("log_dir", str(log_dir))
     spec["run"].setdefault("checkpoint_every_s", 60.0)  # a crash loses at most a minute
     trainer = build_trainer(spec)
-    done = 0  # env steps of the runs this one continues
     if args.resume:
         try:
             load_checkpoint(args.resume, trainer)  # sets trainer.env_steps_done
@@ -196,13 +191,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
     checkpoint = log_dir / "checkpoint.pt"
-    save_checkpoint(checkpoint, trainer, env_steps=done + result.env_steps, trained=result.trained,
+    env_steps = trainer.env_steps_done + result.env_steps  # counting the runs this one continues
+    save_checkpoint(checkpoint, trainer, env_steps=env_steps, trained=result.trained,
                     updates=result.updates, resumed_from=args.resume, stopped_early=stopped)
     (log_dir / "result.json").write_text(json.dumps(dataclasses.asdict(result), indent=2, default=str))
     print_summary(result, title=f"{spec['env']}: {trainer.config.schedule.value} schedule")
     print(f"logs, result and checkpoint: {log_dir}/")
     if stopped:
-        print(f"stopped early at {done + result.env_steps:,} env steps; continue with: ebrl train ... --resume {checkpoint}")
+        print(f"stopped early at {env_steps:,} env steps; continue with: ebrl train ... --resume {checkpoint}")
         return 130
     return 0
 

@@ -250,16 +250,15 @@ class Learner:
         cp.last = loop.time()
         meta = {"env_steps": cp.base_env_steps + self.stats.simulated, "trained": self.stats.trained,
                 "updates": self.version, "periodic": True}
-        if is_virtual(loop):
-            algo = algo_state(self.algo)
-            write_checkpoint(cp.path, policy_state, algo, cp.policy_class, **meta)
-            return
 
         def work() -> None:  # the learner's thread: idle between updates, so the algo is not mid-update
             algo = self.remote.algo_state() if self.remote is not None else algo_state(self.algo)
             write_checkpoint(cp.path, policy_state, algo, cp.policy_class, **meta)
 
-        await loop.run_in_executor(self._executor, work)
+        if is_virtual(loop):  # everything runs inline under virtual time
+            work()
+        else:
+            await loop.run_in_executor(self._executor, work)
         log.info("checkpoint", path=str(cp.path), **meta)
 
     def _update(self, segments: list[Segment], version: int):

@@ -110,6 +110,13 @@ def step_env(env: gym.Env, action: Any) -> StepOut:
     return StepOut(obs, reward, False, False, info, None, None, cost, finite)
 
 
+def single_spaces(env: gym.Env | gym.vector.VectorEnv) -> tuple[gym.Space, gym.Space]:
+    """The observation and action spaces of one env, also when ``env`` is a vector env."""
+    if isinstance(env, gym.vector.VectorEnv):
+        return env.single_observation_space, env.single_action_space
+    return env.observation_space, env.action_space
+
+
 def close_quietly(env: gym.Env) -> None:
     """Close an env that is being replaced or shut down; its own errors no longer matter."""
     try:
@@ -180,10 +187,7 @@ class _LocalEnvs:
 
     def _build_all(self) -> None:
         self.envs = [self._build(i) for i in range(self.num_envs)]
-        first = self.envs[0]
-        grouped = self.vector_size > 1
-        self.observation_space = first.single_observation_space if grouped else first.observation_space
-        self.action_space = first.single_action_space if grouped else first.action_space
+        self.observation_space, self.action_space = single_spaces(self.envs[0])
 
     def _build(self, env_id: int) -> gym.Env:
         try:
@@ -413,16 +417,13 @@ def make_sim_pool(env_fn: EnvFn, num_envs: int, cfg: SimConfig, backend: SimBack
                               "process: use 'thread', 'inline' or 'auto'")
         if backend is SimBackend.AUTO:
             backend = SimBackend.THREAD
-        units = num_envs // size
-        if backend is SimBackend.INLINE:
-            return InlineSimPool(env_fn, units, num_lanes=cfg.num_threads, vector_size=size)
-        return ThreadSimPool(env_fn, units, cfg.num_threads, vector_size=size)
-    if backend is SimBackend.AUTO:
+    elif backend is SimBackend.AUTO:
         backend, _ = choose_backend(env_fn, cfg)
+    units = num_envs // size
     if backend is SimBackend.INLINE:
-        return InlineSimPool(env_fn, num_envs, num_lanes=cfg.num_threads)
+        return InlineSimPool(env_fn, units, num_lanes=cfg.num_threads, vector_size=size)
     if backend is SimBackend.THREAD:
-        return ThreadSimPool(env_fn, num_envs, cfg.num_threads)
+        return ThreadSimPool(env_fn, units, cfg.num_threads, vector_size=size)
     from ebrl.runtime.sim_workers import ProcessSimPool
 
     return ProcessSimPool(env_fn, num_envs, cfg.num_workers or os.cpu_count() or 1, cfg.start_method)
