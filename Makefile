@@ -24,9 +24,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# every suite into docs/benchmarks/, then the README's tables regenerated from that JSON;
+# `make bench SUITES="longtail overhead"` re-runs some and re-renders from all the JSON there
+SUITES ?= overhead step-cost longtail heterogeneous mujoco-state mujoco-pixels vector-gpu
+BENCH_DIR ?= docs/benchmarks
 bench: $(STAMP)
-	$(VENV)/bin/ebrl bench overhead
-	$(VENV)/bin/ebrl bench longtail
+	set -e; for s in $(SUITES); do \
+	  $(VENV)/bin/ebrl bench $$s --out $(BENCH_DIR) $$( [ $$s = heterogeneous ] && echo --trace ); done
+	$(PY) -m ebrl.benchmark.docs $(BENCH_DIR) README.md
 
 clean:
 	rm -rf $(VENV) runs bench_out

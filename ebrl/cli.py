@@ -204,7 +204,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ebrl.bench_loader import list_suites, run_suite
+    from ebrl.benchmark.loader import list_suites, run_suite
 
     if args.list or not args.suite:
         for name, doc in list_suites(args.suites_dir).items():

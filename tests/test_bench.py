@@ -6,11 +6,13 @@ import math
 
 import pytest
 
-from ebrl.bench_loader import list_suites
+from ebrl.benchmark.loader import list_suites
 from ebrl.cli import main
 
-ROW_FIELDS = {"runner", "env_steps", "wall_s", "steps_per_s", "rollout_steps_per_s", "cpu_util", "mean_return"}
+ROW_FIELDS = {"runner", "env_steps", "wall_s", "steps_per_s", "rollout_steps_per_s", "cpu_util", "core_util",
+              "mean_return"}
 EBRL_FIELDS = ROW_FIELDS | {"busy_generator", "busy_learner", "gen_batch_hist", "lag_hist", "gen_batch_mean"}
+STAMP = {"cpus", "cpu_model", "versions", "commit", "date", "command"}
 
 
 def test_list_names_every_suite(capsys):
@@ -21,17 +23,41 @@ def test_list_names_every_suite(capsys):
 
 
 @pytest.mark.parametrize("suite", sorted(list_suites()))
-def test_suite_runs_quick_and_reports_every_field(suite, tmp_path):
+def test_suite_runs_quick_and_reports_every_field(suite, tmp_path, capsys):
     assert main(["bench", suite, "--quick", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / f"{suite}.json").read_text())
     assert report["rows"] and (tmp_path / f"{suite}-results.md").read_text().startswith("### `ebrl bench")
+    assert STAMP <= set(report["meta"]) and {"torch", "mujoco", "gymnasium"} <= set(report["meta"]["versions"])
     for row in report["rows"]:
-        assert row["steps_per_s"] > 0 and row["env_steps"] > 0
-        if "runner" in row:
+        assert row["steps_per_s"] > 0 and row["env_steps"] > 0 and {"case", "round", "runner"} <= set(row)
+        if "mean_return" in row:  # a training runner
             assert (EBRL_FIELDS if row["runner"].startswith("ebrl-") else ROW_FIELDS) <= set(row)
-    assert all(math.isfinite(v) and v > 0 for v in report["ratios"].values())
+    # every runner of every case has its median and spread, over as many rounds as rows
+    for case, runners in report["summary"].items():
+        for runner, figures in runners.items():
+            n = sum(1 for r in report["rows"] if r["case"] == case and r["runner"] == runner)
+            s = figures["steps_per_s"]
+            assert s["n"] == n == len(s["values"]) and s["min"] <= s["median"] <= s["max"]
+    for ratio in report["ratios"].values():
+        assert ratio["n"] >= 1 and all(math.isfinite(v) and v > 0 for v in ratio["values"])
     for case, limit in report.get("limits", {}).items():
         assert set(limit["capacity_steps_per_s"]) == {"sim", "generation", "training"}
         assert all(math.isfinite(e) and e > 0 for e in limit["efficiency"].values())
         runners = {r["runner"] for r in report["rows"] if r["case"] == case}
         assert {"ebrl-async", "ebrl-sync", "ebrl-pipelined", "gym-sync", "gym-async"} <= runners
+    # the report ends by counting the targets, whatever was met
+    met = sum(t["met"] for t in report["targets"])
+    assert report["targets_met"] == met
+    assert capsys.readouterr().out.rstrip().splitlines()[-1] == f"targets met: {met} of {len(report['targets'])}"
+
+
+def test_targets_are_judged_on_the_median_and_missing_figures_count_as_missed():
+    from ebrl.benchmark import Target, check_targets, spread
+
+    figures = {"a: async/sync": spread([1.0, 2.5, 3.0]), "b: async/sync": spread([1.9, 1.95, 2.4])}
+    rows = check_targets({**figures}, {"async/sync": 2.0, "a: async/best peer": 1.3})
+    assert [(t["figure"], t["met"]) for t in rows] == [("a: async/sync", True), ("b: async/sync", False),
+                                                      ("a: async/best peer", False)]
+    assert rows[-1]["note"] == "not measured"
+    low = check_targets({"x": spread([5.0, 7.0, 6.5])}, {"x": Target(6.0, lower_is_better=True)}, unit=" µs")
+    assert low[0]["met"] is False and low[0]["target"] == "<= 6 µs"

@@ -26,5 +26,6 @@ SUITE = Suite(
     steps=8_192,
     quick_steps=128,
     quick_num_envs=2,
+    peers=("sync", "async"),  # the CleanRL-style peer takes Box observations (an MLP), not pixels
     targets={"async/sync": 1.5},
 )

@@ -10,6 +10,7 @@ import gymnasium as gym
 import numpy as np
 
 import ebrl
+from ebrl.benchmark import Target, check_targets, summarize_rows
 from ebrl.testing import MockPolicy, NoopAlgo
 
 DESCRIPTION = "runtime cost per env step (no-op env and policy, one core)"
@@ -56,23 +57,31 @@ def measure(num_envs: int, steps: int, schedule: str, vector_size: int = 1) -> d
     t0 = time.perf_counter()
     result = ebrl.run_sync(trainer)
     wall = time.perf_counter() - t0
-    return {"schedule": schedule, "num_envs": num_envs, "vector_size": vector_size, "env_steps": result.env_steps,
-            "wall_s": wall, "steps_per_s": result.env_steps / wall, "us_per_step": wall / result.env_steps * 1e6,
-            "gen_batch_mean": result.gen_batch_mean}
+    runner = f"{schedule} {num_envs} envs" + (f" as vector envs of {vector_size}" if vector_size > 1 else "")
+    return {"case": "noop", "runner": runner, "schedule": schedule, "num_envs": num_envs, "vector_size": vector_size,
+            "env_steps": result.env_steps, "wall_s": wall, "steps_per_s": result.env_steps / wall,
+            "us_per_step": wall / result.env_steps * 1e6, "gen_batch_mean": result.gen_batch_mean}
+
+
+CONFIGS = [(16, "async", 1), (64, "async", 1), (256, "async", 1), (64, "sync", 1),
+           # vector envs (GPU simulators): one request and one sim call per vector env step
+           (256, "async", 64), (256, "async", 256)]
+# the hot-path issue's targets: per-env overhead and vector-env overhead, wall µs per env step
+TARGETS = {"noop: async 64 envs": Target(6.0, lower_is_better=True),
+           "noop: async 256 envs as vector envs of 64": Target(3.0, lower_is_better=True)}
 
 
 def run(quick: bool = False) -> dict:
-    steps = 20_000 if quick else 400_000
+    steps, rounds = (20_000, 1) if quick else (400_000, 3)
     affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     if affinity:
         os.sched_setaffinity(0, {min(affinity)})  # one core: the claim is per core
     try:
-        rows = [measure(n, steps, "async") for n in (16, 64, 256)]
-        rows.append(measure(64, steps, "sync"))
-        # vector envs (GPU simulators): one request and one sim call per vector env step
-        rows += [measure(256, steps, "async", vector_size=64), measure(256, steps, "async", vector_size=256)]
+        rows = [{"round": r, **measure(n, steps, schedule, v)} for r in range(rounds) for n, schedule, v in CONFIGS]
     finally:
         if affinity:
             os.sched_setaffinity(0, affinity)
-    best = max(r["steps_per_s"] for r in rows if r["schedule"] == "async" and r["vector_size"] == 1)
-    return {"rows": rows, "meta": {"one_core": bool(affinity), "best_async_steps_per_s": best}}
+    summary = summarize_rows(rows)
+    figures = {f"noop: {runner}": figs["us_per_step"] for runner, figs in summary["noop"].items()}
+    return {"rows": rows, "summary": summary, "targets": check_targets(figures, TARGETS, unit=" µs"),
+            "meta": {"one_core": bool(affinity), "rounds": rounds, "steps_per_run": steps}}

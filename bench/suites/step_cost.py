@@ -42,11 +42,12 @@ def measure(name: str, kwargs: dict, seconds: float) -> dict:
     wall = time.perf_counter() - t0
     env.close()
     obs = "pixels 84x84" if "pixels" in kwargs else "state"
-    return {"env": name, "observation": obs, "env_steps": n, "steps_per_s": n / wall, "us_per_step": wall / n * 1e6}
+    return {"case": name, "runner": obs, "env": name, "observation": obs, "env_steps": n, "steps_per_s": n / wall, "us_per_step": wall / n * 1e6}
 
 
 def run(quick: bool = False) -> dict:
-    seconds = 0.2 if quick else 2.0
+    seconds, rounds = (0.2, 1) if quick else (2.0, 3)
     quick_names = ("mujoco/HalfCheetah-v5", "robotics/FetchReachDense-v4", "dmc/cartpole-swingup")
     cases = [(n, kw) for n, kw in CASES if n in quick_names and not kw] if quick else CASES
-    return {"rows": [measure(name, kw, seconds) for name, kw in cases]}
+    rows = [{"round": r, **measure(name, kw, seconds)} for r in range(rounds) for name, kw in cases]
+    return {"rows": rows, "meta": {"rounds": rounds, "seconds_per_case": seconds}}

@@ -6,7 +6,6 @@ MLP policy, PPO; training included in every number."""
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 
@@ -14,7 +13,8 @@ import gymnasium as gym
 import numpy as np
 
 from ebrl.algos import PPO
-from ebrl.benchmark import Suite, measure_schedule
+from ebrl.benchmark import Suite, measure_schedule, summarize_rows
+from ebrl.benchmark.figures import suite_ratios
 from ebrl.policies import MLPPolicy
 from ebrl.testing import Latency, MockEnv
 
@@ -45,7 +45,7 @@ def suite(quick: bool) -> Suite:
         policy_fn=lambda obs_space, act_space, seed: MLPPolicy.from_spaces(obs_space, act_space, seed=seed),
         algo_fn=lambda seed: PPO(minibatch_size=1024, seed=seed),
         num_envs=VECTORS * SIZE, steps=200_000, quick_steps=4_096, segment_len=32, schedules=("async", "pipelined", "sync"),
-        run_config={"sim": {"backend": "thread", "num_threads": VECTORS, "vector_size": SIZE}})
+        run_config={"sim": {"vector_size": SIZE}})  # every other knob at its default
 
 
 def sim_alone(seconds: float) -> float:
@@ -72,16 +72,15 @@ def sim_alone(seconds: float) -> float:
 
 def run(quick: bool = False) -> dict:
     s = suite(quick)
-    steps, rounds = (s.quick_steps, 1) if quick else (s.steps, 2)
+    steps, rounds = (s.quick_steps, 1) if quick else (s.steps, s.rounds)
     if not quick:
         measure_schedule(s, env_fn, "async", 2 * s.num_envs * s.segment_len, seed=99)  # untimed warm-up
     rows = [{"case": "sleeping-vector", "round": r, **measure_schedule(s, env_fn, schedule, steps, seed=r)}
             for r in range(rounds) for schedule in s.schedules]
-    mean = {sch: statistics.mean(x["steps_per_s"] for x in rows if x["runner"] == f"ebrl-{sch}")
-            for sch in s.schedules}
+    summary = summarize_rows(rows)
     sim = sim_alone(0.5 if quick else 3.0)
-    return {"rows": rows,
-            "ratios": {f"sleeping-vector: async/{o}": mean["async"] / mean[o] for o in s.schedules if o != "async"},
+    return {"rows": rows, "summary": summary, "ratios": suite_ratios(rows),
             "meta": {"num_envs": s.num_envs, "vector_size": SIZE, "steps_per_run": steps, "rounds": rounds,
-                     "sim_alone_steps_per_s": sim, "async_of_sim_alone": mean["async"] / sim,
+                     "sim_alone_steps_per_s": sim,
+                     "async_of_sim_alone": summary["sleeping-vector"]["ebrl-async"]["steps_per_s"]["median"] / sim,
                      "description": DESCRIPTION}}

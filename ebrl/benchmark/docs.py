@@ -1,0 +1,146 @@
+"""Regenerate the benchmark pages from the raw JSON: ``python -m ebrl.benchmark.docs``.
+
+``make bench`` runs every suite into ``docs/benchmarks/`` and then this script, which rewrites
+``docs/benchmarks/README.md`` (every suite's full results) and the README's tables between
+``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->`` markers from that same JSON, so no
+figure in the README can drift from the raw numbers. Tables:
+
+- ``summary``: one row per suite case: medians (min-max) of EBRL async and sync, the best
+  gymnasium peer, the CleanRL-style peer, the ratios, and the targets met;
+- ``step-cost``: single-env steps/s of each simulator adapter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from ebrl.benchmark.report import fmt_ratio, fmt_spread, results_markdown
+
+ORDER = ("overhead", "longtail", "heterogeneous", "mujoco-state", "mujoco-pixels", "vector-gpu", "step-cost")
+
+
+def load_reports(bench_dir: Path) -> dict[str, dict]:
+    reports = {}
+    for path in sorted(bench_dir.glob("*.json")):
+        data = json.loads(path.read_text())
+        if isinstance(data, dict) and "rows" in data and "meta" in data and "suite" in data["meta"]:
+            reports[data["meta"]["suite"]] = data
+    return dict(sorted(reports.items(), key=lambda kv: ORDER.index(kv[0]) if kv[0] in ORDER else len(ORDER)))
+
+
+def _best_peer(runners: dict) -> tuple[str, dict] | None:
+    peers = {n: f["steps_per_s"] for n, f in runners.items() if n.startswith("gym-")}
+    if not peers:
+        return None
+    name = max(peers, key=lambda n: peers[n]["median"])
+    return name, peers[name]
+
+
+def summary_table(reports: dict[str, dict]) -> str:
+    head = ("| suite (`ebrl bench SUITE`) | case | EBRL async | EBRL sync | best gymnasium peer | CleanRL peer "
+            "| async/sync | async/best peer | targets met |")
+    lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for name, rep in reports.items():
+        if name in ("step-cost", "overhead"):
+            continue
+        for case, runners in rep.get("summary", {}).items():
+            if "ebrl-async" not in runners:
+                continue
+            peer = _best_peer(runners)
+            ratios = rep.get("ratios", {})
+            targets = [t for t in rep.get("targets", []) if t["figure"].startswith(f"{case}: ")]
+            met = ", ".join(f"{t['figure'].split(': ', 1)[1]} {t['target']}: {'met' if t['met'] else '**missed**'}"
+                            for t in targets) or "none set"
+            cells = [f"`{name}`", case, fmt_spread(runners["ebrl-async"]["steps_per_s"]),
+                     fmt_spread(runners.get("ebrl-sync", {}).get("steps_per_s")),
+                     f"{fmt_spread(peer[1])} ({peer[0]})" if peer else "n/a",
+                     fmt_spread(runners.get("cleanrl", {}).get("steps_per_s")),
+                     fmt_ratio(ratios.get(f"{case}: async/sync")), fmt_ratio(ratios.get(f"{case}: async/best peer")),
+                     met]
+            lines.append("| " + " | ".join(cells) + " |")
+    stamps = {f"{r['meta']['date'][:10]}, commit {r['meta'].get('commit', '?')}" for r in reports.values()}
+    lines += ["", "Env steps/s end to end (training included), median (min-max) over "
+              f"{_rounds(reports)} alternating rounds; measured {'; '.join(sorted(stamps))}."]
+    if "overhead" in reports:
+        lines += ["", overhead_table(reports["overhead"])]
+    total = sum(len(r.get("targets", [])) for r in reports.values())
+    met = sum(sum(t["met"] for t in r.get("targets", [])) for r in reports.values())
+    lines += ["", f"Targets met over all suites: **{met} of {total}** (each suite's list: "
+              "[docs/benchmarks/](docs/benchmarks/README.md))."]
+    return "\n".join(lines)
+
+
+def _rounds(reports: dict[str, dict]) -> str:
+    rounds = sorted({r["meta"].get("rounds", 1) for r in reports.values()})
+    return "/".join(str(x) for x in rounds)
+
+
+def overhead_table(rep: dict) -> str:
+    lines = ["Runtime overhead (`ebrl bench overhead`: no-op env and policy, inline backend, one core):", "",
+             "| configuration | env steps/s | µs per env step |", "|---|---:|---:|"]
+    for runner, figs in rep["summary"].get("noop", {}).items():
+        lines.append(f"| {runner} | {fmt_spread(figs['steps_per_s'])} | {fmt_spread(figs['us_per_step'])} |")
+    for t in rep.get("targets", []):
+        lines.append(f"| target: {t['figure'].removeprefix('noop: ')} {t['target']} | | "
+                     f"{'met' if t['met'] else '**missed**'} |")
+    return "\n".join(lines)
+
+
+def step_cost_table(rep: dict) -> str:
+    lines = ["| env | observation | steps/s | µs/step |", "|---|---|---:|---:|"]
+    for env, runners in rep["summary"].items():
+        for obs, figs in runners.items():
+            lines.append(f"| `{env}` | {obs} | {fmt_spread(figs['steps_per_s'])} | {fmt_spread(figs['us_per_step'])} |")
+    meta = rep["meta"]
+    lines += ["", f"Median (min-max) over {meta.get('rounds', 1)} rounds; {meta['date'][:10]}, commit "
+              f"{meta.get('commit', '?')}, mujoco {meta.get('versions', {}).get('mujoco')}."]
+    return "\n".join(lines)
+
+
+def bench_readme(reports: dict[str, dict]) -> str:
+    parts = ["# Benchmark results", "",
+             "Generated by `make bench` (`python -m ebrl.benchmark.docs`) from the JSON files in this folder, "
+             "which hold every raw round. Every number is end-to-end env steps/s over wall time, training "
+             "included, unless it says rollout; each figure is the median over alternating rounds with its "
+             "min-max.", ""]
+    for name, rep in reports.items():
+        parts += [results_markdown(name, rep), ""]
+    return "\n".join(parts)
+
+
+def replace_block(text: str, name: str, body: str) -> str:
+    pattern = re.compile(rf"(<!-- bench:{re.escape(name)} -->\n)(?:.*?\n)?(<!-- /bench:{re.escape(name)} -->)", re.S)
+    if not pattern.search(text):
+        raise ValueError(f"README has no <!-- bench:{name} --> ... <!-- /bench:{name} --> block")
+    return pattern.sub(lambda m: m.group(1) + body.rstrip("\n") + "\n" + m.group(2), text)
+
+
+def render(bench_dir: Path, readme: Path) -> list[str]:
+    reports = load_reports(bench_dir)
+    if not reports:
+        raise FileNotFoundError(f"no benchmark JSON in {bench_dir}: run `make bench` (or `ebrl bench SUITE --out "
+                                f"{bench_dir}`) first")
+    (bench_dir / "README.md").write_text(bench_readme(reports))
+    text = readme.read_text()
+    text = replace_block(text, "summary", summary_table(reports))
+    if "step-cost" in reports:
+        text = replace_block(text, "step-cost", step_cost_table(reports["step-cost"]))
+    readme.write_text(text)
+    return list(reports)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ebrl.benchmark.docs", description=__doc__.split("\n\n")[0])
+    parser.add_argument("bench_dir", nargs="?", default="docs/benchmarks", type=Path)
+    parser.add_argument("readme", nargs="?", default="README.md", type=Path)
+    args = parser.parse_args(argv)
+    names = render(args.bench_dir, args.readme)
+    print(f"rewrote {args.bench_dir / 'README.md'} and {args.readme}'s tables from: {', '.join(names)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,126 @@
+"""The physical limit of a suite's case: each stage alone with the whole machine.
+
+Simulation with every core, generation at its best batch, training alone; efficiency is
+an achieved end-to-end rate over the bottleneck stage's capacity. On a CPU host the stages
+time-share the same cores, so ``shared_cpu_bound_steps_per_s`` (the serial bound) is the
+tighter reference there.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from ebrl.benchmark.suite import Suite
+
+
+def _step_envs(env_fn, ids: list[int], seconds: float, counter: list[int], slot: int) -> None:
+    envs = [env_fn(i) for i in ids]
+    for k, env in enumerate(envs):
+        env.reset(seed=ids[k])
+        env.action_space.seed(ids[k])
+    n, end = 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for env in envs:
+            _, _, term, trunc, _ = env.step(env.action_space.sample())
+            if term or trunc:
+                env.reset()
+            n += 1
+    counter[slot] = n
+    for env in envs:
+        env.close()
+
+
+def _proc_entry(env_fn, ids, seconds, queue):
+    counter = [0]
+    _step_envs(env_fn, ids, seconds, counter, 0)
+    queue.put(counter[0])
+
+
+def sim_capacity(env_fn, num_envs: int, seconds: float) -> float:
+    """Env steps/s of simulation alone with the whole machine: the better of one process per
+    core (CPU-bound envs) and one thread per env (envs that release the GIL while stepping)."""
+    import multiprocessing as mp
+
+    cpus = os.cpu_count() or 1
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    shares = [list(range(w, num_envs, cpus)) for w in range(min(cpus, num_envs))]
+    procs = [ctx.Process(target=_proc_entry, args=(env_fn, ids, seconds, queue)) for ids in shares]
+    for p in procs:
+        p.start()
+    by_process = sum(queue.get() for _ in procs) / seconds
+    for p in procs:
+        p.join()
+    counter = [0] * num_envs
+    threads = [threading.Thread(target=_step_envs, args=(env_fn, [i], seconds, counter, i)) for i in range(num_envs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    by_thread = sum(counter) / seconds
+    return max(by_process, by_thread)
+
+
+def generation_capacity(suite: Suite, env_fn, seed: int = 0) -> tuple[float, int]:
+    """Actions/s of the policy alone at its best batch size (batch sizes up to num_envs)."""
+    from ebrl.runtime.generation import stack_obs
+
+    env = env_fn(0)
+    policy = suite.policy_fn(env.observation_space, env.action_space, seed)
+    obs, _ = env.reset(seed=seed)
+    env.close()
+    best = (0.0, 1)
+    for size in sorted({1, 4, 16, suite.num_envs}):
+        batch = stack_obs([obs] * size)
+        policy.act(batch)
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < 0.3:
+            policy.act(batch)
+            n += 1
+        rate = n * size / (time.perf_counter() - t0)
+        best = max(best, (rate, size))
+    return best
+
+
+def training_capacity(suite: Suite, env_fn, seed: int = 0) -> float:
+    """Env steps/s the algorithm trains on alone (one update on a batch of num_envs x T steps)."""
+    from ebrl.runtime.learner import update_once
+    from ebrl.runtime.rollout import Segment
+
+    env = env_fn(0)
+    policy = suite.policy_fn(env.observation_space, env.action_space, seed)
+    algo = suite.algo_fn(seed)
+    obs, _ = env.reset(seed=seed)
+    segments = []
+    for s in range(suite.num_envs):
+        seg = Segment(s, s, suite.segment_len)
+        for _ in range(suite.segment_len):
+            act = policy.act(np.asarray(obs)[None] if not isinstance(obs, dict)
+                             else {k: np.asarray(v)[None] for k, v in obs.items()})
+            nxt, r, term, trunc, _ = env.step(act.env_actions[0])
+            seg.add(obs, act.actions[0], act.logprobs[0], act.values[0], 0, r, term, trunc, nxt, nxt)
+            obs = env.reset()[0] if term or trunc else nxt
+        segments.append(seg)
+    env.close()
+    update_once(policy, algo, segments, 0)  # warm-up: optimiser state, lazy imports
+    t0 = time.perf_counter()
+    update_once(policy, algo, segments, 1)
+    return suite.num_envs * suite.segment_len / (time.perf_counter() - t0)
+
+
+def physical_limit(suite: Suite, env_fn, quick: bool) -> dict:
+    sim = sim_capacity(env_fn, suite.num_envs, 0.5 if quick else 5.0)
+    gen, gen_batch = generation_capacity(suite, env_fn)
+    train = training_capacity(suite, env_fn)
+    caps = {"sim": sim, "generation": gen, "training": train}
+    bottleneck = min(caps, key=caps.get)
+    return {"capacity_steps_per_s": caps, "bottleneck": bottleneck, "bottleneck_steps_per_s": caps[bottleneck],
+            "generation_best_batch": gen_batch,
+            # every stage time-shares the same cores on a CPU host: the serial bound is tighter
+            "shared_cpu_bound_steps_per_s": 1.0 / sum(1.0 / c for c in caps.values())}

@@ -1,0 +1,43 @@
+"""The README's benchmark tables are generated from docs/benchmarks/*.json and cannot drift."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ebrl.benchmark.docs import load_reports, render, replace_block
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_readme_tables_are_exactly_what_the_json_renders(tmp_path):
+    bench = tmp_path / "benchmarks"
+    shutil.copytree(ROOT / "docs" / "benchmarks", bench)
+    readme = tmp_path / "README.md"
+    shutil.copy(ROOT / "README.md", readme)
+    render(bench, readme)
+    assert readme.read_text() == (ROOT / "README.md").read_text(), "README tables differ from docs/benchmarks JSON: run `python -m ebrl.benchmark.docs`"
+    assert (bench / "README.md").read_text() == (ROOT / "docs" / "benchmarks" / "README.md").read_text()
+
+
+def test_every_committed_report_has_rounds_medians_spread_and_a_stamp():
+    reports = load_reports(ROOT / "docs" / "benchmarks")
+    assert {"overhead", "longtail", "heterogeneous", "mujoco-state", "mujoco-pixels", "vector-gpu",
+            "step-cost"} <= set(reports)
+    for name, rep in reports.items():
+        meta = rep["meta"]
+        assert not meta["quick"] and meta["rounds"] >= 3, name
+        assert {"cpus", "cpu_model", "versions", "commit", "date", "command"} <= set(meta), name
+        for runners in rep["summary"].values():
+            for figs in runners.values():
+                s = figs["steps_per_s"]
+                assert s["n"] >= 3 and s["min"] <= s["median"] <= s["max"], name
+
+
+def test_replace_block_is_idempotent_and_names_a_missing_marker():
+    text = "a\n<!-- bench:x -->\n<!-- /bench:x -->\nb\n"
+    once = replace_block(text, "x", "| t |\n")
+    assert once == "a\n<!-- bench:x -->\n| t |\n<!-- /bench:x -->\nb\n"
+    assert replace_block(once, "x", "| t |") == once
+    with pytest.raises(ValueError, match="bench:y"):
+        replace_block(text, "y", "")
