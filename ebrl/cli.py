@@ -8,7 +8,7 @@ HalfCheetah-v5 (state observations) for a few minutes, then prints a summary tab
     ebrl train --resume runs/<run>/checkpoint.pt      # continue (Ctrl-C stops a run and saves one)
     ebrl bench overhead                               # runtime cost per env step
     ebrl bench longtail                               # async vs sync vs pipelined, long-tail envs
-    ebrl plot runs/<run>/result.json                  # the learning curve as a PNG
+    ebrl plot runs/<run>                              # the learning curve as a PNG (also mid-run)
 
 A config file has top-level ``env`` (a registry name, see ``ebrl.envs.make``) and tables
 ``[run]`` (RunConfig), ``[ppo]`` (PPOConfig), ``[policy]`` (``kind = "auto" | "mlp" | "cnn"``
@@ -155,15 +155,28 @@ def run_until_signal(trainer, progress=None):
         return runner.run(main())
 
 
+def resolve_log_dir(spec: dict[str, Any], cli_log_dir: str | None) -> Path:
+    """One directory for everything a run writes: ``run.log_dir`` (``--set`` or the config
+    file), else ``--log-dir``, else ``runs/<env>-<time>``."""
+    chosen = spec["run"].get("log_dir")
+    if chosen is not None:
+        if cli_log_dir is not None and Path(cli_log_dir) != Path(chosen):
+            print(f"ebrl: run.log_dir={chosen} overrides --log-dir {cli_log_dir}", file=sys.stderr)
+        return Path(chosen)
+    if cli_log_dir is not None:
+        return Path(cli_log_dir)
+    slug = spec["env"].replace("/", "-")
+    return Path("runs") / f"{slug}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from ebrl.checkpoint import load_checkpoint, save_checkpoint
     from ebrl.telemetry import configure_logging
     from ebrl.telemetry.progress import ProgressBar, print_summary
 
     spec = build_spec(args.config, args.set or [])
-    slug = spec["env"].replace("/", "-")
-    log_dir = Path(args.log_dir or Path("runs") / f"{slug}-{time.strftime('%Y%m%d-%H%M%S')}")
-    spec["run"].setdefault("log_dir", str(log_dir))
+    log_dir = resolve_log_dir(spec, args.log_dir)
+    spec["run"]["log_dir"] = str(log_dir)  # run() writes history, TensorBoard, result and checkpoints there
     spec["run"].setdefault("checkpoint_every_s", 60.0)  # a crash loses at most a minute
     trainer = build_trainer(spec)
     if args.resume:
@@ -194,9 +207,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     env_steps = trainer.env_steps_done + result.env_steps  # counting the runs this one continues
     save_checkpoint(checkpoint, trainer, env_steps=env_steps, trained=result.trained,
                     updates=result.updates, resumed_from=args.resume, stopped_early=stopped)
-    (log_dir / "result.json").write_text(json.dumps(dataclasses.asdict(result), indent=2, default=str))
     print_summary(result, title=f"{spec['env']}: {trainer.config.schedule.value} schedule")
-    print(f"logs, result and checkpoint: {log_dir}/")
+    print(f"logs, metrics, result and checkpoint: {log_dir}/  (tensorboard --logdir {log_dir.parent})")
     if stopped:
         print(f"stopped early at {env_steps:,} env steps; continue with: ebrl train ... --resume {checkpoint}")
         return 130
@@ -215,9 +227,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from ebrl.telemetry.plots import plot_history
+    from ebrl.telemetry.plots import default_png, plot_history
 
-    out = plot_history(args.result, args.out or Path(args.result).with_suffix(".png"), title=args.title)
+    try:
+        out = plot_history(args.run, args.out or default_png(args.run), title=args.title)
+    except (FileNotFoundError, ValueError) as exc:  # no such run, or nothing to plot yet
+        print(f"ebrl: cannot plot: {exc}", file=sys.stderr)
+        return 2
     print(f"wrote {out}")
     return 0
 
@@ -228,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     train = sub.add_parser("train", help="train from a TOML/YAML config (default: the HalfCheetah demo)")
     train.add_argument("config", nargs="?", help="TOML or YAML file; omit for the demo")
     train.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, e.g. run.num_envs=32")
-    train.add_argument("--log-dir", help="where events.jsonl and result.json go (default runs/<env>-<time>)")
+    train.add_argument("--log-dir", help="where the run's files go (default runs/<env>-<time>; "
+                                         "run.log_dir, when set, wins)")
     train.add_argument("--quiet", action="store_true", help="no progress bar or info logs")
     train.add_argument("--resume", metavar="CHECKPOINT", help="continue from a checkpoint.pt up to run.total_env_steps")
     train.set_defaults(fn=cmd_train)
@@ -240,9 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--trace", action="store_true", help="also write a Chrome trace and a Gantt PNG per schedule")
     bench.add_argument("--suites-dir", default=None, help="where suite files live (default: the repo's bench/)")
     bench.set_defaults(fn=cmd_bench)
-    plot = sub.add_parser("plot", help="draw the learning curve of a run's result.json")
-    plot.add_argument("result", help="a result.json written by ebrl train")
-    plot.add_argument("--out", help="PNG path (default: next to result.json)")
+    plot = sub.add_parser("plot", help="draw the learning curve of a run, also while it trains")
+    plot.add_argument("run", help="a run directory, its history.jsonl or its result.json")
+    plot.add_argument("--out", help="PNG path (default: DIR/curve.png for a directory, else next to the file)")
     plot.add_argument("--title")
     plot.set_defaults(fn=cmd_plot)
     args = parser.parse_args(argv)

@@ -102,7 +102,7 @@ class SimConfig:
     """The simulation pool."""
 
     backend: SimBackend = SimBackend.AUTO
-    num_threads: int = 2  # lanes of the thread backend; resizable at run time
+    num_threads: int = 2  # lanes of the thread backend, fixed for the run (no controller resizes them yet)
     num_workers: int | None = None  # processes of the process backend; None = one per core
     start_method: str | None = None  # multiprocessing start method; None = fork on Linux
     inline_below_s: float = 20e-6  # AUTO steps inline when a step costs less than this
@@ -164,7 +164,10 @@ class RunConfig:
     seed: int = 0
     torch_threads: int | None = 1  # torch intra-op threads in this process; None leaves torch's default
     learner: LearnerMode = LearnerMode.AUTO
-    log_dir: str | None = None  # JSON-lines log and metrics go here when set
+    # where run() writes the run's files: history.jsonl and TensorBoard event files (per update),
+    # result.json (at the end), checkpoint.pt (with checkpoint_every_s); None writes nothing.
+    # `ebrl train` adds events.jsonl and spec.json to the same directory.
+    log_dir: str | None = None
     checkpoint_every_s: float | None = None  # write log_dir/checkpoint.pt after an update, at most this often
     log_every_s: float = 5.0
     sim: SimConfig = field(default_factory=SimConfig)

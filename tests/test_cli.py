@@ -31,6 +31,22 @@ def test_train_runs_end_to_end_and_writes_results(tmp_path, capsys):
     assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_one_log_dir_run_log_dir_then_log_dir_then_runs(tmp_path, capsys):
+    from pathlib import Path
+
+    from ebrl.cli import resolve_log_dir
+
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('env = "mock/3"\n[run]\nlog_dir = "from_file"\n')
+    assert resolve_log_dir(build_spec(str(cfg), []), None) == Path("from_file")
+    assert resolve_log_dir(build_spec(str(cfg), ["run.log_dir=from_set"]), None) == Path("from_set")
+    assert resolve_log_dir(build_spec(None, ["run.log_dir=from_set"]), "cli") == Path("from_set")
+    assert "overrides --log-dir cli" in capsys.readouterr().err
+    assert resolve_log_dir(build_spec(None, ["env=mock/3"]), "cli") == Path("cli")
+    default = resolve_log_dir(build_spec(None, ["env=mock/3"]), None)
+    assert default.parent == Path("runs") and default.name.startswith("mock-3-")
+
+
 def test_bad_config_exits_2_with_the_field_named(tmp_path, capsys):
     code = main(["train", "--quiet", "--log-dir", str(tmp_path), "--set", "run.num_envs=-1", "--set", "env=mock/3"])
     assert code == 2

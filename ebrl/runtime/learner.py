@@ -38,6 +38,7 @@ from ebrl.runtime.rollout import RolloutQueue, Segment, collate
 from ebrl.runtime.stats import RunStats
 from ebrl.runtime.virtual_time import is_virtual
 from ebrl.telemetry.logging import get_logger
+from ebrl.telemetry.metrics import MetricsLog
 
 if TYPE_CHECKING:
     from ebrl.runtime.profiler import Timeline
@@ -162,7 +163,8 @@ class Checkpointing:
 class Learner:
     def __init__(self, policy, algo, rollout: RolloutQueue, generator: Generator, stats: RunStats,
                  *, pause_generation: bool, remote: LearnerProcess | None = None,
-                 timeline: Timeline | None = None, checkpoint: Checkpointing | None = None):
+                 timeline: Timeline | None = None, checkpoint: Checkpointing | None = None,
+                 metrics: MetricsLog | None = None):
         self.policy = policy
         self.algo = algo
         self.rollout = rollout
@@ -170,7 +172,7 @@ class Learner:
         self.stats = stats
         self.pause_generation = pause_generation  # lag 0 and lockstep schedules: no overlap
         self.version = 0
-        self.history: list[dict[str, Any]] = []
+        self.metrics = metrics if metrics is not None else MetricsLog()  # receives one row per update
         self.busy_s = 0.0  # time in updates: loop time (virtual seconds under virtual time)
         self.untrained_in_hand = 0  # taken for an update that has not finished
         self.stopping = False  # a stop was requested: finish the update in flight, take no more
@@ -180,6 +182,12 @@ class Learner:
         self.remote = remote
         self._timeline = timeline  # records lane "learner", "update" (arg: steps trained) per update
         self.checkpoint = checkpoint
+        self._last = (0.0, 0, 0, 0)  # loop time, env steps, generated rows, generation batches at the last row
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """One row per update so far (``RunResult.history``)."""
+        return self.metrics.rows
 
     async def run(self) -> None:
         try:
@@ -223,7 +231,8 @@ class Learner:
             metrics, state, lags = await loop.run_in_executor(self._executor, work, segments, self.version)
         lt1 = loop.time()
         # under virtual time only the loop clock means anything (the update's cost is slept in it)
-        self.busy_s += lt1 - lt0 if virtual else time.perf_counter() - t0
+        spent = lt1 - lt0 if virtual else time.perf_counter() - t0
+        self.busy_s += spent
         if self._timeline is not None:
             self._timeline.record("learner", "update", lt0, lt1, n)
         self.version += 1
@@ -238,11 +247,32 @@ class Learner:
         for v, c in zip(values.tolist(), counts.tolist()):
             st.lag[v] += c
         st.last_metrics = metrics
-        self.history.append({"update": self.version, "env_steps": st.simulated, "trained": st.trained,
-                             "time": loop.time() - self.t0, "mean_return": st.mean_return,
-                             "success_once": (sum(st.success_once) / len(st.success_once)) if st.success_once else None, **metrics})
+        self.metrics.record(self._row(metrics, lags, spent, lt1))
         if self.checkpoint is not None and self.checkpoint.due(loop.time()):
             await self._write_checkpoint(state)
+
+    def _row(self, metrics: dict[str, float], lags: np.ndarray, update_s: float, now: float) -> dict[str, Any]:
+        """The update's row: counters, rates since the previous row and overall, the batch's
+        policy lag, then the algorithm's metrics (the runtime's own keys win a clash)."""
+        st, gen = self.stats, self.generator.batch_sizes
+        rows, batches = sum(k * v for k, v in gen.items()), sum(gen.values())
+        last_t, last_steps, last_rows, last_batches = self._last
+        self._last = (now - self.t0, st.simulated, rows, batches)
+        elapsed, interval = now - self.t0, now - self.t0 - last_t
+        row = {"update": self.version, "env_steps": st.simulated, "trained": st.trained, "time": elapsed,
+               "mean_return": st.mean_return,
+               "success_once": (sum(st.success_once) / len(st.success_once)) if st.success_once else None,
+               "episodes": st.episodes,
+               "episode_length": (sum(st.lengths) / len(st.lengths)) if st.lengths else math.nan,
+               "env_steps_per_s": (st.simulated - last_steps) / interval if interval > 0 else math.nan,
+               "env_steps_per_s_overall": st.simulated / elapsed if elapsed > 0 else math.nan,
+               "update_s": update_s,
+               "lag_mean": float(lags.mean()) if lags.size else 0.0,
+               "lag_max": int(lags.max()) if lags.size else 0,
+               "gen_batch_mean": (rows - last_rows) / (batches - last_batches) if batches > last_batches else math.nan,
+               "dropped": sum(st.dropped.values()), "env_failures": st.env_failures}
+        row.update((k, v) for k, v in metrics.items() if k not in row)
+        return row
 
     async def _write_checkpoint(self, policy_state: dict) -> None:
         """The weights just trained and the algorithm's state, written off the loop."""

@@ -1,8 +1,12 @@
 """``run()``: build the pieces, run them under one TaskGroup, stop them cleanly.
 
-Every task lives under the TaskGroup; the sim pool's threads or processes and the
-generator's and learner's threads are joined before ``run()`` returns or re-raises,
-also when the caller cancels it.
+Every task lives under the TaskGroup; the sim pool's threads or processes, the
+generator's and learner's threads and the TensorBoard writer's thread are joined before
+``run()`` returns or re-raises, also when the caller cancels it.
+
+With ``RunConfig.log_dir`` set, the run's files go there: ``history.jsonl`` and the
+TensorBoard event file, written after every update (:mod:`ebrl.telemetry.metrics`),
+``result.json`` at the end and ``checkpoint.pt`` with ``checkpoint_every_s``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from ebrl.runtime.sim_pool import make_sim_pool
 from ebrl.runtime.stats import RunResult, RunStats, summarize
 from ebrl.runtime.virtual_time import is_virtual
 from ebrl.telemetry.logging import get_logger
+from ebrl.telemetry.metrics import MetricsLog
+from ebrl.telemetry.system import SystemSampler
 
 if TYPE_CHECKING:
     from ebrl.runtime.profiler import Timeline
@@ -69,8 +75,11 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
     if cfg.checkpoint_every_s is not None:
         checkpoint = Checkpointing(Path(cfg.log_dir) / "checkpoint.pt", cfg.checkpoint_every_s,
                                    type(trainer.policy).__name__, trainer.env_steps_done)
+    # log_dir None: rows stay in memory (RunResult.history), nothing is written
+    metrics = MetricsLog(cfg.log_dir)
     learner = Learner(trainer.policy, trainer.algo, rollout, generator, stats,
-                      pause_generation=lockstep or lag == 0, timeline=timeline, checkpoint=checkpoint)
+                      pause_generation=lockstep or lag == 0, timeline=timeline, checkpoint=checkpoint,
+                      metrics=metrics)
     budget = StepBudget(cfg.total_env_steps)
     steps = EnvSteps(cfg, pool, generator, rollout, stats, budget, timeline)
     log.info("run_start", schedule=cfg.schedule.value, num_envs=cfg.num_envs, sim_backend=pool.backend.value,
@@ -81,6 +90,10 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
         if mode is LearnerMode.PROCESS:
             learner.remote = LearnerProcess(trainer.policy, trainer.algo, cfg.torch_threads, cfg.sim.start_method)
         await pool.start()
+        # after the forks above (learner process, sim workers): the writer's thread must not be forked
+        metrics.open()
+        if not virtual:  # a virtual run's hardware use means nothing, and its history stays deterministic
+            metrics.system = SystemSampler()
         async with asyncio.TaskGroup() as tg:
             helpers = [tg.create_task(generator.serve(), name="ebrl-generator")]
             if progress is not None:
@@ -99,9 +112,12 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
             raise real[0] from None
         raise
     finally:
-        pool.close()
-        learner.close()  # with a learner process, this loads the trained state into trainer.policy/algo
-        torch.set_num_threads(old_threads)
+        try:
+            pool.close()
+            learner.close()  # with a learner process, this loads the trained state into trainer.policy/algo
+        finally:
+            metrics.close()  # flushes the files and joins the TensorBoard writer's thread
+            torch.set_num_threads(old_threads)
     if progress is not None:
         progress(stats, learner)
     stats.gen_batches = generator.batch_sizes
@@ -120,6 +136,7 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
         result.busy = {"generator": generator.busy_s / result.wall_s, "learner": learner.busy_s / result.wall_s}
         if timeline is not None:
             result.busy["sim"] = timeline.busy_fraction("env", t0, t_end, name="sim")
+    metrics.write_result(result)
     log.info("run_end", env_steps=result.env_steps, steps_per_s=round(result.env_steps_per_s, 1),
              updates=result.updates, lag_max=result.lag_max, dropped=result.dropped,
              in_flight_at_stop=result.in_flight_at_stop, mean_return=result.mean_return)

@@ -74,7 +74,7 @@ class RunResult:
     success_at_end: float  # ... that ended in success
     steps_per_env: list[int]
     metrics: dict[str, float]
-    history: list[dict[str, Any]] = field(default_factory=list)  # one row per update
+    history: list[dict[str, Any]] = field(default_factory=list)  # one row per update (keys: docs/metrics.md)
     sim_backend: str = ""
     learner_mode: str = ""
     generator_busy_s: float = 0.0  # time in policy calls
