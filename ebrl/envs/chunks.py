@@ -25,9 +25,12 @@ import gymnasium as gym
 import numpy as np
 
 
-class ActionChunk(gym.Wrapper):
+class ActionChunk(gym.Wrapper, gym.utils.RecordConstructorArgs):
+    """``k`` actions per ``step``; records ``k`` so that ``env.spec.make()`` rebuilds the wrapper."""
+
     def __init__(self, env: gym.Env, k: int):
-        super().__init__(env)
+        gym.utils.RecordConstructorArgs.__init__(self, k=k)
+        gym.Wrapper.__init__(self, env)
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"ActionChunk k={k!r}: must be an integer >= 1")
         space = env.action_space

@@ -25,6 +25,12 @@ from ebrl.envs.robotics import INSTALL
 
 
 def _suite():
+    from ebrl.envs.pixels import ensure_gl
+
+    # dm_control picks its OpenGL backend once, when it is first imported (GLFW first when
+    # MUJOCO_GL is unset, which needs a display): a state-only env made first would leave every
+    # later pixel env or render() of the process without a headless context
+    ensure_gl()
     try:
         from dm_control import suite
     except ImportError:
@@ -41,21 +47,33 @@ def task_names() -> list[str]:
 
 
 class DMCEnv(gym.Env):
-    """One dm_control task behind gymnasium's API."""
+    """One dm_control task behind gymnasium's API.
+
+    ``env.spec`` (id ``dmc/<domain>-<task>``, the constructor's arguments as kwargs) rebuilds
+    the env with ``env.spec.make()``, as gymnasium's ``check_env`` does. ``render_mode`` may be
+    ``"rgb_array"`` (gymnasium's convention) or ``None``; ``render()`` draws a 240x320 frame
+    either way.
+    """
 
     metadata = {"render_modes": ["rgb_array"]}
 
-    def __init__(self, domain: str, task: str, *, pixels: int | None = None, camera: int = 0, seed: int = 0):
-        if pixels is not None:
-            from ebrl.envs.pixels import ensure_gl
-
-            ensure_gl()  # before dm_control picks its GL backend
+    def __init__(self, domain: str, task: str, *, pixels: int | None = None, camera: int = 0, seed: int = 0,
+                 render_mode: str | None = None):
+        if render_mode not in (None, "rgb_array"):
+            raise ValueError(f"DMCEnv render_mode={render_mode!r}: must be None or 'rgb_array'")
         suite = _suite()
         if (domain, task) not in suite.ALL_TASKS:
             known = [f"{d}-{t}" for d, t in suite.ALL_TASKS]
             raise ValueError(f"unknown dm_control task {domain + '-' + task!r}"
                              + did_you_mean(f"{domain}-{task}", known))
         self._env = suite.load(domain, task, task_kwargs={"random": seed})
+        self.render_mode = render_mode
+        self.metadata = {**self.metadata, "render_fps": round(1.0 / self._env.control_timestep())}
+        self.spec = gym.envs.registration.EnvSpec(
+            f"dmc/{domain}-{task}", entry_point=f"{__name__}:DMCEnv", nondeterministic=False,
+            order_enforce=False, disable_env_checker=True,
+            kwargs={"domain": domain, "task": task, "pixels": pixels, "camera": camera, "seed": seed,
+                    **({"render_mode": render_mode} if render_mode is not None else {})})
         self._pixels, self._camera = pixels, camera
         spec = self._env.action_spec()
         self.action_space = gym.spaces.Box(spec.minimum.astype(np.float32), spec.maximum.astype(np.float32),

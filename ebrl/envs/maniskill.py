@@ -87,9 +87,15 @@ def _flat_state(obs: dict) -> Any:
 
 
 def _to_numpy(x: Any) -> Any:
+    """A tensor (or dict of them) as NumPy arrays of their own: a CPU tensor's ``.numpy()`` would
+    share its memory, and ManiSkill's CPU backend returns tensors it updates in place (the
+    ``elapsed_steps`` of every info), which would change arrays already handed out."""
     if isinstance(x, dict):
         return {k: _to_numpy(v) for k, v in x.items()}
-    return x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
+    if hasattr(x, "detach"):
+        x = x.detach()
+        return x.numpy().copy() if x.device.type == "cpu" else x.cpu().numpy()
+    return np.array(x)
 
 
 class ManiSkillEnvs(gym.vector.VectorEnv):

@@ -89,7 +89,7 @@ def _release_context(backend: str | None) -> None:
         glfw.make_context_current(None)
 
 
-class PixelObservation(gym.ObservationWrapper):
+class PixelObservation(gym.ObservationWrapper, gym.utils.RecordConstructorArgs):
     """Observations ``{"pixels": Box(0, 255, (H, W, 3 * frame_stack), uint8), "state": Box float32}``.
 
     ``env`` must render ``rgb_array`` frames (``render_mode="rgb_array"``; for gymnasium's MuJoCo
@@ -101,11 +101,17 @@ class PixelObservation(gym.ObservationWrapper):
     ``fast_render=True`` (MuJoCo only) turns off multisampling, shadows and reflections: on a CPU
     (Mesa llvmpipe) HalfCheetah at 84 px steps 30-50x faster (~15 -> 500-900 steps/s measured
     on 2 cores), at the cost of plainer images. The default keeps the env's own look.
+
+    The wrapper records its constructor arguments (``RecordConstructorArgs``), so ``env.spec``
+    describes it and ``env.spec.make()`` rebuilds the same pixel env, as gymnasium's
+    ``check_env`` does.
     """
 
     def __init__(self, env: gym.Env, *, frame_stack: int = 1, keep_state: bool = True,
                  fast_render: bool = False):
-        super().__init__(env)
+        gym.utils.RecordConstructorArgs.__init__(self, frame_stack=frame_stack, keep_state=keep_state,
+                                                 fast_render=fast_render)
+        gym.ObservationWrapper.__init__(self, env)
         self.fast_render = bool(fast_render)
         if not isinstance(frame_stack, int) or isinstance(frame_stack, bool) or frame_stack < 1:
             raise ValueError(f"frame_stack must be an int >= 1, got {frame_stack!r}")
@@ -117,6 +123,8 @@ class PixelObservation(gym.ObservationWrapper):
                              "; pass keep_state=False")
         self.frame_stack = frame_stack
         self.keep_state = keep_state
+        # the env's other render modes ("human", "depth_array", ...) give no pixel observations
+        self.metadata = {**env.metadata, "render_modes": ["rgb_array"]}
         self._frames: deque[np.ndarray] = deque(maxlen=frame_stack)
         self._renderer = getattr(env.unwrapped, "mujoco_renderer", None)
         self._rendered = False
@@ -166,7 +174,8 @@ class PixelObservation(gym.ObservationWrapper):
             raise RuntimeError(f"expected an rgb_array frame [H, W, 3], got "
                                f"{getattr(frame, 'shape', type(frame).__name__)}")
         self._rendered = True
-        return np.ascontiguousarray(frame, dtype=np.uint8)  # MuJoCo's frames are flipped views
+        # always a copy: MuJoCo's frames are flipped views, and another renderer may hand out its own buffer
+        return np.array(frame, dtype=np.uint8, order="C")
 
     def reset(self, *, seed=None, options=None):
         self._frames.clear()
