@@ -2,13 +2,14 @@
 
 import asyncio
 import multiprocessing
+import time
 
 import gymnasium as gym
 import numpy as np
 import pytest
 
 import ebrl
-from ebrl.testing import Latency, MockEnv, MockPolicy, NoopAlgo
+from ebrl.testing import Latency, MockEnv, MockPolicy, NoopAlgo, VersionedPolicy
 from tests.conftest import ebrl_threads
 
 
@@ -160,3 +161,104 @@ async def test_envs_that_reuse_their_observation_array_are_recorded_correctly(ba
     await ebrl.run(tr)
     obs = np.concatenate([b.obs[0, :, 0].numpy() for b in algo.batches])
     np.testing.assert_array_equal(obs, np.arange(16))  # each transition kept the observation it acted on
+
+
+# ---------------------------------------------------------------- no barrier and lag bound, in real time
+
+SLOW_S, FAST_S = 0.020, 0.001  # env 0's step vs the others' (slept: releases the GIL)
+
+
+def sim_config(backend):
+    return {"backend": "thread", "num_threads": 4} if backend == "thread" else {"backend": "process", "num_workers": 2}
+
+
+@pytest.mark.parametrize("backend", ["thread", "process"])
+def test_no_barrier_on_real_loops_fast_envs_run_ahead_of_a_slow_one(backend, no_leaks):
+    """Async, real time: env 0 steps in 20 ms, the others in 1 ms; nothing makes them wait for env 0.
+
+    A barrier anywhere (the generator waiting for every env, the learner waiting for env 0's
+    segment, a full queue nobody drains) would hold the fast envs near env 0's step count; with
+    none, they run ~10x more steps. The assertion wants only 3x, so load cannot flip it. On the
+    process backend env ``i`` lives in worker ``i % 2`` and a worker steps its envs one after
+    another, so env 2 shares env 0's worker and its pace; envs 1 and 3 (the other worker) are
+    the ones that must run ahead.
+    """
+    tr = ebrl.Trainer(lambda i: MockEnv(latency=Latency.constant(SLOW_S if i == 0 else FAST_S)), MockPolicy(act_dim=4),
+                      NoopAlgo(), ebrl.RunConfig(num_envs=4, segment_len=16, total_env_steps=1200,
+                                                 sim=sim_config(backend)))
+    res = ebrl.run_sync(tr)
+    assert res.sim_backend == backend and res.env_steps == 1200 and res.accounting_ok()
+    fast = [1, 2, 3] if backend == "thread" else [1, 3]
+    counts = res.steps_per_env
+    assert min(counts[i] for i in fast) >= 3 * counts[0], counts
+
+
+@pytest.mark.parametrize("backend", ["thread", "process"])
+def test_sync_on_real_loops_holds_every_env_to_the_slow_ones_pace(backend, no_leaks):
+    """The contrast: the lockstep schedule steps every env once per round, whatever the latencies.
+
+    Fails if the sync driver let an env skip a round or step twice in one (counts would differ).
+    """
+    tr = ebrl.Trainer(lambda i: MockEnv(latency=Latency.constant(SLOW_S if i == 0 else FAST_S)), MockPolicy(act_dim=4),
+                      NoopAlgo(), ebrl.RunConfig(num_envs=4, segment_len=16, total_env_steps=200, schedule="sync",
+                                                 sim=sim_config(backend)))
+    res = ebrl.run_sync(tr)
+    assert res.sim_backend == backend and res.env_steps == 200 and res.accounting_ok()
+    assert res.steps_per_env == [50] * 4
+
+
+class VersionBumpAlgo:
+    """Checks every trained step against the weights that really acted (``VersionedPolicy``), then
+    bumps the weights' version. Runs wherever the learner runs (a thread, or a child process),
+    so it reports through the metrics dict that ``update`` returns (``RunResult.history``), under
+    keys of its own: the runtime's row keys (its tag-based ``lag_max`` among them) win a clash."""
+
+    def __init__(self, sleep_s: float):
+        self.sleep_s = sleep_s  # training slower than rollout: the lag bound is under pressure
+
+    def update(self, policy, batch):
+        held = policy.weights_version  # the learner's weights, before this update
+        acted = VersionedPolicy.acted_versions(batch)  # the weights that produced each action
+        tags = batch.versions[batch.mask]  # the generator's version tags
+        lags = held - acted
+        time.sleep(self.sleep_s)
+        policy.weights_version += 1
+        return {"vb_held_version": held, "vb_learner_tag": batch.learner_version, "vb_steps": len(acted),
+                "vb_lag_max": int(lags.max()), "vb_lag_min": int(lags.min()),
+                "vb_tag_mismatch": int((acted != tags).sum())}
+
+
+@pytest.mark.parametrize(("backend", "learner", "lag"), [
+    *[("thread", learner, lag) for learner in ("thread", "process") for lag in (0, 1, 2)],
+    ("process", "thread", 1),
+    ("process", "process", 2),
+])
+def test_lag_bound_holds_against_the_weights_that_acted(backend, learner, lag, no_leaks):
+    """max_policy_lag, measured from the actions themselves, not from the generator's tags.
+
+    ``VersionedPolicy`` writes the version of the weights it holds into every action; the
+    learner-side ``VersionBumpAlgo`` compares it with the version of the weights it trains.
+    Fails if a trained step is older than ``max_policy_lag`` updates (a missed cut, a stale
+    in-flight step not awaited, weights not reaching the generator), if a tag disagrees with
+    the weights that acted (a tag taken before or after the weights swap), or if the learner's
+    version counter drifts from its weights. With lag > 0 an update sleeps 100 ms, several times
+    a rollout (4 envs x 8 steps of ~1-2 ms), so the queue fills and the lag must reach the bound:
+    a test that never comes near it proves nothing. (Lag 0 pauses generation during updates and
+    reaches its bound trivially; a short sleep keeps it quick.)
+    """
+    tr = ebrl.Trainer(lambda i: MockEnv(latency=Latency.constant(FAST_S)), VersionedPolicy(act_dim=4),
+                      VersionBumpAlgo(sleep_s=0.100 if lag else 0.010),
+                      ebrl.RunConfig(num_envs=4, segment_len=8, total_env_steps=480, max_policy_lag=lag,
+                                     learner=learner, sim=sim_config(backend)))
+    res = ebrl.run_sync(tr)
+    assert res.sim_backend == backend and res.learner_mode == learner
+    assert res.env_steps == res.trained == 480 and res.accounting_ok()
+    h = res.history
+    assert len(h) == res.updates
+    assert sum(row["vb_steps"] for row in h) == res.trained  # every trained step was checked
+    assert [row["vb_held_version"] for row in h] == [row["vb_learner_tag"] for row in h] == list(range(res.updates))
+    assert sum(row["vb_tag_mismatch"] for row in h) == 0
+    assert min(row["vb_lag_min"] for row in h) >= 0
+    assert max(row["vb_lag_max"] for row in h) == lag  # within the bound, and the bound is reached
+    assert res.lag_max == lag
+    assert tr.policy.weights_version == res.updates  # the trained weights came back (learner process too)

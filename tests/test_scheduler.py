@@ -51,10 +51,38 @@ def test_generation_batches_many_waiting_envs_and_bounds_the_wait():
 
 
 def test_generation_waits_for_everyone_when_all_live_envs_are_waiting():
-    # 4 envs, target 100: batches form because every live env waits, not by timeout
-    res = run_virtual(trainer("sync", num_envs=4, total=400, generation={"batch_target": 100, "max_wait_s": 1.0}))
-    assert set(res.gen_batch_hist) == {4}
-    assert res.wall_s < 400 / 4 * 0.01  # no 1 s timeouts were waited
+    """Rule 2 of the generator: a batch runs as soon as every *live* env waits, before any timeout.
+
+    Async schedule, ``batch_target`` (100) far above the 4 envs, ``max_wait_s`` 1 s, so only
+    "everyone live is waiting" can start a batch early. The envs step in 1, 1.5, 2 and 2.5 ms
+    (one lane each), so their requests arrive spread over 1.5 ms; the policy costs 10 ms a
+    batch, so the adaptive wait (~one batch) exceeds that spread and the batch waits for the
+    slowest env instead of timing out on a partial batch. The budget (402 = 4 * 100 + 2) makes
+    two envs stop before the last round: the live count drops to 2 and so must the last batch.
+
+    It fails if rule 2 is broken or ignores the live count: a generator that runs a batch only
+    on ``batch_target`` or a timeout waits ~10 ms (the adaptive wait) per round, or ~1 s
+    (``max_wait_s``), and one that counts stopped envs as live waits ~10 ms on the last batch;
+    both show in the virtual wall time (exact here) and in the longest request wait. A
+    generator that did not wait at all would make batches of 1.
+    """
+    lat, cost, algo_cost, total = [0.001, 0.0015, 0.002, 0.0025], 0.010, 0.002, 402
+    n = len(lat)
+    policy = MockPolicy(act_dim=4, base_cost_s=cost)
+    res = run_virtual(ebrl.Trainer(
+        lambda i: MockEnv(latency=Latency.constant(lat[i])), policy, NoopAlgo(base_cost_s=algo_cost),
+        ebrl.RunConfig(num_envs=n, segment_len=16, total_env_steps=total, schedule="async", sim={"num_threads": n},
+                       generation={"batch_target": 100, "max_wait_s": 1.0})))
+    rounds, rest = divmod(total, n)
+    assert res.env_steps == total and res.accounting_ok()
+    assert res.steps_per_env == [rounds + 1] * rest + [rounds] * (n - rest)
+    # every batch holds every live env: all 4, then the 2 left once the budget ran out
+    assert res.gen_batch_hist == {n: rounds, rest: 1}
+    # a request waits only for the slower live envs to arrive, never for a timeout
+    assert res.gen_wait_max_s <= max(lat) - min(lat) + 1e-9
+    # each round is one batch plus the slowest env's step; then the last, smaller round and the final update
+    expected = rounds * (cost + max(lat)) + cost + max(lat[:rest]) + algo_cost
+    assert rounds * (cost + max(lat)) <= res.wall_s <= expected + 0.001  # a missed rule costs >= ~8 ms
 
 
 @pytest.mark.parametrize("gen_cost", [0.0, 0.003])
