@@ -3,6 +3,7 @@
 
 import asyncio
 import json
+import math
 import sys
 import threading
 import types
@@ -39,7 +40,10 @@ def scalars(log_dir) -> dict[str, list]:
 
 
 def same_rows(a, b) -> bool:
-    return json.dumps(a) == json.dumps(b)  # NaN-safe: json writes NaN as NaN on both sides
+    """history.jsonl is strict JSON: a NaN in memory (no episode finished yet) is null on disk."""
+    def strict(rows):
+        return [{k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in r.items()} for r in rows]
+    return json.dumps(strict(a), allow_nan=False) == json.dumps(strict(b), allow_nan=False)
 
 
 class FakeNVMLError(Exception):

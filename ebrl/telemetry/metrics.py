@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -99,7 +100,8 @@ class MetricsLog:
         row.update(system)
         self.rows.append(row)
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps(row) + "\n")
+            # strict JSON for other tools: NaN and inf (no episode finished yet, ...) become null
+            self._jsonl.write(json.dumps(_strict(row), allow_nan=False) + "\n")
             self._jsonl.flush()  # one line, whole, per update: readers never wait for the run's end
         if self._tb is not None:
             step = int(row.get("env_steps", len(self.rows)))
@@ -128,6 +130,10 @@ class MetricsLog:
                 jsonl.close()
             if self.system is not None:
                 self.system.close()
+
+
+def _strict(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
 
 
 def _is_number(value: Any) -> bool:
