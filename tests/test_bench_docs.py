@@ -16,8 +16,10 @@ def test_readme_tables_are_exactly_what_the_json_renders(tmp_path):
     readme = tmp_path / "README.md"
     shutil.copy(ROOT / "README.md", readme)
     render(bench, readme)
-    assert readme.read_text() == (ROOT / "README.md").read_text(), "README tables differ from docs/benchmarks JSON: run `python -m ebrl.benchmark.docs`"
-    assert (bench / "README.md").read_text() == (ROOT / "docs" / "benchmarks" / "README.md").read_text()
+    assert readme.read_text() == (ROOT / "README.md").read_text(), \
+        "README tables differ from docs/benchmarks JSON: run `python -m ebrl.benchmark.docs`"
+    for page in ["README.md", *(p.name for p in (ROOT / "docs" / "benchmarks").glob("*-results.md"))]:
+        assert (bench / page).read_text() == (ROOT / "docs" / "benchmarks" / page).read_text(), page
 
 
 def test_every_committed_report_has_rounds_medians_spread_and_a_stamp():

@@ -1,7 +1,8 @@
 """Regenerate the benchmark pages from the raw JSON: ``python -m ebrl.benchmark.docs``.
 
 ``make bench`` runs every suite into ``docs/benchmarks/`` and then this script, which rewrites
-``docs/benchmarks/README.md`` (every suite's full results) and the README's tables between
+``docs/benchmarks/README.md`` (every suite's full results), each ``<suite>-results.md``, and
+the README's tables between
 ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->`` markers from that same JSON, so no
 figure in the README can drift from the raw numbers. Tables:
 
@@ -124,6 +125,8 @@ def render(bench_dir: Path, readme: Path) -> list[str]:
         raise FileNotFoundError(f"no benchmark JSON in {bench_dir}: run `make bench` (or `ebrl bench SUITE --out "
                                 f"{bench_dir}`) first")
     (bench_dir / "README.md").write_text(bench_readme(reports))
+    for name, rep in reports.items():  # each suite's page too, so every rendering comes from this code
+        (bench_dir / f"{name}-results.md").write_text(results_markdown(name, rep))
     text = readme.read_text()
     text = replace_block(text, "summary", summary_table(reports))
     if "step-cost" in reports:

@@ -68,8 +68,9 @@ def fmt_spread(s: dict | None, unit: str = "", pct: bool = False) -> str:
     """``median (min-max)``; one value alone when there was one round."""
     if not s or not s.get("n"):
         return "n/a"
-    f = (lambda v: f"{v:.0%}") if pct else (lambda v: fmt_num(v) + unit)
-    return f(s["median"]) if s["n"] == 1 else f"{f(s['median'])} ({f(s['min'])}-{f(s['max'])})"
+    f = (lambda v: f"{v:.0%}") if pct else fmt_num
+    text = f(s["median"]) if s["n"] == 1 else f"{f(s['median'])} ({f(s['min'])}-{f(s['max'])})"
+    return text + unit
 
 
 def fmt_ratio(s: dict) -> str:
