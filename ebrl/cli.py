@@ -98,7 +98,7 @@ def build_trainer(spec: dict[str, Any]):
     import ebrl
     from ebrl.algos import PPO
     from ebrl.envs import VECTOR_SUITES, make, make_vector
-    from ebrl.runtime.sim_pool import single_spaces
+    from ebrl.runtime.sim_types import single_spaces
 
     name, env_kwargs = spec["env"], dict(spec["env_kwargs"])
     run = dict(spec["run"])

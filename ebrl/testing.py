@@ -29,6 +29,7 @@ import numpy as np
 
 from ebrl.policies.base import ActResult
 from ebrl.runtime.virtual_time import VirtualTimeLoop
+from ebrl.spaces import batch_size
 
 __all__ = ["Latency", "LatencyMode", "MockEnv", "MockPolicy", "NoopAlgo", "VersionedPolicy", "VirtualTimeLoop",
            "mock_vector_env", "run_virtual"]
@@ -175,7 +176,7 @@ class MockPolicy:
         self.batches: list[int] = []
 
     def act(self, obs: Any) -> ActResult:
-        n = len(next(iter(obs.values()))) if isinstance(obs, dict) else len(obs)
+        n = batch_size(obs)
         self.batches.append(n)
         if self.n_actions is not None:
             a = self._rng.integers(self.n_actions, size=n) if self.random else np.zeros(n, np.int64)

@@ -169,3 +169,16 @@ def test_sync_rounds_down_to_whole_lockstep_steps_and_is_deterministic():
     b = run_virtual(trainer("sync", num_envs=8, total=1000, latency=Latency.lognormal(0.001, 0.5)))
     assert a.env_steps == 1000 // 8 * 8
     assert a.wall_s == b.wall_s and a.history == b.history
+
+
+@pytest.mark.parametrize("schedule", ["async", "pipelined", "sync"])
+def test_learner_wakes_on_events_not_on_every_env_step(schedule):
+    """The rollout queue wakes the learner when a segment closes, a driver blocks or ends, the
+    run finishes, or a stale in-flight step clears: far fewer times than env steps (it used to
+    wake once per recorded step), and never fewer than once per update."""
+    T = 16
+    res = run_virtual(trainer(schedule, num_envs=8, total=4000, T=T, sim={"num_threads": 8},
+                              latency=Latency.lognormal(0.001, 0.5)))
+    assert res.accounting_ok() and res.updates > 0
+    assert res.updates <= res.learner_wakeups <= res.env_steps / T + res.updates * (8 + 1) + 8 + 1
+    assert res.learner_wakeups < res.env_steps / 4

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from ebrl.algos.advantages import build_next_values, gae
 from ebrl.algos.batch import Batch
+from ebrl.spaces import tree_map
 
 LossFn = Callable[[nn.Module, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor | float]]]
 
@@ -205,13 +206,10 @@ class PPO:
         return (batch.rewards / math.sqrt(self.reward_rms.var + 1e-8)).to(batch.values.dtype)
 
     def _batch_to(self, batch: Batch, device: torch.device) -> Batch:
-        moved = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
-        for k, v in moved.items():
-            if isinstance(v, Tensor):
-                moved[k] = v.to(device)
-            elif isinstance(v, dict):  # dict observations: a tensor per key
-                moved[k] = {key: t.to(device) for key, t in v.items()}
-        return Batch(**moved)
+        def to(x):  # dict observations: a tensor per key; other fields (ints) stay as they are
+            return x.to(device) if isinstance(x, Tensor) else x
+
+        return Batch(**{f.name: tree_map(to, getattr(batch, f.name)) for f in dataclasses.fields(batch)})
 
     def update(self, policy: nn.Module, batch: Batch) -> dict[str, float]:
         """One PPO update (``update_epochs`` passes over the valid steps) and its metrics."""

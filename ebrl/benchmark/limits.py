@@ -13,7 +13,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-import numpy as np
+from ebrl.spaces import batch_of_one, stack
 
 if TYPE_CHECKING:
     from ebrl.benchmark.suite import Suite
@@ -69,15 +69,13 @@ def sim_capacity(env_fn, num_envs: int, seconds: float) -> float:
 
 def generation_capacity(suite: Suite, env_fn, seed: int = 0) -> tuple[float, int]:
     """Actions/s of the policy alone at its best batch size (batch sizes up to num_envs)."""
-    from ebrl.runtime.generation import stack_obs
-
     env = env_fn(0)
     policy = suite.policy_fn(env.observation_space, env.action_space, seed)
     obs, _ = env.reset(seed=seed)
     env.close()
     best = (0.0, 1)
     for size in sorted({1, 4, 16, suite.num_envs}):
-        batch = stack_obs([obs] * size)
+        batch = stack([obs] * size)
         policy.act(batch)
         n, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < 0.3:
@@ -101,8 +99,7 @@ def training_capacity(suite: Suite, env_fn, seed: int = 0) -> float:
     for s in range(suite.num_envs):
         seg = Segment(s, s, suite.segment_len)
         for _ in range(suite.segment_len):
-            act = policy.act(np.asarray(obs)[None] if not isinstance(obs, dict)
-                             else {k: np.asarray(v)[None] for k, v in obs.items()})
+            act = policy.act(batch_of_one(obs))
             nxt, r, term, trunc, _ = env.step(act.env_actions[0])
             seg.add(obs, act.actions[0], act.logprobs[0], act.values[0], 0, r, term, trunc, nxt, nxt)
             obs = env.reset()[0] if term or trunc else nxt

@@ -43,7 +43,7 @@ import psutil
 import ebrl
 from ebrl.benchmark.figures import Target, check_targets, suite_ratios, summarize_rows
 from ebrl.benchmark.limits import physical_limit
-from ebrl.runtime.sim_pool import single_spaces
+from ebrl.runtime.sim_types import single_spaces
 
 PEERS_DIR = Path(__file__).resolve().parent.parent.parent / "bench" / "peers"
 PEERS = ("sync", "async", "cleanrl")  # gym-sync, gym-async (same-policy control), cleanrl (own networks)

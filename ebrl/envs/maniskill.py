@@ -33,6 +33,7 @@ import gymnasium as gym
 import numpy as np
 
 from ebrl.envs import did_you_mean
+from ebrl.spaces import tree_map
 
 INSTALL = "pip install 'ebrl[maniskill]' (ManiSkill3 and SAPIEN; a Vulkan-capable GPU driver is needed to run it)"
 NO_VULKAN = ("ManiSkill could not start SAPIEN's renderer/simulator: it needs a Vulkan-capable GPU and driver "
@@ -90,8 +91,10 @@ def _to_numpy(x: Any) -> Any:
     """A tensor (or dict of them) as NumPy arrays of their own: a CPU tensor's ``.numpy()`` would
     share its memory, and ManiSkill's CPU backend returns tensors it updates in place (the
     ``elapsed_steps`` of every info), which would change arrays already handed out."""
-    if isinstance(x, dict):
-        return {k: _to_numpy(v) for k, v in x.items()}
+    return tree_map(_leaf_to_numpy, x)
+
+
+def _leaf_to_numpy(x: Any) -> np.ndarray:
     if hasattr(x, "detach"):
         x = x.detach()
         return x.numpy().copy() if x.device.type == "cpu" else x.cpu().numpy()

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ebrl.config import NonFinite, RunConfig
 from ebrl.runtime.generation import ActReply, Generator
 from ebrl.runtime.rollout import RolloutQueue
-from ebrl.runtime.sim_pool import EnvStepError, SimPool, StepOut
+from ebrl.runtime.sim_types import EnvStepError, SimPool, StepOut
 from ebrl.runtime.stats import RunStats
 from ebrl.telemetry.logging import get_logger
 

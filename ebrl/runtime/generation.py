@@ -35,25 +35,16 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from ebrl.config import Offload
 from ebrl.policies.base import ActResult
 from ebrl.runtime.virtual_time import is_virtual
+from ebrl.spaces import stack
 
 if TYPE_CHECKING:
     from ebrl.runtime.profiler import Timeline
 
 # What act() returns: the batch's result, this request's row in it, and the policy version.
 ActReply = tuple[ActResult, int, int]
-
-
-def stack_obs(obs: list[Any]) -> Any:
-    """Batch a list of observations (arrays, or dicts of arrays)."""
-    first = obs[0]
-    if isinstance(first, dict):
-        return {k: np.stack([o[k] for o in obs]) for k in first}
-    return np.stack(obs)
 
 
 class Generator:
@@ -175,10 +166,10 @@ class Generator:
         now = loop.time()
         self.max_request_wait_s = max(self.max_request_wait_s, now - batch[0][3])
         if rows == len(batch):
-            obs = stack_obs([item[1] for item in batch])
+            obs = stack([item[1] for item in batch])
             env_ids = [item[0] for item in batch]
         else:  # some requests carry several envs
-            obs = stack_obs([o for item in batch for o in (item[1] if isinstance(item[0], list) else (item[1],))])
+            obs = stack([o for item in batch for o in (item[1] if isinstance(item[0], list) else (item[1],))])
             env_ids = [i for item in batch for i in (item[0] if isinstance(item[0], list) else (item[0],))]
         if self._on_action is not None:
             # the version is fixed now: mark the actions in flight before the policy runs, so a

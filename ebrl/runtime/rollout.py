@@ -27,21 +27,7 @@ from typing import Any
 import numpy as np
 
 from ebrl.runtime.stats import RunStats
-
-
-def _empty_like(x: Any, n: int) -> Any:
-    if isinstance(x, dict):
-        return {k: _empty_like(v, n) for k, v in x.items()}
-    x = np.asarray(x)
-    return np.empty((n, *x.shape), dtype=x.dtype)
-
-
-def _put(buf: Any, t: int, x: Any) -> None:
-    if isinstance(buf, dict):
-        for k, v in buf.items():
-            v[t] = x[k]
-    else:
-        buf[t] = x
+from ebrl.spaces import empty_like, index, stack, tree_map, write
 
 
 class Segment:
@@ -66,11 +52,11 @@ class Segment:
     def add(self, obs, action, logprob, value, version, reward, terminated, truncated, next_obs, final_obs) -> None:
         t = self.n
         if self.obs is None:
-            self.obs = _empty_like(obs, self.capacity)
-            self.actions = _empty_like(action, self.capacity)
+            self.obs = empty_like(obs, self.capacity)
+            self.actions = empty_like(action, self.capacity)
             self.min_version = version
-        _put(self.obs, t, obs)
-        _put(self.actions, t, action)
+        write(self.obs, t, obs)
+        write(self.actions, t, action)
         self.logprobs[t] = logprob
         self.values[t] = value
         self.versions[t] = version
@@ -106,7 +92,11 @@ class RolloutQueue:
         self.drivers = 0  # env tasks or lockstep groups still running; set by the schedule
         self.blocked = 0  # drivers waiting for queue space
         self._seq = 0
-        self._changed = asyncio.Event()  # the learner's wake-up: a record, a close, or finish
+        # the learner's wake-up, set only by what can make an update due or unblock a take: a
+        # segment closing, a driver blocking or ending, the run finishing, or a stale in-flight
+        # step clearing (never by an ordinary record: that would wake it once per env step)
+        self._changed = asyncio.Event()
+        self._stale_limit: int | None = None  # set while take() waits for in-flight steps <= it
         self._space = asyncio.Event()  # the envs' wake-up: the learner took segments
 
     # ---------------------------------------------------------------- env side
@@ -129,7 +119,18 @@ class RolloutQueue:
         self.inflight[env_id] = version
 
     def clear_inflight(self, env_id: int) -> None:
-        self.inflight[env_id] = None
+        self._clear_inflight(env_id)
+
+    def _clear_inflight(self, env_id: int) -> bool:
+        """Clear ``env_id``'s in-flight mark; wake the learner if it waits for exactly this step."""
+        version, self.inflight[env_id] = self.inflight[env_id], None
+        if version is not None and self._stale_limit is not None and version <= self._stale_limit:
+            self._wake()
+            return True
+        return False
+
+    def _wake(self) -> None:
+        self.stats.learner_wakeups += 1
         self._changed.set()
 
     def record(self, env_id: int, obs, action, logprob, value, version, reward, terminated, truncated,
@@ -139,19 +140,18 @@ class RolloutQueue:
             self._seq += 1
             seg = self.open[env_id] = Segment(env_id, self._seq, self.T)
         seg.add(obs, action, logprob, value, version, reward, terminated, truncated, next_obs, final_obs)
-        self.inflight[env_id] = None
         self.steps_per_env[env_id] += 1
+        if not self._clear_inflight(env_id) and seg.full:
+            self._wake()
         if seg.full:
             self._close(env_id)
-        self._changed.set()
 
     def drop_open(self, env_id: int, reason: str) -> int:
         """Drop env ``env_id``'s open segment (the env failed); returns the steps dropped."""
         seg, self.open[env_id] = self.open[env_id], None
-        self.inflight[env_id] = None
+        self._clear_inflight(env_id)
         n = seg.n if seg is not None else 0
         self.stats.drop(reason, n)
-        self._changed.set()
         return n
 
     def _close(self, env_id: int) -> None:
@@ -161,18 +161,19 @@ class RolloutQueue:
 
     def set_blocked(self, delta: int) -> None:
         self.blocked += delta
-        self._changed.set()
+        if delta > 0:  # fewer blocked drivers never make an update due
+            self._wake()
 
     def driver_done(self) -> None:
         self.drivers -= 1
         if self.drivers <= 0:
             self.finish()
-        self._changed.set()
+        self._wake()
 
     def finish(self) -> None:
         """No env will record again: the next take hands over everything."""
         self.finished = True
-        self._changed.set()
+        self._wake()
 
     # ---------------------------------------------------------------- learner side
 
@@ -193,9 +194,13 @@ class RolloutQueue:
         """Segments for update ``update`` (see module docstring); ``None`` once finished and empty."""
         await self.wait_due()
         limit = update - self.max_lag  # transitions of versions <= limit are due now
-        while not self.finished and self._stale_inflight(limit):
-            self._changed.clear()
-            await self._changed.wait()
+        self._stale_limit = limit
+        try:
+            while not self.finished and self._stale_inflight(limit):
+                self._changed.clear()
+                await self._changed.wait()
+        finally:
+            self._stale_limit = None
         if self.finished:
             for env_id, seg in enumerate(self.open):
                 if seg is not None and seg.n:
@@ -240,27 +245,25 @@ def collate(segments: list[Segment], learner_version: int):
     for i, s in enumerate(segments):
         mask[i, : s.n] = True
 
-    def pad(get, fill=0):
-        first = get(segments[0])
-        if isinstance(first, dict):
-            return {k: pad(lambda s, k=k: get(s)[k], fill) for k in first}
-        out = np.full((S, T, *first.shape[1:]), fill, dtype=first.dtype)
-        for i, s in enumerate(segments):
-            out[i, : s.n] = get(s)[: s.n]
+    def pad_leaf(*bufs, fill):  # one leaf of every segment's buffer: [capacity, ...] each
+        out = np.full((S, T, *bufs[0].shape[1:]), fill, dtype=bufs[0].dtype)
+        for i, (s, buf) in enumerate(zip(segments, bufs)):
+            out[i, : s.n] = buf[: s.n]
         return torch.from_numpy(out)
 
-    def stack(xs):
-        if isinstance(xs[0], dict):
-            return {k: stack([x[k] for x in xs]) for k in xs[0]}
-        return torch.from_numpy(np.stack([np.asarray(x) for x in xs]))
+    def pad(get, fill=0):
+        return tree_map(lambda *bufs: pad_leaf(*bufs, fill=fill), *(get(s) for s in segments))
+
+    def stack_torch(xs):
+        return tree_map(torch.from_numpy, stack(xs))
 
     finals = [(i, t, o) for i, s in enumerate(segments) for t, o in sorted(s.final_obs.items())]
-    boot = stack([s.bootstrap_obs for s in segments])
+    boot = stack_torch([s.bootstrap_obs for s in segments])
     if finals:
-        final_obs = stack([o for _, _, o in finals])
+        final_obs = stack_torch([o for _, _, o in finals])
         final_index = torch.tensor([(i, t) for i, t, _ in finals], dtype=torch.int64)
     else:
-        final_obs = boot[:0] if not isinstance(boot, dict) else {k: v[:0] for k, v in boot.items()}
+        final_obs = index(boot, slice(0, 0))
         final_index = torch.zeros((0, 2), dtype=torch.int64)
     return Batch(
         obs=pad(lambda s: s.obs),

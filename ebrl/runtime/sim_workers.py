@@ -28,13 +28,13 @@ import gymnasium as gym
 import numpy as np
 
 from ebrl.config import SimBackend
-from ebrl.runtime.sim_pool import (
+from ebrl.runtime.sim_types import (
     EnvFn,
     EnvStepError,
     SimPool,
     StepOut,
-    _describe,
     close_quietly,
+    describe,
     step_env,
 )
 
@@ -88,7 +88,7 @@ def _worker_main(conn, env_fn: EnvFn, env_ids: list[int], num_envs: int) -> None
             for i in env_ids:
                 envs[i] = env_fn(i)
         except Exception as exc:
-            conn.send_bytes(pickle.dumps(("error", _describe(exc))))
+            conn.send_bytes(pickle.dumps(("error", describe(exc))))
             return
         first = envs[env_ids[0]]
         conn.send_bytes(pickle.dumps(("ready", first.observation_space, first.action_space)))
@@ -119,7 +119,7 @@ def _step_shared(envs: dict[int, gym.Env], shm: SharedArrays, ids: np.ndarray) -
         try:
             out = step_env(envs[i], shm.act[i].copy())
         except Exception as exc:
-            extras[i] = ("error", _describe(exc))
+            extras[i] = ("error", describe(exc))
             continue
         shm.obs[i] = out.obs
         shm.reward[i] = out.reward
@@ -147,7 +147,7 @@ def _serve(envs: dict[int, gym.Env], env_fn: EnvFn, requests: list[tuple[str, in
                 envs[i] = env_fn(i)
                 replies.append((i, True, None))
         except Exception as exc:
-            replies.append((i, False, _describe(exc)))
+            replies.append((i, False, describe(exc)))
     return replies
 
 

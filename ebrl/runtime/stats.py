@@ -21,6 +21,7 @@ class RunStats:
     dropped: Counter = field(default_factory=Counter)  # reason -> transitions
     env_failures: int = 0  # env.step or reset calls that raised
     updates: int = 0
+    learner_wakeups: int = 0  # times the rollout queue woke the learner (a segment closed, a driver blocked, ...)
     lag: Counter = field(default_factory=Counter)  # policy lag -> trained transitions
     gen_batches: Counter = field(default_factory=Counter)  # batch size -> count
     gen_wait_max_s: float = 0.0  # longest a request waited for its batch to start
@@ -83,6 +84,7 @@ class RunResult:
     # fraction of wall_s each stage was busy: "generator" and "learner" always (from their busy
     # counters), "sim" (mean over envs) when run() was given a timeline
     busy: dict[str, float] = field(default_factory=dict)
+    learner_wakeups: int = 0  # the rollout queue woke the learner this often (not once per env step)
 
     def accounting_ok(self) -> bool:
         return self.env_steps == self.trained + sum(self.dropped.values()) + self.in_flight_at_stop
@@ -120,4 +122,5 @@ def summarize(stats: RunStats, *, schedule: str, wall_s: float, in_flight: int, 
         steps_per_env=steps_per_env,
         metrics=dict(stats.last_metrics),
         history=history,
+        learner_wakeups=stats.learner_wakeups,
     )

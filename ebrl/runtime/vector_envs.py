@@ -33,7 +33,8 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from ebrl.runtime.sim_pool import StepOut, own
+from ebrl.runtime.sim_types import StepOut
+from ebrl.spaces import all_finite, copy_tree, finite_rows, unstack
 
 SAME_STEP, DISABLED = gym.vector.AutoresetMode.SAME_STEP, gym.vector.AutoresetMode.DISABLED
 
@@ -56,26 +57,6 @@ def check_vector_env(venv: Any, index: int, vector_size: int) -> None:
 def autoreset_mode(venv: gym.vector.VectorEnv) -> gym.vector.AutoresetMode:
     mode = venv.metadata.get("autoreset_mode", gym.vector.AutoresetMode.NEXT_STEP)
     return gym.vector.AutoresetMode(mode) if isinstance(mode, str) else mode
-
-
-def _rows(batch: Any, n: int) -> list[Any]:
-    """Per-env views of a batched observation (an array or a dict of arrays)."""
-    if isinstance(batch, dict):
-        cols = {k: _rows(v, n) for k, v in batch.items()}
-        return [{k: col[i] for k, col in cols.items()} for i in range(n)]
-    return list(batch)
-
-
-def _finite_rows(batch: Any, n: int) -> np.ndarray:
-    if isinstance(batch, dict):
-        ok = np.ones(n, bool)
-        for v in batch.values():
-            ok &= _finite_rows(v, n)
-        return ok
-    a = np.asarray(batch)
-    if a.dtype.kind not in "fc":
-        return np.ones(n, bool)
-    return np.isfinite(a.reshape(n, -1)).all(axis=1)
 
 
 def row_info(infos: dict, i: int) -> dict:
@@ -115,7 +96,7 @@ def reset_vector_env(venv: gym.vector.VectorEnv, seed: list[int | None] | dict[i
     else:
         obs, infos = venv.reset(seed=seed)
         rows = range(n)
-    obs = _rows(own(obs), n)
+    obs = unstack(copy_tree(obs), n)
     return {i: obs[i] for i in rows}, {i: row_info(infos, i) for i in rows}
 
 
@@ -127,9 +108,9 @@ def step_vector_env(venv: gym.vector.VectorEnv, actions: Any) -> list[StepOut]:
     terminated = np.asarray(terminated, bool).reshape(n)
     truncated = np.asarray(truncated, bool).reshape(n)
     done = terminated | truncated
-    obs = own(obs)
-    finite = _finite_rows(obs, n) & np.isfinite(rewards)
-    rows = _rows(obs, n)
+    obs = copy_tree(obs)
+    finite = finite_rows(obs, n) & np.isfinite(rewards)
+    rows = unstack(obs, n)
     row_infos = [row_info(infos, i) for i in range(n)] if infos else [{} for _ in range(n)]
     final_obs: dict[int, Any] = {}
     final_info: dict[int, dict] = {}
@@ -140,19 +121,14 @@ def step_vector_env(venv: gym.vector.VectorEnv, actions: Any) -> list[StepOut]:
             reset_obs, reset_infos = reset_vector_env(venv, {i: None for i in final_obs})
             for i, o in reset_obs.items():
                 rows[i], row_infos[i] = o, reset_infos[i]
-                finite[i] &= _finite_rows(_batch1(o), 1)[0]
+                finite[i] &= all_finite(o)
         else:  # SAME_STEP: the venv reset them already; infos are the new episodes'
             for i in np.flatnonzero(done):
-                final_obs[int(i)] = own(infos["final_obs"][i])
+                final_obs[int(i)] = copy_tree(infos["final_obs"][i])
                 final_info[int(i)] = row_info(infos.get("final_info", {}), i)
-                finite[i] &= _finite_rows(_batch1(final_obs[int(i)]), 1)[0]
+                finite[i] &= all_finite(final_obs[int(i)])
     cost = _vector_cost(venv)
     return [StepOut(rows[i], float(rewards[i]), bool(terminated[i]), bool(truncated[i]), row_infos[i],
                     final_obs.get(i), final_info.get(i), cost, bool(finite[i]))
             for i in range(n)]
 
-
-def _batch1(obs: Any) -> Any:
-    if isinstance(obs, dict):
-        return {k: _batch1(v) for k, v in obs.items()}
-    return np.asarray(obs)[None]
