@@ -80,12 +80,15 @@ def _rounds(reports: dict[str, dict]) -> str:
 
 
 def overhead_table(rep: dict) -> str:
-    lines = ["Runtime overhead (`ebrl bench overhead`: no-op env and policy, inline backend, one core):", "",
-             "| configuration | env steps/s | µs per env step |", "|---|---:|---:|"]
+    lines = ["Runtime overhead (`ebrl bench overhead`: no-op env and policy; inline rows on one core, thread and "
+             "process rows on the whole machine):", "",
+             "| configuration, sim backend | env steps/s | wall µs per env step | main-process CPU µs per env step |",
+             "|---|---:|---:|---:|"]
     for runner, figs in rep["summary"].get("noop", {}).items():
-        lines.append(f"| {runner} | {fmt_spread(figs['steps_per_s'])} | {fmt_spread(figs['us_per_step'])} |")
+        lines.append(f"| {runner} | {fmt_spread(figs['steps_per_s'])} | {fmt_spread(figs['us_per_step'])} "
+                     f"| {fmt_spread(figs.get('cpu_us_per_step'))} |")
     for t in rep.get("targets", []):
-        lines.append(f"| target: {t['figure'].removeprefix('noop: ')} {t['target']} | | "
+        lines.append(f"| target: {t['figure'].removeprefix('noop: ')} {t['target']} | | | "
                      f"{'met' if t['met'] else '**missed**'} |")
     return "\n".join(lines)
 

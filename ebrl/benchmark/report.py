@@ -87,12 +87,14 @@ def fmt_target_value(t: dict) -> str:
 
 
 def summary_lines(report: dict) -> list[tuple]:
-    """(case, runner, steps/s, µs/step, CPU, return) per runner, every figure as a spread."""
+    """(case, runner, steps/s, µs/step, main-process CPU µs/step, CPU, return) per runner, every
+    figure as a spread."""
     out = []
     for case, runners in report.get("summary", {}).items():
         for runner, figs in runners.items():
             out.append((case, runner, fmt_spread(figs.get("steps_per_s")), fmt_spread(figs.get("us_per_step")),
-                        fmt_spread(figs.get("cpu_util"), pct=True), fmt_spread(figs.get("mean_return"))))
+                        fmt_spread(figs.get("cpu_us_per_step")), fmt_spread(figs.get("cpu_util"), pct=True),
+                        fmt_spread(figs.get("mean_return"))))
     return out
 
 
@@ -106,7 +108,7 @@ def print_report(name: str, report: dict, json_path: Path) -> None:
     meta = report["meta"]
     table = Table(title=f"ebrl bench {name}" + (" (quick)" if meta.get("quick") else "")
                   + f": median (min-max) over {meta.get('rounds', 1)} round(s)")
-    headers = ("case", "runner", "env steps/s", "µs/step", "CPU", "mean return")
+    headers = ("case", "runner", "env steps/s", "µs/step", "main CPU µs/step", "CPU", "mean return")
     lines = summary_lines(report)
     keep = [i for i in range(len(headers)) if any(line[i] != "n/a" for line in lines)]
     for i in keep:
@@ -137,7 +139,8 @@ def results_markdown(name: str, report: dict) -> str:
              f"commit {meta.get('commit', '?')}; median (min-max) over {meta.get('rounds', 1)} round(s).", ""]
     rows = summary_lines(report)
     if rows:
-        headers = ("case", "runner", "env steps/s (end to end)", "µs/step", "CPU util", "mean return")
+        headers = ("case", "runner", "env steps/s (end to end)", "µs/step", "main-process CPU µs/step", "CPU util",
+                   "mean return")
         keep = [i for i in range(len(headers)) if any(r[i] != "n/a" for r in rows)]
         lines += ["| " + " | ".join(headers[i] for i in keep) + " |",
                   "|" + "|".join("---" if i < 2 else "---:" for i in keep) + "|"]
