@@ -262,3 +262,38 @@ def test_lag_bound_holds_against_the_weights_that_acted(backend, learner, lag, n
     assert max(row["vb_lag_max"] for row in h) == lag  # within the bound, and the bound is reached
     assert res.lag_max == lag
     assert tr.policy.weights_version == res.updates  # the trained weights came back (learner process too)
+
+
+def test_auto_backend_probe_runs_off_the_event_loop():
+    """The AUTO probe builds and steps ``env_fn(0)`` in a thread of its own, so ``run()`` does
+    not block the caller's loop while it measures. The probe's env waits until a coroutine on
+    the loop has run: had the probe blocked the loop, that could never happen and it raises."""
+    import threading
+
+    from ebrl.testing import MockEnv, MockPolicy, NoopAlgo
+
+    loop_ran, seen = threading.Event(), []
+
+    def env_fn(i):
+        seen.append(threading.current_thread().name)
+        if len(seen) == 1 and not loop_ran.wait(10):
+            raise RuntimeError("the event loop stayed blocked while the probe ran")
+        return MockEnv(dim=3)
+
+    trainer = ebrl.Trainer(env_fn, MockPolicy(act_dim=3), NoopAlgo(),
+                           ebrl.RunConfig(num_envs=2, segment_len=16, total_env_steps=64))
+
+    async def main():
+        async def tick():
+            await asyncio.sleep(0)
+            loop_ran.set()
+
+        ticker = asyncio.create_task(tick())
+        result = await ebrl.run(trainer)
+        await ticker
+        return result
+
+    result = asyncio.run(main())
+    assert result.env_steps == 64 and result.accounting_ok()
+    assert seen[0].startswith("ebrl-sim-probe")
+    assert not any(t.name.startswith("ebrl-sim-probe") for t in threading.enumerate())

@@ -32,7 +32,7 @@ from ebrl.runtime.schedules import (
     generation_target,
     is_lockstep,
 )
-from ebrl.runtime.sim_pool import make_sim_pool
+from ebrl.runtime.sim_pool import make_sim_pool, probe_backend
 from ebrl.runtime.stats import RunResult, RunStats, summarize
 from ebrl.runtime.virtual_time import is_virtual
 from ebrl.telemetry.logging import get_logger
@@ -59,11 +59,14 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
     cfg = trainer.config
     loop = asyncio.get_running_loop()
     virtual = is_virtual(loop)
+    backend = SimBackend.INLINE if virtual else None
+    if backend is None and cfg.sim.backend is SimBackend.AUTO and cfg.sim.vector_size == 1:
+        backend, _ = await probe_backend(trainer.env_fn, cfg.sim)  # off the loop: the caller's tasks run on
     old_threads = torch.get_num_threads()
     if cfg.torch_threads is not None:
         torch.set_num_threads(cfg.torch_threads)
     stats = RunStats()
-    pool = make_sim_pool(trainer.env_fn, cfg.num_envs, cfg.sim, SimBackend.INLINE if virtual else None)
+    pool = make_sim_pool(trainer.env_fn, cfg.num_envs, cfg.sim, backend)
     lockstep, lag = is_lockstep(cfg.schedule), effective_lag(cfg)
     rollout = RolloutQueue(cfg.num_envs, cfg.segment_len, cfg.segments_per_batch, lag, stats, lockstep)
     generator = Generator(copy.deepcopy(trainer.policy), batch_target=generation_target(cfg),

@@ -31,8 +31,10 @@ names are importable from here too, as before the split.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from ebrl.config import ConfigError, SimBackend, SimConfig
 from ebrl.runtime.sim_local import InlineSimPool, ThreadSimPool
@@ -54,7 +56,7 @@ own = copy_tree  # the name this module gave it before the split
 __all__ = [
     "EnvFn", "EnvStepError", "InlineSimPool", "ProcessSimPool", "SimPool", "StepOut", "ThreadSimPool",
     "all_finite", "choose_backend", "close_quietly", "decide_backend", "make_sim_pool", "measure_step_cost",
-    "own", "reset_env", "single_spaces", "step_env",
+    "own", "probe_backend", "reset_env", "single_spaces", "step_env",
 ]
 
 
@@ -97,6 +99,18 @@ def decide_backend(cost_s: float, releases_gil: bool, cfg: SimConfig, cpus: int 
 def choose_backend(env_fn: EnvFn, cfg: SimConfig) -> tuple[SimBackend, float]:
     cost, releases_gil = measure_step_cost(env_fn)
     return decide_backend(cost, releases_gil, cfg), cost
+
+
+async def probe_backend(env_fn: EnvFn, cfg: SimConfig) -> tuple[SimBackend, float]:
+    """:func:`choose_backend` in a private thread, so the AUTO probe (a few hundred steps of
+    ``env_fn(0)``: about 0.7 s for an env with 1 ms steps) never blocks the event loop. The
+    thread is joined before this returns (no thread outlives the run)."""
+    loop = asyncio.get_running_loop()
+    executor = ThreadPoolExecutor(1, thread_name_prefix="ebrl-sim-probe")
+    try:
+        return await loop.run_in_executor(executor, choose_backend, env_fn, cfg)
+    finally:
+        executor.shutdown(wait=True)  # on cancel too: the probe is bounded, and must not outlive us
 
 
 def make_sim_pool(env_fn: EnvFn, num_envs: int, cfg: SimConfig, backend: SimBackend | None = None) -> SimPool:
