@@ -98,6 +98,13 @@ def summary_lines(report: dict) -> list[tuple]:
     return out
 
 
+def summary_columns(report: dict) -> tuple[list[int], list[tuple]]:
+    """:func:`summary_lines` and the indices of the columns that hold a figure in some line."""
+    lines = summary_lines(report)
+    width = len(lines[0]) if lines else 0
+    return [i for i in range(width) if i < 2 or any(line[i] != "n/a" for line in lines)], lines
+
+
 def targets_line(report: dict) -> str:
     targets = report.get("targets", [])
     return f"targets met: {sum(t['met'] for t in targets)} of {len(targets)}"
@@ -109,8 +116,7 @@ def print_report(name: str, report: dict, json_path: Path) -> None:
     table = Table(title=f"ebrl bench {name}" + (" (quick)" if meta.get("quick") else "")
                   + f": median (min-max) over {meta.get('rounds', 1)} round(s)")
     headers = ("case", "runner", "env steps/s", "µs/step", "main CPU µs/step", "CPU", "mean return")
-    lines = summary_lines(report)
-    keep = [i for i in range(len(headers)) if any(line[i] != "n/a" for line in lines)]
+    keep, lines = summary_columns(report)
     for i in keep:
         table.add_column(headers[i], justify="left" if i < 2 else "right")
     for line in lines:
@@ -137,11 +143,10 @@ def results_markdown(name: str, report: dict) -> str:
     lines = [f"### `{meta['command']}`", "", f"{meta.get('description', '')}", "",
              f"{meta['date']}; {meta['cpus']} CPUs ({meta.get('cpu_model', '?')}); {versions}; "
              f"commit {meta.get('commit', '?')}; median (min-max) over {meta.get('rounds', 1)} round(s).", ""]
-    rows = summary_lines(report)
+    keep, rows = summary_columns(report)
     if rows:
         headers = ("case", "runner", "env steps/s (end to end)", "µs/step", "main-process CPU µs/step", "CPU util",
                    "mean return")
-        keep = [i for i in range(len(headers)) if any(r[i] != "n/a" for r in rows)]
         lines += ["| " + " | ".join(headers[i] for i in keep) + " |",
                   "|" + "|".join("---" if i < 2 else "---:" for i in keep) + "|"]
         lines += ["| " + " | ".join(r[i] for i in keep) + " |" for r in rows]

@@ -30,6 +30,7 @@ Example (a tiny suite; ``ebrl bench SUITE`` runs the bundled ones)::
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import time
@@ -124,6 +125,7 @@ def measure_schedule(suite: Suite, env_fn, schedule: str, steps: int, seed: int,
     }
 
 
+@functools.cache  # once per process: the import stays out of every measured run
 def load_peer_module(stem: str):
     """A file of ``bench/peers/`` (not a package: loaded by path)."""
     path = PEERS_DIR / f"{stem}.py"
@@ -136,18 +138,19 @@ def load_peer_module(stem: str):
 def measure_peer(suite: Suite, env_fn, kind: str, steps: int, seed: int) -> dict:
     """``kind``: ``sync``/``async`` (gymnasium vector env, EBRL's policy and PPO) or ``cleanrl``
     (CleanRL's own networks and PPO loop, with the suite's PPO sizes: same training work)."""
+    module = load_peer_module("cleanrl_ppo" if kind == "cleanrl" else "gym_vector")
     meter = CpuMeter()
     common = dict(num_envs=suite.num_envs, segment_len=suite.segment_len, total_env_steps=steps, seed=seed)
     if kind == "cleanrl":
         ppo = suite.algo_fn(seed).config
-        out = load_peer_module("cleanrl_ppo").run_cleanrl(
+        out = module.run_cleanrl(
             env_fn, lr=ppo.lr, update_epochs=ppo.update_epochs, minibatch_size=ppo.minibatch_size,
             gamma=ppo.gamma, gae_lambda=ppo.gae_lambda, **common)
     else:
         probe = env_fn(0)
         policy = suite.policy_fn(probe.observation_space, probe.action_space, seed)
         probe.close()
-        out = load_peer_module("gym_vector").run_peer(kind, env_fn, policy, suite.algo_fn(seed), **common)
+        out = module.run_peer(kind, env_fn, policy, suite.algo_fn(seed), **common)
     return {"runner": out["peer"], "env_steps": out["env_steps"], "wall_s": out["wall_s"],
             "steps_per_s": out["steps_per_s"], "rollout_steps_per_s": out["rollout_steps_per_s"],
             "updates": out["updates"], "mean_return": out["mean_return"], **meter.read()}

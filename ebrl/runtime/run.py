@@ -59,9 +59,8 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
     cfg = trainer.config
     loop = asyncio.get_running_loop()
     virtual = is_virtual(loop)
-    backend = SimBackend.INLINE if virtual else None
-    if backend is None and cfg.sim.backend is SimBackend.AUTO and cfg.sim.vector_size == 1:
-        backend, _ = await probe_backend(trainer.env_fn, cfg.sim)  # off the loop: the caller's tasks run on
+    # AUTO is probed off the loop: the caller's tasks run on meanwhile
+    backend = SimBackend.INLINE if virtual else await probe_backend(trainer.env_fn, cfg.sim)
     old_threads = torch.get_num_threads()
     if cfg.torch_threads is not None:
         torch.set_num_threads(cfg.torch_threads)

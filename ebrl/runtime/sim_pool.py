@@ -101,14 +101,18 @@ def choose_backend(env_fn: EnvFn, cfg: SimConfig) -> tuple[SimBackend, float]:
     return decide_backend(cost, releases_gil, cfg), cost
 
 
-async def probe_backend(env_fn: EnvFn, cfg: SimConfig) -> tuple[SimBackend, float]:
-    """:func:`choose_backend` in a private thread, so the AUTO probe (a few hundred steps of
-    ``env_fn(0)``: about 0.7 s for an env with 1 ms steps) never blocks the event loop. The
-    thread is joined before this returns (no thread outlives the run)."""
+async def probe_backend(env_fn: EnvFn, cfg: SimConfig) -> SimBackend:
+    """``cfg.backend``, with AUTO for plain envs resolved by :func:`choose_backend` in a private
+    thread, so the probe (a few hundred steps of ``env_fn(0)``: about 0.7 s for an env with 1 ms
+    steps) never blocks the event loop. The thread is joined before this returns (no thread
+    outlives the run). Vector envs keep AUTO: :func:`make_sim_pool` gives them threads unprobed."""
+    if cfg.backend is not SimBackend.AUTO or cfg.vector_size > 1:
+        return cfg.backend
     loop = asyncio.get_running_loop()
     executor = ThreadPoolExecutor(1, thread_name_prefix="ebrl-sim-probe")
     try:
-        return await loop.run_in_executor(executor, choose_backend, env_fn, cfg)
+        backend, _ = await loop.run_in_executor(executor, choose_backend, env_fn, cfg)
+        return backend
     finally:
         executor.shutdown(wait=True)  # on cancel too: the probe is bounded, and must not outlive us
 
