@@ -99,6 +99,18 @@ def stack(xs: list[Any]) -> Any:
     return np.stack(xs)
 
 
+def concat(batches: list[Any]) -> Any:
+    """One batch from several batches of the same keys (rows one after another).
+
+        >>> concat([{"a": np.zeros((2, 3))}, {"a": np.ones((1, 3))}])["a"].shape
+        (3, 3)
+    """
+    first = batches[0]
+    if isinstance(first, dict):
+        return {k: concat([b[k] for b in batches]) for k in first}
+    return np.concatenate(batches)
+
+
 def unstack(batch: Any, n: int) -> list[Any]:
     """The ``n`` rows of a batch, as a list of trees (views, not copies); the inverse of :func:`stack`.
 

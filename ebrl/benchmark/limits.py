@@ -13,7 +13,9 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from ebrl.spaces import batch_of_one, stack
+import numpy as np
+
+from ebrl.spaces import batch_of_one, copy_tree, stack
 
 if TYPE_CHECKING:
     from ebrl.benchmark.suite import Suite
@@ -89,26 +91,33 @@ def generation_capacity(suite: Suite, env_fn, seed: int = 0) -> tuple[float, int
 def training_capacity(suite: Suite, env_fn, seed: int = 0) -> float:
     """Env steps/s the algorithm trains on alone (one update on a batch of num_envs x T steps)."""
     from ebrl.runtime.learner import update_once
-    from ebrl.runtime.rollout import Segment
+    from ebrl.runtime.rollout import RolloutQueue, collate
+    from ebrl.runtime.stats import RunStats
 
     env = env_fn(0)
     policy = suite.policy_fn(env.observation_space, env.action_space, seed)
     algo = suite.algo_fn(seed)
+    n, T = suite.num_envs, suite.segment_len
+    rollout = RolloutQueue(n, T, n, 0, RunStats())
     obs, _ = env.reset(seed=seed)
-    segments = []
-    for s in range(suite.num_envs):
-        seg = Segment(s, s, suite.segment_len)
-        for _ in range(suite.segment_len):
-            act = policy.act(batch_of_one(obs))
+    for s in range(n):  # one env plays every segment in turn, recorded as the runtime records it
+        ids = np.array([s])
+        rollout.set_obs(ids, batch_of_one(obs))
+        for _ in range(T):
+            act = policy.act(rollout.current_obs(ids))
             nxt, r, term, trunc, _ = env.step(act.env_actions[0])
-            seg.add(obs, act.actions[0], act.logprobs[0], act.values[0], 0, r, term, trunc, nxt, nxt)
-            obs = env.reset()[0] if term or trunc else nxt
-        segments.append(seg)
+            finals = {0: copy_tree(nxt)} if trunc and not term else {}
+            if term or trunc:
+                nxt = env.reset()[0]
+            rollout.record(ids, act.actions, act.logprobs, act.values, np.zeros(1, np.int64), np.array([r]),
+                           np.array([term]), np.array([trunc]), batch_of_one(nxt), finals)
+        obs = nxt
     env.close()
-    update_once(policy, algo, segments, 0)  # warm-up: optimiser state, lazy imports
+    slots = list(rollout.closed)
+    update_once(policy, algo, collate(rollout, slots, 0))  # warm-up: optimiser state, lazy imports
     t0 = time.perf_counter()
-    update_once(policy, algo, segments, 1)
-    return suite.num_envs * suite.segment_len / (time.perf_counter() - t0)
+    update_once(policy, algo, collate(rollout, slots, 1))
+    return n * T / (time.perf_counter() - t0)
 
 
 def physical_limit(suite: Suite, env_fn, quick: bool) -> dict:

@@ -1,5 +1,5 @@
-"""The runtime's parts, one file a role: ``run`` (the TaskGroup), ``env_task`` (env drivers),
+"""The runtime's parts, one file a role: ``run`` (the TaskGroup), ``drivers`` (the driver core: blocks in, requests out), ``state`` (RunState),
 ``sim_types``/``sim_local``/``sim_workers``/``sim_pool`` and ``vector_envs`` (where simulation runs: shared
 types, inline and thread pools, worker processes, the backend choice), ``generation`` (dynamic
-batching), ``rollout`` (segments and policy lag), ``learner``, ``schedules``, ``stats``,
+batching), ``rollout`` (batch-first storage and policy lag), ``learner``, ``schedules``, ``stats``,
 ``profiler`` and ``virtual_time``. Most users need only :func:`ebrl.run`."""

@@ -1,8 +1,10 @@
-"""Generator: the inference server that turns many ``act()`` requests into few policy calls.
+"""Generator: the inference server that turns many action requests into few policy calls.
 
-A batch runs as soon as one of three things holds:
+A request is a block of envs (the envs whose steps just finished, or a vector env's rows), with
+their observations as one array tree, and a callback that receives the actions. A batch runs as
+soon as one of three things holds:
 
-1. ``batch_target`` requests are waiting;
+1. ``batch_target`` rows are waiting;
 2. every live env is waiting (nobody else can arrive, so waiting longer only idles);
 3. the oldest request has waited as long as one batch takes (a running average), and
    never longer than ``max_wait_s``: waiting longer than a batch costs would delay the
@@ -11,7 +13,8 @@ A batch runs as soon as one of three things holds:
 One batch runs at a time, off the event loop in a worker thread once batches cost more
 than a thread hop (``Offload.AUTO``), so simulation results keep flowing while the policy
 runs. New weights are swapped in between batches, never during one, and every action is
-tagged with the version of the weights that produced it.
+tagged with the version of the weights that produced it. No future or task per request:
+the batch calls each request's callback with its rows of the result.
 
     >>> import asyncio, numpy as np
     >>> from ebrl.runtime.generation import Generator
@@ -19,11 +22,15 @@ tagged with the version of the weights that produced it.
     >>> async def demo():
     ...     gen = Generator(MockPolicy(act_dim=2), batch_target=4, max_wait_s=0.01, live=4)
     ...     server = asyncio.create_task(gen.serve())
-    ...     replies = await asyncio.gather(*(gen.act(i, np.zeros(3, np.float32)) for i in range(4)))
+    ...     got = []
+    ...     for ids in ([0, 1], [2, 3]):   # two blocks of two envs
+    ...         gen.request(np.array(ids), np.zeros((2, 3), np.float32),
+    ...                     lambda ids, res, lo, hi, version: got.append((ids.tolist(), lo, hi, version)))
+    ...     await gen.act(5, np.zeros(3, np.float32))  # one env, awaited: joins the same batch
     ...     server.cancel()
-    ...     return [version for _, _, version in replies], dict(gen.batch_sizes)
+    ...     return got, dict(gen.batch_sizes)
     >>> asyncio.run(demo())
-    ([0, 0, 0, 0], {4: 1})
+    ([([0, 1], 0, 2, 0), ([2, 3], 2, 4, 0)], {5: 1})
 """
 
 from __future__ import annotations
@@ -35,38 +42,43 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ebrl.config import Offload
 from ebrl.policies.base import ActResult
+from ebrl.runtime.state import RunState
 from ebrl.runtime.virtual_time import is_virtual
-from ebrl.spaces import stack
+from ebrl.spaces import batch_of_one, concat
 
 if TYPE_CHECKING:
     from ebrl.runtime.profiler import Timeline
 
 # What act() returns: the batch's result, this request's row in it, and the policy version.
 ActReply = tuple[ActResult, int, int]
+# A request's callback: (env ids, the batch's result, first row, end row, policy version).
+OnActions = Callable[[np.ndarray, ActResult, int, int, int], None]
 
 
 class Generator:
     """Dynamic batching in front of ``policy.act``."""
 
-    def __init__(self, policy, *, batch_target: int, max_wait_s: float, live: int,
-                 offload: Offload = Offload.AUTO, inline_below_s: float = 200e-6,
-                 on_action: Callable[[int, int], None] | None = None, timeline: Timeline | None = None):
+    def __init__(self, policy, *, batch_target: int, max_wait_s: float, live: int = 0,
+                 state: RunState | None = None, offload: Offload = Offload.AUTO, inline_below_s: float = 200e-6,
+                 on_batch: Callable[[np.ndarray, int], None] | None = None, timeline: Timeline | None = None):
         self.policy = policy
         self.batch_target = batch_target
         self.max_wait_s = max_wait_s
         self.offload = offload
         self.inline_below_s = inline_below_s
         self.version = 0
-        self.live = live  # envs that may still send a request
+        self._state = state  # where the count of live envs comes from; else ``live`` below
+        self._live = live
         self.batch_sizes: Counter = Counter()
         self.max_request_wait_s = 0.0
         self.busy_s = 0.0  # time spent in policy calls
-        self._on_action = on_action
+        self._on_batch = on_batch  # (env ids, version) as a batch forms: the rollout marks them in flight
         self._timeline = timeline  # records lane "generator", "batch" (arg: batch size) per policy call
-        # requests: (env id, obs, future, time) or, from a vector env, (env ids, obs list, future, time)
-        self._pending: list[tuple[Any, Any, asyncio.Future, float]] = []
+        self._pending: list[tuple[np.ndarray, Any, OnActions, float]] = []  # (ids, obs rows, callback, time)
         self._pending_rows = 0
         self._wake = asyncio.Event()
         self._paused = False
@@ -80,29 +92,31 @@ class Generator:
         self.batch_s_ewma = 0.0  # seconds per batch, how ever it ran: the adaptive wait
         self._virtual_cost = getattr(policy, "virtual_cost", None)
 
+    @property
+    def live(self) -> int:
+        """Envs that may still send a request."""
+        return self._state.live if self._state is not None else self._live
+
     # ---------------------------------------------------------------- requests
 
+    def request(self, ids: np.ndarray, obs: Any, on_actions: OnActions) -> None:
+        """Ask for actions for envs ``ids`` (observation rows ``obs``, a tree ``[B, ...]``); the
+        batch that serves them calls ``on_actions(ids, result, lo, hi, version)``: rows
+        ``lo:hi`` of ``result`` are theirs. They all land in the same batch."""
+        self._pending.append((ids, obs, on_actions, asyncio.get_running_loop().time()))
+        self._pending_rows += len(ids)
+        if len(self._pending) == 1 or self._due():
+            self._wake.set()
+
     async def act(self, env_id: int, obs: Any) -> ActReply:
-        """Wait for an action for ``obs``; returns ``(result, row, version)``."""
+        """One env's action, awaited (tests and tools; the runtime's hot path uses :meth:`request`)."""
         fut = asyncio.get_running_loop().create_future()
-        self._pending.append((env_id, obs, fut, asyncio.get_running_loop().time()))
-        self._pending_rows += 1
-        if len(self._pending) == 1 or self._due():
-            self._wake.set()
+        self.request(np.array([env_id]), batch_of_one(obs),
+                     lambda ids, res, lo, hi, v: fut.done() or fut.set_result((res, lo, v)))
         return await fut
 
-    async def act_many(self, env_ids: list[int], obs: list[Any]) -> list[ActReply]:
-        """One request for several envs (a vector env's); they land in the same batch."""
-        fut = asyncio.get_running_loop().create_future()
-        self._pending.append((env_ids, obs, fut, asyncio.get_running_loop().time()))
-        self._pending_rows += len(env_ids)
-        if len(self._pending) == 1 or self._due():
-            self._wake.set()
-        return await fut
-
-    def set_live(self, delta: int) -> None:
-        """An env stopped (-1) or resumed (+1) sending requests: the 'everyone waits' rule changes."""
-        self.live += delta
+    def poke(self) -> None:
+        """The count of live envs changed: the 'everyone waits' rule may now hold."""
         if self._pending and self._due():
             self._wake.set()
 
@@ -153,8 +167,7 @@ class Generator:
             if self._executor is not None:
                 self._executor.shutdown(wait=True, cancel_futures=True)
                 self._executor = None
-            for _, _, fut, _ in self._pending:
-                fut.cancel()
+            self._pending.clear()
 
     async def _run_batch(self, loop: asyncio.AbstractEventLoop, virtual: bool) -> None:
         batch, self._pending = self._pending, []
@@ -165,17 +178,15 @@ class Generator:
             self.policy.load_state_dict(state)
         now = loop.time()
         self.max_request_wait_s = max(self.max_request_wait_s, now - batch[0][3])
-        if rows == len(batch):
-            obs = stack([item[1] for item in batch])
-            env_ids = [item[0] for item in batch]
-        else:  # some requests carry several envs
-            obs = stack([o for item in batch for o in (item[1] if isinstance(item[0], list) else (item[1],))])
-            env_ids = [i for item in batch for i in (item[0] if isinstance(item[0], list) else (item[0],))]
-        if self._on_action is not None:
+        if len(batch) == 1:
+            env_ids, obs = batch[0][0], batch[0][1]
+        else:
+            env_ids = np.concatenate([item[0] for item in batch])
+            obs = concat([item[1] for item in batch])
+        if self._on_batch is not None:
             # the version is fixed now: mark the actions in flight before the policy runs, so a
             # learner cut taken meanwhile waits for them instead of missing them
-            for env_id in env_ids:
-                self._on_action(env_id, self.version)
+            self._on_batch(env_ids, self.version)
         self._idle.clear()
         try:
             t0, cpu0 = time.perf_counter(), time.thread_time()
@@ -196,23 +207,16 @@ class Generator:
                 await asyncio.sleep(spent)
             self.busy_s += spent
             self.batch_s_ewma = 0.8 * self.batch_s_ewma + 0.2 * spent
-        except BaseException as exc:
-            for _, _, fut, _ in batch:
-                if not fut.done():
-                    fut.set_exception(exc) if isinstance(exc, Exception) else fut.cancel()
-            raise
         finally:
             self._idle.set()
         if self._timeline is not None:
             self._timeline.record("generator", "batch", now, loop.time(), rows)
         self.batch_sizes[rows] += 1
-        version = self.version
-        row = 0
-        for ids, _, fut, _ in batch:
-            n = len(ids) if isinstance(ids, list) else 0
-            if not fut.done():
-                fut.set_result([(result, r, version) for r in range(row, row + n)] if n else (result, row, version))
-            row += n or 1
+        version, lo = self.version, 0
+        for ids, _, on_actions, _ in batch:
+            hi = lo + len(ids)
+            on_actions(ids, result, lo, hi, version)
+            lo = hi
 
     def _use_thread(self) -> bool:
         if self.offload is Offload.THREAD:

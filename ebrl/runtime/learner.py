@@ -34,7 +34,9 @@ import torch
 
 from ebrl.checkpoint import algo_state, write_checkpoint
 from ebrl.runtime.generation import Generator
-from ebrl.runtime.rollout import RolloutQueue, Segment, collate
+from ebrl.algos.batch import Batch
+from ebrl.runtime.rollout import RolloutQueue, collate
+from ebrl.runtime.state import RunState
 from ebrl.runtime.stats import RunStats
 from ebrl.runtime.virtual_time import is_virtual
 from ebrl.telemetry.logging import get_logger
@@ -51,9 +53,8 @@ def snapshot(state: dict) -> dict:
     return {k: (v.detach().clone() if hasattr(v, "detach") else v) for k, v in state.items()}
 
 
-def update_once(policy, algo, segments: list[Segment], version: int):
-    """Collate, update, snapshot: the learner's unit of work, wherever it runs."""
-    batch = collate(segments, version)
+def update_once(policy, algo, batch: Batch):
+    """Update, snapshot: the learner's unit of work, wherever it runs."""
     lags = batch.lags.numpy()
     metrics = algo.update(policy, batch) or {}
     return {k: float(v) for k, v in metrics.items()}, snapshot(policy.state_dict()), lags
@@ -78,7 +79,7 @@ def _learner_main(conn, policy, algo, torch_threads: int | None) -> None:
             msg = _recv(conn)
             if msg[0] == "update":
                 try:
-                    metrics, state, lags = update_once(policy, algo, msg[1], msg[2])
+                    metrics, state, lags = update_once(policy, algo, msg[1])
                     _send(conn, ("ok", metrics, state, lags))
                 except Exception as exc:
                     _send(conn, ("error", "".join(traceback.format_exception(exc))))
@@ -108,9 +109,9 @@ class LearnerProcess:
         self.process.start()
         child.close()
 
-    def update(self, segments: list[Segment], version: int):
+    def update(self, batch: Batch):
         """Blocking: called from the learner's thread, which waits in the pipe without the GIL."""
-        _send(self.conn, ("update", segments, version))
+        _send(self.conn, ("update", batch))
         msg = self._recv()
         if msg[0] == "error":
             raise LearnerError("algo.update failed in the learner process:\n" + msg[1])
@@ -162,7 +163,7 @@ class Checkpointing:
 
 class Learner:
     def __init__(self, policy, algo, rollout: RolloutQueue, generator: Generator, stats: RunStats,
-                 *, pause_generation: bool, remote: LearnerProcess | None = None,
+                 state: RunState, *, pause_generation: bool, remote: LearnerProcess | None = None,
                  timeline: Timeline | None = None, checkpoint: Checkpointing | None = None,
                  metrics: MetricsLog | None = None):
         self.policy = policy
@@ -175,7 +176,7 @@ class Learner:
         self.metrics = metrics if metrics is not None else MetricsLog()  # receives one row per update
         self.busy_s = 0.0  # time in updates: loop time (virtual seconds under virtual time)
         self.untrained_in_hand = 0  # taken for an update that has not finished
-        self.stopping = False  # a stop was requested: finish the update in flight, take no more
+        self.state = state  # state.stopping: finish the update in flight, take no more
         self.t0 = 0.0  # loop time at the run's start; history times are relative to it
         self._executor: ThreadPoolExecutor | None = None
         self._virtual_cost = getattr(algo, "virtual_cost", None)
@@ -191,17 +192,17 @@ class Learner:
 
     async def run(self) -> None:
         try:
-            while not self.stopping:
+            while not self.state.stopping:
                 await self.rollout.wait_due()
-                if self.stopping:
+                if self.state.stopping:
                     return
                 if self.pause_generation:
                     # the running batch finishes first, so its actions are in flight (and awaited) before the cut
                     await self.generator.pause()
-                segments = await self.rollout.take(self.version)
-                if segments is None:
+                slots = await self.rollout.take(self.version)
+                if slots is None:
                     return
-                await self.train(segments)
+                await self.train(slots)
         finally:
             self.close()
 
@@ -214,21 +215,31 @@ class Learner:
             remote, self.remote = self.remote, None
             remote.close(self.policy, self.algo)
 
-    async def train(self, segments: list[Segment]) -> None:
+    async def train(self, slots: list[int]) -> None:
+        """Train on the rollout's ``slots``: gathered into a batch (off the loop, except under
+        virtual time), then given back to the rollout."""
         loop = asyncio.get_running_loop()
-        n = sum(s.n for s in segments)
+        n = self.rollout.steps_in(slots)
         self.untrained_in_hand = n
         t0, lt0 = time.perf_counter(), loop.time()
         virtual = is_virtual(loop)
-        if virtual:
-            metrics, state, lags = self._update(segments, self.version)
-            if self._virtual_cost is not None:
-                await asyncio.sleep(float(self._virtual_cost(n)))
-        else:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(1, thread_name_prefix="ebrl-learner")
-            work = self.remote.update if self.remote is not None else self._update
-            metrics, state, lags = await loop.run_in_executor(self._executor, work, segments, self.version)
+        rollout, version = self.rollout, self.version
+        work = self.remote.update if self.remote is not None else self._update
+        try:
+            if virtual:
+                batch = collate(rollout, slots, version)
+                rollout.release(slots)
+                slots = []
+                metrics, state, lags = self._update(batch)
+                if self._virtual_cost is not None:
+                    await asyncio.sleep(float(self._virtual_cost(n)))
+            else:
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(1, thread_name_prefix="ebrl-learner")
+                metrics, state, lags = await loop.run_in_executor(
+                    self._executor, lambda: work(collate(rollout, slots, version)))
+        finally:
+            rollout.release(slots)
         lt1 = loop.time()
         # under virtual time only the loop clock means anything (the update's cost is slept in it)
         spent = lt1 - lt0 if virtual else time.perf_counter() - t0
@@ -291,5 +302,5 @@ class Learner:
             await loop.run_in_executor(self._executor, work)
         log.info("checkpoint", path=str(cp.path), **meta)
 
-    def _update(self, segments: list[Segment], version: int):
-        return update_once(self.policy, self.algo, segments, version)
+    def _update(self, batch: Batch):
+        return update_once(self.policy, self.algo, batch)

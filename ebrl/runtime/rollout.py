@@ -1,7 +1,16 @@
-"""Segments and the RolloutQueue between the envs and the learner.
+"""Rollout storage: segments of ``T`` steps in preallocated ``[slots, T]`` arrays, and the rules
+that bound policy lag.
 
-Each env fills an open :class:`Segment` of up to ``T`` transitions, every one tagged with
-the policy version that chose its action. A full segment closes and joins the queue.
+Batch-first, as in rsl_rl: each field (observation leaves, actions, log-probs, values, rewards,
+done flags, versions) is one array ``[M, T, ...]`` of ``M`` segment slots. Each env fills an
+open slot; a block of finished steps is written with one fancy-indexed assignment per field
+(``buf[slots, pos] = rows``), never a Python loop per env. A full slot closes and joins the
+queue; the learner receives the slots' rows gathered into contiguous ``[S, T]`` arrays
+(:func:`collate`), and the slots return to the free list.
+
+The storage also keeps ``obs``, each env's current observation (the one its next or in-flight
+action is computed from): a step's record copies it into the slot, then overwrites it with the
+step's next observation. A segment's bootstrap observation is ``obs`` at the moment it closes.
 
 Bounded policy lag without waiting on stragglers: update ``u`` trains at weights version
 ``u``, so a transition made by version ``v`` must be trained by update ``v + max_lag``.
@@ -16,115 +25,108 @@ Backpressure, not dropping: an env may not start a new segment while the queue i
 Under ``async`` the queue holds ``(max_lag + 1) * S`` closed segments, so fast envs run
 ahead of slow ones; under the lockstep schedules each env holds at most one closed
 segment, which makes an update wait for the whole rollout (their defining barrier).
+
+The learner is woken only by what can make an update due or unblock a take: a segment
+closing, an env parking on a full queue, the run finishing, or a stale in-flight step
+clearing (``RunStats.learner_wakeups`` counts them).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from ebrl.runtime.state import RunState
 from ebrl.runtime.stats import RunStats
-from ebrl.spaces import empty_like, index, stack, tree_map, write
+from ebrl.spaces import index, tree_map
 
 
-class Segment:
-    """Up to ``capacity`` consecutive transitions of one env, in preallocated arrays."""
+def _alloc(like: Any, lead: tuple[int, ...]) -> Any:
+    """Zeroed storage with leading dims ``lead`` for values shaped like the leaves of ``like`` (rows ``[B, ...]``)."""
+    return tree_map(lambda a: np.zeros((*lead, *np.shape(a)[1:]), np.asarray(a).dtype), like)
 
-    __slots__ = ("env_id", "seq", "capacity", "n", "obs", "actions", "logprobs", "values", "rewards",
-                 "terminated", "truncated", "versions", "final_obs", "bootstrap_obs", "min_version")
 
-    def __init__(self, env_id: int, seq: int, capacity: int):
-        self.env_id, self.seq, self.capacity, self.n = env_id, seq, capacity, 0
-        self.obs = self.actions = None
-        self.logprobs = np.empty(capacity, np.float32)
-        self.values = np.empty(capacity, np.float32)
-        self.rewards = np.empty(capacity, np.float32)
-        self.terminated = np.zeros(capacity, bool)
-        self.truncated = np.zeros(capacity, bool)
-        self.versions = np.empty(capacity, np.int64)
-        self.final_obs: dict[int, Any] = {}
-        self.bootstrap_obs: Any = None
-        self.min_version: int | None = None
+def _put(buf: Any, where: Any, rows: Any) -> None:
+    if isinstance(buf, dict):
+        for k, v in buf.items():
+            _put(v, where, rows[k])
+    else:
+        buf[where] = rows
 
-    def add(self, obs, action, logprob, value, version, reward, terminated, truncated, next_obs, final_obs) -> None:
-        t = self.n
-        if self.obs is None:
-            self.obs = empty_like(obs, self.capacity)
-            self.actions = empty_like(action, self.capacity)
-            self.min_version = version
-        write(self.obs, t, obs)
-        write(self.actions, t, action)
-        self.logprobs[t] = logprob
-        self.values[t] = value
-        self.versions[t] = version
-        self.rewards[t] = reward
-        self.terminated[t] = terminated
-        self.truncated[t] = truncated
-        if truncated and not terminated:  # a terminal state needs no bootstrap value
-            self.final_obs[t] = final_obs
-        self.bootstrap_obs = next_obs
-        self.n = t + 1
 
-    @property
-    def full(self) -> bool:
-        return self.n >= self.capacity
+def _grow(buf: Any, extra: int) -> Any:
+    return tree_map(lambda a: np.concatenate([a, np.zeros((extra, *a.shape[1:]), a.dtype)]), buf)
 
 
 class RolloutQueue:
-    """Open segments per env, closed segments in order, and the rules that bound lag."""
+    """Slots, open segments per env, closed segments in order, and the rules that bound lag."""
 
     def __init__(self, num_envs: int, segment_len: int, batch_segments: int, max_lag: int,
-                 stats: RunStats, lockstep: bool = False):
+                 stats: RunStats, lockstep: bool = False, state: RunState | None = None):
         self.T = segment_len
         self.S = batch_segments
         self.max_lag = max_lag
         self.lockstep = lockstep
         self.stats = stats
-        self.open: list[Segment | None] = [None] * num_envs
-        self.closed: deque[Segment] = deque()
-        self.closed_per_env = [0] * num_envs
-        self.inflight: list[int | None] = [None] * num_envs  # version of an action being simulated
-        self.steps_per_env = [0] * num_envs
+        self.state = state if state is not None else RunState(budget=0, active=num_envs)
+        self.num_envs = num_envs
+        self.capacity = num_envs if lockstep else (max_lag + 1) * batch_segments  # closed segments
+        self.obs: Any = None  # [N, ...]: each env's current observation
+        # per slot
+        m = 2 * num_envs + self.capacity
+        self.slot_env = np.full(m, -1, np.int64)
+        self.slot_seq = np.zeros(m, np.int64)
+        self.slot_n = np.zeros(m, np.int64)
+        self.slot_min_version = np.zeros(m, np.int64)
+        self.slot_final: list[dict[int, Any]] = [{} for _ in range(m)]  # t -> final obs (truncated steps)
+        self.free: list[int] = list(range(m - 1, -1, -1))
+        self.fields: dict[str, Any] | None = None  # allocated at the first record, from its rows
+        # per env
+        self.open_slot = np.full(num_envs, -1, np.int64)
+        self.closed: deque[int] = deque()
+        self.closed_per_env = np.zeros(num_envs, np.int64)
+        self.inflight = np.full(num_envs, -1, np.int64)  # version of an action being simulated, -1: none
+        self.steps_per_env = np.zeros(num_envs, np.int64)
         self.finished = False
-        self.drivers = 0  # env tasks or lockstep groups still running; set by the schedule
-        self.blocked = 0  # drivers waiting for queue space
+        self.on_space: Callable[[], None] | None = None  # the driver's: segments were taken, parked envs may go
         self._seq = 0
-        # the learner's wake-up, set only by what can make an update due or unblock a take: a
-        # segment closing, a driver blocking or ending, the run finishing, or a stale in-flight
-        # step clearing (never by an ordinary record: that would wake it once per env step)
-        self._changed = asyncio.Event()
+        self._changed = asyncio.Event()  # the learner's wake-up
         self._stale_limit: int | None = None  # set while take() waits for in-flight steps <= it
-        self._space = asyncio.Event()  # the envs' wake-up: the learner took segments
 
     # ---------------------------------------------------------------- env side
 
-    def can_start(self, env_id: int) -> bool:
-        """May ``env_id`` start a new segment now? (Always true mid-segment.)"""
-        seg = self.open[env_id]
-        if seg is not None and seg.n:
-            return True
+    def set_obs(self, ids: Any, obs: Any) -> None:
+        """Envs ``ids`` start from ``obs`` (rows): after a reset."""
+        if self.obs is None:
+            self.obs = _alloc(obs, (self.num_envs,))
+        _put(self.obs, ids, obs)
+
+    def current_obs(self, ids: np.ndarray) -> Any:
+        return index(self.obs, ids)
+
+    def need_space(self, ids: np.ndarray) -> np.ndarray:
+        """Which of ``ids`` may not start their next step now (they would open a segment, and
+        the queue is full)."""
+        fresh = self.open_slot[ids] < 0
         if self.lockstep:
-            return self.closed_per_env[env_id] == 0
-        return len(self.closed) < (self.max_lag + 1) * self.S
+            return fresh & (self.closed_per_env[ids] > 0)
+        if len(self.closed) < self.capacity:
+            return np.zeros(len(ids), bool)
+        return fresh
 
-    async def wait_can_start(self, env_id: int) -> None:
-        while not self.can_start(env_id):
-            self._space.clear()
-            await self._space.wait()
+    def mark_inflight(self, ids: np.ndarray, version: int) -> None:
+        self.inflight[ids] = version
 
-    def mark_inflight(self, env_id: int, version: int) -> None:
-        self.inflight[env_id] = version
-
-    def clear_inflight(self, env_id: int) -> None:
-        self._clear_inflight(env_id)
-
-    def _clear_inflight(self, env_id: int) -> bool:
-        """Clear ``env_id``'s in-flight mark; wake the learner if it waits for exactly this step."""
-        version, self.inflight[env_id] = self.inflight[env_id], None
-        if version is not None and self._stale_limit is not None and version <= self._stale_limit:
+    def _clear_inflight(self, ids: Any) -> bool:
+        """Clear the in-flight marks of ``ids``; wake the learner if it waits for one of them."""
+        was = self.inflight[ids]
+        self.inflight[ids] = -1
+        limit = self._stale_limit
+        if limit is not None and bool(((was >= 0) & (was <= limit)).any()):
             self._wake()
             return True
         return False
@@ -133,41 +135,93 @@ class RolloutQueue:
         self.stats.learner_wakeups += 1
         self._changed.set()
 
-    def record(self, env_id: int, obs, action, logprob, value, version, reward, terminated, truncated,
-               next_obs, final_obs) -> None:
-        seg = self.open[env_id]
-        if seg is None:
-            self._seq += 1
-            seg = self.open[env_id] = Segment(env_id, self._seq, self.T)
-        seg.add(obs, action, logprob, value, version, reward, terminated, truncated, next_obs, final_obs)
-        self.steps_per_env[env_id] += 1
-        if not self._clear_inflight(env_id) and seg.full:
-            self._wake()
-        if seg.full:
-            self._close(env_id)
+    def _open(self, env_id: int, version: int) -> int:
+        if not self.free:
+            self._grow()
+        slot = self.free.pop()
+        self._seq += 1
+        self.slot_env[slot], self.slot_seq[slot], self.slot_n[slot] = env_id, self._seq, 0
+        self.slot_min_version[slot] = version
+        self.open_slot[env_id] = slot
+        return slot
+
+    def _grow(self) -> None:
+        m = len(self.slot_env)
+        extra = max(m, 1)
+        self.slot_env = np.concatenate([self.slot_env, np.full(extra, -1, np.int64)])
+        for name in ("slot_seq", "slot_n", "slot_min_version"):
+            setattr(self, name, np.concatenate([getattr(self, name), np.zeros(extra, np.int64)]))
+        self.slot_final += [{} for _ in range(extra)]
+        self.free += list(range(m + extra - 1, m - 1, -1))
+        if self.fields is not None:
+            self.fields = {k: _grow(v, extra) for k, v in self.fields.items()}
+
+    def record(self, ids: np.ndarray, actions: Any, logprobs: np.ndarray, values: np.ndarray,
+               versions: np.ndarray, reward: np.ndarray, terminated: np.ndarray, truncated: np.ndarray,
+               next_obs: Any, final_obs: dict[int, Any]) -> None:
+        """Record one finished step for each env in ``ids`` (distinct); ``final_obs`` by row."""
+        slots = self.open_slot[ids]
+        for k in np.flatnonzero(slots < 0).tolist():
+            slots[k] = self._open(int(ids[k]), int(versions[k]))
+        if self.fields is None:
+            m = len(self.slot_env)
+            self.fields = {
+                "obs": _alloc(self.obs, (m, self.T)), "actions": _alloc(actions, (m, self.T)),
+                "logprobs": np.zeros((m, self.T), np.float32), "values": np.zeros((m, self.T), np.float32),
+                "rewards": np.zeros((m, self.T), np.float32), "terminated": np.zeros((m, self.T), bool),
+                "truncated": np.zeros((m, self.T), bool), "versions": np.zeros((m, self.T), np.int64),
+                "bootstrap_obs": _alloc(self.obs, (m,))}
+        f, pos = self.fields, self.slot_n[slots]
+        where = (slots, pos)
+        _put(f["obs"], where, index(self.obs, ids))
+        _put(f["actions"], where, actions)
+        f["logprobs"][where] = logprobs
+        f["values"][where] = values
+        f["rewards"][where] = reward
+        f["terminated"][where] = terminated
+        f["truncated"][where] = truncated
+        f["versions"][where] = versions
+        for row, o in final_obs.items():
+            self.slot_final[slots[row]][int(pos[row])] = o
+        _put(self.obs, ids, next_obs)
+        pos += 1
+        self.slot_n[slots] = pos
+        self.steps_per_env[ids] += 1
+        woke = self._clear_inflight(ids)
+        full = np.flatnonzero(pos >= self.T)
+        if len(full):
+            for k in full.tolist():
+                self._close(int(ids[k]))
+            if not woke:
+                self._wake()
 
     def drop_open(self, env_id: int, reason: str) -> int:
         """Drop env ``env_id``'s open segment (the env failed); returns the steps dropped."""
-        seg, self.open[env_id] = self.open[env_id], None
+        slot = int(self.open_slot[env_id])
         self._clear_inflight(env_id)
-        n = seg.n if seg is not None else 0
+        if slot < 0:
+            return 0
+        self.open_slot[env_id] = -1
+        n = int(self.slot_n[slot])
+        self._free([slot])
         self.stats.drop(reason, n)
         return n
 
     def _close(self, env_id: int) -> None:
-        seg, self.open[env_id] = self.open[env_id], None
-        self.closed.append(seg)
+        slot = int(self.open_slot[env_id])
+        self.open_slot[env_id] = -1
+        _put(self.fields["bootstrap_obs"], slot, index(self.obs, env_id))
+        self.closed.append(slot)
         self.closed_per_env[env_id] += 1
 
-    def set_blocked(self, delta: int) -> None:
-        self.blocked += delta
-        if delta > 0:  # fewer blocked drivers never make an update due
-            self._wake()
+    def _free(self, slots: list[int]) -> None:
+        for s in slots:
+            self.slot_env[s] = -1
+            self.slot_final[s] = {}
+            self.free.append(s)
 
-    def driver_done(self) -> None:
-        self.drivers -= 1
-        if self.drivers <= 0:
-            self.finish()
+    def poke(self) -> None:
+        """Envs parked or finished: 'every env is parked' may now hold (fewer parked never makes an update due)."""
         self._wake()
 
     def finish(self) -> None:
@@ -178,20 +232,20 @@ class RolloutQueue:
     # ---------------------------------------------------------------- learner side
 
     def _stale_inflight(self, limit: int) -> bool:
-        return any(v is not None and v <= limit for v in self.inflight)
+        return bool(((self.inflight >= 0) & (self.inflight <= limit)).any())
 
     def due(self) -> bool:
-        """An update is due: ``S`` segments closed, every driver blocked on a full queue, or the end."""
-        return (self.finished or len(self.closed) >= self.S
-                or (self.blocked > 0 and self.blocked >= self.drivers))
+        """An update is due: ``S`` segments closed, every env parked on a full queue, or the end."""
+        return self.finished or len(self.closed) >= self.S or self.state.all_parked
 
     async def wait_due(self) -> None:
         while not self.due():
             self._changed.clear()
             await self._changed.wait()
 
-    async def take(self, update: int) -> list[Segment] | None:
-        """Segments for update ``update`` (see module docstring); ``None`` once finished and empty."""
+    async def take(self, update: int) -> list[int] | None:
+        """Slots for update ``update`` (see module docstring), sorted by env and age; ``None`` once
+        finished and empty. Give them back with :meth:`release` after :func:`collate`."""
         await self.wait_due()
         limit = update - self.max_lag  # transitions of versions <= limit are due now
         self._stale_limit = limit
@@ -201,80 +255,86 @@ class RolloutQueue:
                 await self._changed.wait()
         finally:
             self._stale_limit = None
+        open_envs = np.flatnonzero(self.open_slot >= 0).tolist()
         if self.finished:
-            for env_id, seg in enumerate(self.open):
-                if seg is not None and seg.n:
-                    self._close(env_id)
+            for env_id in open_envs:
+                self._close(env_id)
             taken = list(self.closed)
             self.closed.clear()
         else:
             taken = []
             for _ in range(len(self.closed)):
-                seg = self.closed.popleft()
-                if len(taken) < self.S or seg.min_version <= limit:
-                    taken.append(seg)
+                slot = self.closed.popleft()
+                if len(taken) < self.S or self.slot_min_version[slot] <= limit:
+                    taken.append(slot)
                 else:
-                    self.closed.append(seg)  # keeps the order of the rest
-            for env_id, seg in enumerate(self.open):
-                if seg is not None and seg.n and seg.min_version <= limit:
+                    self.closed.append(slot)  # keeps the order of the rest
+            for env_id in open_envs:
+                if self.slot_min_version[self.open_slot[env_id]] <= limit:
                     self._close(env_id)
                     taken.append(self.closed.pop())
-        for seg in taken:
-            self.closed_per_env[seg.env_id] -= 1
-        self._space.set()
+        np.subtract.at(self.closed_per_env, self.slot_env[taken], 1)
+        if self.on_space is not None:
+            self.on_space()
         if not taken:
             if self.finished:
                 return None
-            raise RuntimeError("update fell due with nothing to take")  # blocked drivers imply closed segments
-        taken.sort(key=lambda s: (s.env_id, s.seq))  # deterministic batch layout
+            raise RuntimeError("update fell due with nothing to take")  # parked envs imply closed segments
+        taken.sort(key=lambda s: (self.slot_env[s], self.slot_seq[s]))  # deterministic batch layout
         return taken
+
+    def release(self, slots: list[int]) -> None:
+        """The learner has its copy of these slots: they are free again."""
+        self._free(slots)
+
+    def steps_in(self, slots: list[int]) -> int:
+        return int(self.slot_n[slots].sum())
 
     def pending_steps(self) -> int:
         """Transitions recorded but not handed to the learner."""
-        return sum(s.n for s in self.closed) + sum(s.n for s in self.open if s is not None)
+        open_slots = self.open_slot[self.open_slot >= 0]
+        return int(self.slot_n[list(self.closed)].sum() + self.slot_n[open_slots].sum())
 
 
-def collate(segments: list[Segment], learner_version: int):
-    """Pad segments into a :class:`~ebrl.algos.batch.Batch` (left-aligned, masked)."""
+def collate(rollout: RolloutQueue, slots: list[int], learner_version: int):
+    """Gather slots into a :class:`~ebrl.algos.batch.Batch` (left-aligned, masked), copying them
+    out of the storage: one gather per field, padding only for cut segments."""
     import torch
 
     from ebrl.algos.batch import Batch
 
-    S, T = len(segments), max(s.n for s in segments)
-    mask = np.zeros((S, T), bool)
-    for i, s in enumerate(segments):
-        mask[i, : s.n] = True
+    ns = rollout.slot_n[slots]
+    S, T = len(slots), int(ns.max())
+    mask = np.arange(T)[None, :] < ns[:, None]
+    short = np.flatnonzero(ns < T).tolist()
+    f = rollout.fields
 
-    def pad_leaf(*bufs, fill):  # one leaf of every segment's buffer: [capacity, ...] each
-        out = np.full((S, T, *bufs[0].shape[1:]), fill, dtype=bufs[0].dtype)
-        for i, (s, buf) in enumerate(zip(segments, bufs)):
-            out[i, : s.n] = buf[: s.n]
-        return torch.from_numpy(out)
+    def gather(buf, fill=0):
+        def leaf(a):
+            out = a[slots, :T]
+            for i in short:
+                out[i, ns[i]:] = fill
+            return torch.from_numpy(out)
+        return tree_map(leaf, buf)
 
-    def pad(get, fill=0):
-        return tree_map(lambda *bufs: pad_leaf(*bufs, fill=fill), *(get(s) for s in segments))
-
-    def stack_torch(xs):
-        return tree_map(torch.from_numpy, stack(xs))
-
-    finals = [(i, t, o) for i, s in enumerate(segments) for t, o in sorted(s.final_obs.items())]
-    boot = stack_torch([s.bootstrap_obs for s in segments])
+    finals = [(i, t, o) for i, s in enumerate(slots) for t, o in sorted(rollout.slot_final[s].items())]
+    boot = tree_map(lambda a: torch.from_numpy(a[slots]), f["bootstrap_obs"])
     if finals:
-        final_obs = stack_torch([o for _, _, o in finals])
+        final_obs = tree_map(lambda *xs: torch.from_numpy(np.stack(xs)), *(o for _, _, o in finals))
         final_index = torch.tensor([(i, t) for i, t, _ in finals], dtype=torch.int64)
     else:
         final_obs = index(boot, slice(0, 0))
         final_index = torch.zeros((0, 2), dtype=torch.int64)
     return Batch(
-        obs=pad(lambda s: s.obs),
-        actions=pad(lambda s: s.actions),
-        logprobs=pad(lambda s: s.logprobs),
-        values=pad(lambda s: s.values),
-        rewards=pad(lambda s: s.rewards),
-        terminated=pad(lambda s: s.terminated, False),
-        truncated=pad(lambda s: s.truncated, False),
+        obs=gather(f["obs"]),
+        actions=gather(f["actions"]),
+        logprobs=gather(f["logprobs"]),
+        values=gather(f["values"]),
+        rewards=gather(f["rewards"]),
+        terminated=gather(f["terminated"], False),
+        truncated=gather(f["truncated"], False),
         mask=torch.from_numpy(mask),
-        versions=pad(lambda s: s.versions, learner_version),
+        versions=gather(f["versions"], learner_version),
         bootstrap_obs=boot,
         final_obs=final_obs,
         final_index=final_index,

@@ -22,17 +22,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from ebrl.config import LearnerMode, RunConfig, SimBackend
-from ebrl.runtime.env_task import EnvSteps, StepBudget
+from ebrl.runtime.drivers import Driver
 from ebrl.runtime.generation import Generator
 from ebrl.runtime.learner import Checkpointing, Learner, LearnerProcess
 from ebrl.runtime.rollout import RolloutQueue
-from ebrl.runtime.schedules import (
-    drivers,
-    effective_lag,
-    generation_target,
-    is_lockstep,
-)
+from ebrl.runtime.schedules import effective_lag, generation_target, is_lockstep
 from ebrl.runtime.sim_pool import make_sim_pool, probe_backend
+from ebrl.runtime.state import RunState
 from ebrl.runtime.stats import RunResult, RunStats, summarize
 from ebrl.runtime.virtual_time import is_virtual
 from ebrl.telemetry.logging import get_logger
@@ -65,13 +61,14 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
     if cfg.torch_threads is not None:
         torch.set_num_threads(cfg.torch_threads)
     stats = RunStats()
+    state = RunState(budget=cfg.total_env_steps, active=cfg.num_envs)
     pool = make_sim_pool(trainer.env_fn, cfg.num_envs, cfg.sim, backend)
     lockstep, lag = is_lockstep(cfg.schedule), effective_lag(cfg)
-    rollout = RolloutQueue(cfg.num_envs, cfg.segment_len, cfg.segments_per_batch, lag, stats, lockstep)
+    rollout = RolloutQueue(cfg.num_envs, cfg.segment_len, cfg.segments_per_batch, lag, stats, lockstep, state)
     generator = Generator(copy.deepcopy(trainer.policy), batch_target=generation_target(cfg),
-                          max_wait_s=cfg.generation.max_wait_s, live=cfg.num_envs,
+                          max_wait_s=cfg.generation.max_wait_s, state=state,
                           offload=cfg.generation.offload, inline_below_s=cfg.generation.inline_below_s,
-                          on_action=rollout.mark_inflight, timeline=timeline)
+                          on_batch=rollout.mark_inflight, timeline=timeline)
     mode = learner_mode(cfg, trainer.policy, virtual)
     checkpoint = None
     if cfg.checkpoint_every_s is not None:
@@ -79,11 +76,10 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
                                    type(trainer.policy).__name__, trainer.env_steps_done)
     # log_dir None: rows stay in memory (RunResult.history), nothing is written
     metrics = MetricsLog(cfg.log_dir)
-    learner = Learner(trainer.policy, trainer.algo, rollout, generator, stats,
+    learner = Learner(trainer.policy, trainer.algo, rollout, generator, stats, state,
                       pause_generation=lockstep or lag == 0, timeline=timeline, checkpoint=checkpoint,
                       metrics=metrics)
-    budget = StepBudget(cfg.total_env_steps)
-    steps = EnvSteps(cfg, pool, generator, rollout, stats, budget, timeline)
+    driver = Driver(cfg, pool, generator, rollout, stats, state, timeline)
     log.info("run_start", schedule=cfg.schedule.value, num_envs=cfg.num_envs, sim_backend=pool.backend.value,
              sim_size=pool.size, total_env_steps=cfg.total_env_steps, max_policy_lag=lag, virtual_time=virtual)
     t0, wall0 = loop.time(), time.perf_counter()
@@ -101,12 +97,11 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
             if progress is not None:
                 helpers.append(tg.create_task(_report(progress, stats, learner, cfg.log_every_s)))
             if stop is not None:
-                helpers.append(tg.create_task(_watch_stop(stop, budget, learner)))
+                helpers.append(tg.create_task(_watch_stop(stop, state)))
             learn = tg.create_task(learner.run(), name="ebrl-learner")
-            driver_tasks = [tg.create_task(d, name=f"ebrl-driver-{k}") for k, d in enumerate(drivers(cfg, steps))]
-            rollout.drivers = len(driver_tasks)
+            drive = tg.create_task(driver.run(), name="ebrl-driver")
             await learn
-            for task in driver_tasks + helpers:  # a stop leaves drivers parked on a queue that no one empties
+            for task in [drive] + helpers:  # a stop leaves envs parked on a queue that no one empties
                 task.cancel()
     except BaseExceptionGroup as group:
         real = [e for e in group.exceptions if not isinstance(e, asyncio.CancelledError)]
@@ -127,7 +122,7 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
     t_end = loop.time()
     result = summarize(stats, schedule=cfg.schedule.value, wall_s=t_end - t0,
                        in_flight=rollout.pending_steps() + learner.untrained_in_hand,
-                       version=learner.version, steps_per_env=list(rollout.steps_per_env),
+                       version=learner.version, steps_per_env=rollout.steps_per_env.tolist(),
                        history=learner.history)
     result.sim_backend = pool.backend.value
     result.learner_mode = mode.value
@@ -157,11 +152,10 @@ def learner_mode(cfg: RunConfig, policy, virtual: bool) -> LearnerMode:
     return LearnerMode.PROCESS if on_cpu and (os.cpu_count() or 1) >= 2 else LearnerMode.THREAD
 
 
-async def _watch_stop(stop: asyncio.Event, budget: StepBudget, learner: Learner) -> None:
+async def _watch_stop(stop: asyncio.Event, state: RunState) -> None:
     await stop.wait()
     log.info("stop_requested")
-    budget.stop()
-    learner.stopping = True
+    state.stop()
 
 
 async def _report(progress: Progress, stats: RunStats, learner: Learner, every_s: float) -> None:

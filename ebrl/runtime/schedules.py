@@ -1,7 +1,7 @@
 """The three schedules. They share envs, policy, algorithm and every runtime piece, so a
 benchmark's ratio between them measures the scheduling alone.
 
-- ``async`` (EBRL): one coroutine per env, no barrier anywhere; generation batches
+- ``async`` (EBRL): every env (or vector env) goes on alone as soon as its step is back, no barrier anywhere; generation batches
   whoever is waiting; training overlaps rollout within ``max_policy_lag``.
 - ``sync``: all envs in one lockstep group; rollout ``T`` steps, then train, then repeat
   (gymnasium's vector-env loop, RLinf's collocated mode).
@@ -11,11 +11,8 @@ benchmark's ratio between them measures the scheduling alone.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Coroutine
-
 from ebrl.config import RunConfig, Schedule
-from ebrl.runtime.env_task import EnvSteps, env_task, lockstep_group, vector_task
+from ebrl.runtime.drivers import lockstep_groups
 
 
 def is_lockstep(schedule: Schedule) -> bool:
@@ -28,24 +25,11 @@ def effective_lag(cfg: RunConfig) -> int:
 
 
 def groups(cfg: RunConfig) -> list[list[int]]:
-    """Each lockstep group's units: env ids, or vector env ids when ``sim.vector_size > 1``
-    (contiguous, sizes differing by at most one)."""
-    units = cfg.num_envs // cfg.sim.vector_size
-    n = 1 if cfg.schedule is Schedule.SYNC else cfg.num_groups
-    size = math.ceil(units / n)
-    return [list(range(s, min(s + size, units))) for s in range(0, units, size)]
+    """Each lockstep group's units: env ids, or vector env ids when ``sim.vector_size > 1``."""
+    return lockstep_groups(cfg)
 
 
 def generation_target(cfg: RunConfig) -> int:
     if cfg.schedule is Schedule.ASYNC:
         return cfg.gen_batch_target
     return max(len(g) for g in groups(cfg)) * cfg.sim.vector_size  # a lockstep group is one batch
-
-
-def drivers(cfg: RunConfig, steps: EnvSteps) -> list[Coroutine]:
-    vectorised = cfg.sim.vector_size > 1
-    if cfg.schedule is Schedule.ASYNC:
-        if vectorised:
-            return [vector_task(steps, [k]) for k in range(cfg.num_envs // cfg.sim.vector_size)]
-        return [env_task(steps, i) for i in range(cfg.num_envs)]
-    return [(vector_task if vectorised else lockstep_group)(steps, ids) for ids in groups(cfg)]

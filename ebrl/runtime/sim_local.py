@@ -1,24 +1,31 @@
 """The sim pools that keep their envs in this process: inline and thread.
 
-- ``InlineSimPool`` steps on the event loop thread. Right for envs whose step costs less
-  than a thread hop, and for virtual time, where each step's declared cost is charged
-  with ``asyncio.sleep`` while holding one of ``num_lanes`` lanes.
-- ``ThreadSimPool`` runs a resizable set of lane threads sharing one request queue. Right
-  for simulators that release the GIL while stepping (MuJoCo's ``mj_step``, C++ or GPU sims,
-  anything that sleeps). Shrinking never interrupts a running step.
+- ``InlineSimPool`` steps on the event loop thread: every block submitted within one loop
+  iteration runs in one call soon after, and comes back as one block. Right for envs whose
+  step costs less than a thread hop. Under virtual time each unit's step holds one of
+  ``num_lanes`` lanes while its declared cost is charged with ``asyncio.sleep``.
+- ``ThreadSimPool`` runs a resizable set of lane threads sharing one queue of units to step.
+  Right for simulators that release the GIL while stepping (MuJoCo's ``mj_step``, C++ or GPU
+  sims, anything that sleeps). A lane writes its result into the pool's rows and wakes the
+  loop only if no wake-up is pending, so finished steps come back a block per wake-up.
+  Shrinking never interrupts a running step.
 
 Both also host vector envs (:mod:`ebrl.runtime.vector_envs`), one unit per vector env.
 
-    >>> import asyncio, gymnasium as gym
+    >>> import asyncio, gymnasium as gym, numpy as np
     >>> async def demo():
-    ...     pool = InlineSimPool(lambda i: gym.make("CartPole-v1"), 2)
+    ...     pool = ThreadSimPool(lambda i: gym.make("CartPole-v1"), 2, num_threads=2)
+    ...     blocks = []
+    ...     pool.on_block = blocks.append
     ...     await pool.start()
-    ...     obs, _ = await pool.reset(1, seed=0)
-    ...     out = await pool.step(1, 0)
+    ...     await pool.reset(1, seed=0)
+    ...     pool.submit(np.array([1]), np.array([0]))
+    ...     while not blocks:
+    ...         await asyncio.sleep(0.001)
     ...     pool.close()
-    ...     return obs.shape, out.reward
+    ...     return blocks[0].ids.tolist(), blocks[0].reward.tolist()
     >>> asyncio.run(demo())
-    ((4,), 1.0)
+    ([1], [1.0])
 """
 
 from __future__ import annotations
@@ -29,13 +36,14 @@ import threading
 from typing import Any
 
 import gymnasium as gym
+import numpy as np
 
 from ebrl.config import SimBackend
 from ebrl.runtime.sim_types import (
     EnvFn,
     EnvStepError,
     SimPool,
-    StepOut,
+    StepRows,
     close_quietly,
     describe,
     reset_env,
@@ -46,65 +54,93 @@ from ebrl.runtime.vector_envs import check_vector_env, reset_vector_env, step_ve
 from ebrl.runtime.virtual_time import is_virtual
 
 
-class _LocalEnvs:
-    """Envs living in this process (inline and thread backends).
+class _LocalEnvs(SimPool):
+    """Units (envs, or vector envs of ``vector_size``) living in this process, and their rows."""
 
-    With ``vector_size > 1`` each unit is a vectorised env (see :mod:`ebrl.runtime.vector_envs`):
-    ``step`` takes its envs' actions and returns one ``StepOut`` per env, and ``reset`` takes a
-    list of seeds (every env) or ``{row: seed}`` (some).
-    """
-
-    vector_size = 1
-    _step_fn = staticmethod(step_env)
-    _reset_fn = staticmethod(reset_env)
-
-    def _host_vectors(self, vector_size: int) -> None:
-        if vector_size > 1:
-            self.vector_size = vector_size
-            self._step_fn, self._reset_fn = step_vector_env, reset_vector_env
+    def __init__(self, env_fn: EnvFn, num_envs: int, vector_size: int = 1):
+        super().__init__(env_fn, num_envs)
+        self.vector_size = vector_size
+        self.num_units = num_envs // vector_size
+        self.rows: StepRows | None = None
+        self.envs: list[gym.Env] = []
 
     def _build_all(self) -> None:
-        self.envs = [self._build(i) for i in range(self.num_envs)]
+        self.envs = [self._build(u) for u in range(self.num_units)]
         self.observation_space, self.action_space = single_spaces(self.envs[0])
+        self.rows = StepRows(self.num_envs, self.observation_space, self.action_space)
 
-    def _build(self, env_id: int) -> gym.Env:
+    def _build(self, unit: int) -> gym.Env:
         try:
-            env = self.env_fn(env_id)
+            env = self.env_fn(unit)
         except Exception as exc:
-            raise EnvStepError(env_id, "env_fn", describe(exc)) from exc
+            raise EnvStepError(unit, "env_fn", describe(exc)) from exc
         if self.vector_size > 1:
             try:
-                check_vector_env(env, env_id, self.vector_size)
+                check_vector_env(env, unit, self.vector_size)
             except (TypeError, ValueError):
                 close_quietly(env)
                 raise  # a configuration error, not an env failure to retry
         return env
 
-    def _rebuild_local(self, env_id: int) -> None:
-        close_quietly(self.envs[env_id])
-        self.envs[env_id] = self._build(env_id)
+    def _ids(self, unit: int) -> np.ndarray:
+        v = self.vector_size
+        return np.arange(unit * v, unit * v + v)
+
+    def _units(self, ids: np.ndarray) -> list[int]:
+        return ids.tolist() if self.vector_size == 1 else (ids[:: self.vector_size] // self.vector_size).tolist()
+
+    def _step_unit(self, unit: int) -> float:
+        """Step one unit with the actions in its rows and write the results there; the declared cost."""
+        rows, env = self.rows, self.envs[unit]
+        if self.vector_size == 1:
+            out = step_env(env, _row(rows.act, unit))
+            rows.write(unit, out)
+            return out.cost_s
+        ids = self._ids(unit)
+        vs = step_vector_env(env, rows.actions(ids))
+        rows.write_many(ids, vs.obs, vs.reward, vs.terminated, vs.truncated, vs.finite, vs.success, vs.final_obs)
+        return vs.cost_s
+
+    def _reset_unit(self, unit: int, seed: Any) -> tuple[Any, Any]:
+        if self.vector_size == 1:
+            return reset_env(self.envs[unit], seed)
+        return reset_vector_env(self.envs[unit], seed)
+
+    def _rebuild_unit(self, unit: int) -> None:
+        close_quietly(self.envs[unit])
+        self.envs[unit] = self._build(unit)
+
+    def _errors(self, unit: int, exc: BaseException) -> list[tuple[int, str]]:
+        return [(i, describe(exc)) for i in self._ids(unit).tolist()]
 
     def _close_envs(self) -> None:
-        for env in getattr(self, "envs", []):
+        for env in self.envs:
             close_quietly(env)
         self.envs = []
 
 
-class InlineSimPool(_LocalEnvs, SimPool):
+def _row(tree: Any, i: int) -> Any:
+    return {k: _row(v, i) for k, v in tree.items()} if isinstance(tree, dict) else tree[i]
+
+
+class InlineSimPool(_LocalEnvs):
     """Steps on the event loop. Under virtual time, charges each step's cost on one of ``num_lanes`` lanes."""
 
     backend = SimBackend.INLINE
     resizable = True
 
     def __init__(self, env_fn: EnvFn, num_envs: int, num_lanes: int = 1, vector_size: int = 1):
-        super().__init__(env_fn, num_envs)
-        self._host_vectors(vector_size)
+        super().__init__(env_fn, num_envs, vector_size)
         self._lanes = num_lanes
         self._virtual = False
         self._lane_sem: asyncio.Semaphore | None = None
+        self._pending: list[np.ndarray] = []
+        self._tasks: set[asyncio.Task] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:
-        self._virtual = is_virtual()
+        self._loop = asyncio.get_running_loop()
+        self._virtual = is_virtual(self._loop)
         self._lane_sem = asyncio.Semaphore(self._lanes)
         self._build_all()
 
@@ -119,51 +155,80 @@ class InlineSimPool(_LocalEnvs, SimPool):
         for _ in range(max(delta, 0)):
             self._lane_sem.release()
         for _ in range(max(-delta, 0)):  # shrink lazily: lanes are taken as steps finish
-            asyncio.get_running_loop().create_task(self._lane_sem.acquire())
+            self._spawn(self._lane_sem.acquire())
 
-    async def reset(self, env_id: int, seed: int | None = None) -> tuple[Any, dict]:
-        try:
-            return self._reset_fn(self.envs[env_id], seed)
-        except Exception as exc:
-            raise EnvStepError(env_id, "reset", describe(exc)) from exc
+    def _spawn(self, coro) -> None:
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
-    async def step(self, env_id: int, action: Any) -> StepOut:
-        if not self._virtual:
+    def submit(self, ids: np.ndarray, actions: Any) -> None:
+        self.rows.set_actions(ids, actions)
+        if self._virtual:
+            for unit in self._units(ids):
+                self._spawn(self._virtual_step(unit))
+            return
+        if not self._pending:
+            self._loop.call_soon(self._run)
+        self._pending.append(ids)
+
+    def _run(self) -> None:
+        pending, self._pending = self._pending, []
+        ids = pending[0] if len(pending) == 1 else np.concatenate(pending)
+        errors: list[tuple[int, str]] = []
+        for unit in self._units(ids):
             try:
-                return self._step_fn(self.envs[env_id], action)
+                self._step_unit(unit)
             except Exception as exc:
-                raise EnvStepError(env_id, "step", describe(exc)) from exc
+                errors += self._errors(unit, exc)
+        if errors:
+            failed = {i for i, _ in errors}
+            ids = np.array([i for i in ids.tolist() if i not in failed], np.int64)
+        self.on_block(self.rows.block(ids, errors))
+
+    async def _virtual_step(self, unit: int) -> None:
         async with self._lane_sem:
             try:
-                out = self._step_fn(self.envs[env_id], action)
+                cost = self._step_unit(unit)
             except Exception as exc:
-                raise EnvStepError(env_id, "step", describe(exc)) from exc
-            cost = out[0].cost_s if isinstance(out, list) else out.cost_s  # a vector env's steps share one cost
+                self.on_block(self.rows.block(np.zeros(0, np.int64), self._errors(unit, exc)))
+                return
             if cost > 0:
                 await asyncio.sleep(cost)
-            return out
+            self.on_block(self.rows.block(self._ids(unit)))
 
-    async def rebuild(self, env_id: int) -> None:
-        self._rebuild_local(env_id)
+    async def reset(self, unit: int, seed: Any = None) -> tuple[Any, Any]:
+        try:
+            return self._reset_unit(unit, seed)
+        except Exception as exc:
+            raise EnvStepError(unit, "reset", describe(exc)) from exc
+
+    async def rebuild(self, unit: int) -> None:
+        self._rebuild_unit(unit)
 
     def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self._tasks.clear()
         self._close_envs()
 
 
-class ThreadSimPool(_LocalEnvs, SimPool):
-    """Lane threads take step requests from one queue and resolve their futures on the loop."""
+class ThreadSimPool(_LocalEnvs):
+    """Lane threads take units to step from one queue; finished steps come back a block per loop wake-up."""
 
     backend = SimBackend.THREAD
     resizable = True
 
     def __init__(self, env_fn: EnvFn, num_envs: int, num_threads: int, vector_size: int = 1):
-        super().__init__(env_fn, num_envs)
-        self._host_vectors(vector_size)
+        super().__init__(env_fn, num_envs, vector_size)
         self._target = num_threads
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._next_lane = 0
+        self._lock = threading.Lock()
+        self._done: list[int] = []  # units stepped since the last drain
+        self._failed: list[tuple[int, str]] = []
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -187,20 +252,59 @@ class ThreadSimPool(_LocalEnvs, SimPool):
         for _ in range(len(self._threads) - n):
             self._requests.put(None)  # a lane exits after the step it is running
 
+    def submit(self, ids: np.ndarray, actions: Any) -> None:
+        self.rows.set_actions(ids, actions)
+        put = self._requests.put
+        for unit in self._units(ids):
+            put(unit)
+
     def _lane(self) -> None:
-        resolve = _resolve
         while (item := self._requests.get()) is not None:
-            fn, args, fut = item
+            if isinstance(item, tuple):  # a rare op (reset, rebuild) with its future
+                self._call(*item)
+                continue
             try:
-                result, exc = fn(*args), None
-            except BaseException as e:  # handed to the awaiting coroutine
-                result, exc = None, e
-            try:
-                self._loop.call_soon_threadsafe(resolve, fut, result, exc)
-            except RuntimeError:  # loop closed during shutdown
+                self._step_unit(item)
+                failed = None
+            except Exception as exc:
+                failed = self._errors(item, exc)
+            with self._lock:
+                wake = not self._done and not self._failed
+                if failed is None:
+                    self._done.append(item)
+                else:
+                    self._failed += failed
+            if wake and not self._wake():
                 return
 
-    async def _submit(self, env_id: int, op: str, fn, *args):
+    def _wake(self) -> bool:
+        try:
+            self._loop.call_soon_threadsafe(self._drain)
+            return True
+        except RuntimeError:  # loop closed during shutdown
+            return False
+
+    def _drain(self) -> None:
+        with self._lock:
+            units, self._done = self._done, []
+            errors, self._failed = self._failed, []
+        if self.vector_size == 1:
+            ids = np.array(units, np.int64)
+        else:
+            ids = np.concatenate([self._ids(u) for u in units]) if units else np.zeros(0, np.int64)
+        self.on_block(self.rows.block(ids, errors))
+
+    def _call(self, fn, args, fut: asyncio.Future) -> None:
+        try:
+            result, exc = fn(*args), None
+        except BaseException as e:  # handed to the awaiting coroutine
+            result, exc = None, e
+        try:
+            self._loop.call_soon_threadsafe(_resolve, fut, result, exc)
+        except RuntimeError:  # loop closed during shutdown
+            pass
+
+    async def _submit_call(self, unit: int, op: str, fn, *args):
         fut = self._loop.create_future()
         self._requests.put((fn, args, fut))
         try:
@@ -208,16 +312,13 @@ class ThreadSimPool(_LocalEnvs, SimPool):
         except EnvStepError:
             raise
         except Exception as exc:
-            raise EnvStepError(env_id, op, describe(exc)) from exc
+            raise EnvStepError(unit, op, describe(exc)) from exc
 
-    async def reset(self, env_id: int, seed: int | None = None) -> tuple[Any, dict]:
-        return await self._submit(env_id, "reset", self._reset_fn, self.envs[env_id], seed)
+    async def reset(self, unit: int, seed: Any = None) -> tuple[Any, Any]:
+        return await self._submit_call(unit, "reset", self._reset_unit, unit, seed)
 
-    async def step(self, env_id: int, action: Any) -> StepOut:
-        return await self._submit(env_id, "step", self._step_fn, self.envs[env_id], action)
-
-    async def rebuild(self, env_id: int) -> None:
-        await self._submit(env_id, "env_fn", self._rebuild_local, env_id)
+    async def rebuild(self, unit: int) -> None:
+        await self._submit_call(unit, "env_fn", self._rebuild_unit, unit)
 
     def close(self) -> None:
         for _ in self._threads:

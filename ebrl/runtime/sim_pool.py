@@ -18,15 +18,20 @@ names are importable from here too, as before the split.
     >>> import asyncio, gymnasium as gym
     >>> from ebrl.runtime.sim_pool import make_sim_pool
     >>> from ebrl.config import SimConfig
+    >>> import numpy as np
     >>> async def demo():
-    ...     pool = make_sim_pool(lambda i: gym.make("CartPole-v1"), 2, SimConfig(backend="thread"))
+    ...     pool = make_sim_pool(lambda i: gym.make("CartPole-v1"), 2, SimConfig(backend="inline"))
+    ...     blocks = []
+    ...     pool.on_block = blocks.append
     ...     await pool.start()
-    ...     obs, _ = await pool.reset(0, seed=0)
-    ...     out = await pool.step(0, 1)
+    ...     for i in range(2):
+    ...         await pool.reset(i, seed=i)
+    ...     pool.submit(np.array([0, 1]), np.array([1, 0]))   # one block of two envs ...
+    ...     await asyncio.sleep(0)
     ...     pool.close()
-    ...     return out.obs.shape
+    ...     return blocks[0].ids.tolist(), blocks[0].obs.shape   # ... comes back as one block
     >>> asyncio.run(demo())
-    (4,)
+    ([0, 1], (2, 4))
 """
 
 from __future__ import annotations
@@ -131,9 +136,8 @@ def make_sim_pool(env_fn: EnvFn, num_envs: int, cfg: SimConfig, backend: SimBack
             backend = SimBackend.THREAD
     elif backend is SimBackend.AUTO:
         backend, _ = choose_backend(env_fn, cfg)
-    units = num_envs // size
     if backend is SimBackend.INLINE:
-        return InlineSimPool(env_fn, units, num_lanes=cfg.num_threads, vector_size=size)
+        return InlineSimPool(env_fn, num_envs, num_lanes=cfg.num_threads, vector_size=size)
     if backend is SimBackend.THREAD:
-        return ThreadSimPool(env_fn, units, cfg.num_threads, vector_size=size)
+        return ThreadSimPool(env_fn, num_envs, cfg.num_threads, vector_size=size)
     return ProcessSimPool(env_fn, num_envs, cfg.num_workers or os.cpu_count() or 1, cfg.start_method)

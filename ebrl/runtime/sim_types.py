@@ -1,16 +1,25 @@
-"""What every sim pool shares: :class:`StepOut`, :class:`EnvStepError`, the :class:`SimPool`
-interface, and stepping one env with same-step autoreset.
+"""What every sim pool shares: the :class:`SimPool` interface, the :class:`StepRows` it writes
+step results into, the :class:`Block` it hands back, and stepping one env with same-step autoreset.
+
+The block path: the driver hands a pool a block of env ids and their action rows
+(:meth:`SimPool.submit`); wherever the steps run (the event loop, a lane thread, a worker
+process), each result is written into that env's row of :class:`StepRows` (plain NumPy, or
+shared memory for worker processes: one array per observation key, plus rewards, flags and
+final observations); the pool then calls ``on_block`` with a :class:`Block` naming the envs
+whose steps are done. Nothing per env crosses the event loop as a Python object.
 
 Every backend resets an env in the same call as the step that ends its episode
-(gymnasium's ``AutoresetMode.SAME_STEP``): ``StepOut.obs`` is then the first observation
-of the next episode and ``final_obs`` the last one of the episode that ended.
+(gymnasium's ``AutoresetMode.SAME_STEP``): the row's observation is then the first of the
+next episode, and ``final_obs`` the last one of the episode that ended.
 
     >>> import gymnasium as gym
     >>> env = gym.make("CartPole-v1")
     >>> obs, _ = reset_env(env, seed=0)
-    >>> out = step_env(env, 1)
-    >>> out.obs.shape, out.finite, out.final_obs is None
-    ((4,), True, True)
+    >>> rows = StepRows(2, env.observation_space, env.action_space)
+    >>> rows.write(1, step_env(env, 1))
+    >>> block = rows.block(np.array([1]))
+    >>> block.obs.shape, block.reward, block.finite, block.success
+    ((1, 4), array([1.]), array([ True]), array([-1], dtype=int8))
 """
 
 from __future__ import annotations
@@ -19,15 +28,19 @@ import math
 import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import gymnasium as gym
+import numpy as np
 
 from ebrl.config import SimBackend
-from ebrl.spaces import all_finite, copy_tree
+from ebrl.spaces import all_finite, copy_tree, index, tree_map
 
 EnvFn = Callable[[int], gym.Env]
+SUCCESS_KEYS = ("is_success", "success")  # the info keys read as an episode's success flag
+# StepRows.flags bits
+TERMINATED, TRUNCATED, NONFINITE, SUCCESS_KNOWN, SUCCESS = 1, 2, 4, 8, 16
 
 
 @dataclass(slots=True)
@@ -43,6 +56,129 @@ class StepOut:
     final_info: dict | None = None
     cost_s: float = 0.0  # declared cost (virtual time); 0 for real envs
     finite: bool = True  # reward and observation free of NaN/inf (checked where the step ran)
+
+    @property
+    def success(self) -> int:
+        """The step's success flag (from ``final_info`` at an episode's end): 1, 0, or -1 if none."""
+        info = self.final_info if self.final_info is not None else self.info
+        for key in SUCCESS_KEYS:
+            if key in info:
+                return int(bool(info[key]))
+        return -1
+
+
+@dataclass(slots=True)
+class Block:
+    """The finished steps of some envs: row ``k`` belongs to env ``ids[k]``.
+
+    Observations are copies (the envs' rows are rewritten by their next step). ``final_obs``
+    maps a row to the last observation of an episode that ended by time limit (truncated, not
+    terminated): only those need a bootstrap value. ``errors`` names envs whose step raised
+    instead (they are not in ``ids``), with the exception as ``"TypeName: message"``.
+    """
+
+    ids: np.ndarray  # int64 [B]
+    obs: Any  # array tree [B, ...]: the next observation (a new episode's first after an end)
+    reward: np.ndarray  # float64 [B]
+    terminated: np.ndarray  # bool [B]
+    truncated: np.ndarray  # bool [B]
+    finite: np.ndarray  # bool [B]: reward and observations free of NaN/inf
+    success: np.ndarray  # int8 [B]: 1, 0, or -1 where the step's info had no success flag
+    final_obs: dict[int, Any] = field(default_factory=dict)
+    errors: list[tuple[int, str]] = field(default_factory=list)
+
+
+def space_rows(space: gym.Space, n: int, alloc: Callable[[tuple, np.dtype], np.ndarray] | None = None) -> Any:
+    """Rows for ``n`` values of ``space``: an array ``[n, *shape]``, or a dict of them for a
+    ``Dict`` space (one array per key). ``alloc(shape, dtype)`` makes each array (default
+    ``np.zeros``; the process pool passes shared memory).
+
+        >>> rows = space_rows(gym.spaces.Dict({"img": gym.spaces.Box(0, 255, (2, 2), np.uint8),
+        ...                                    "pos": gym.spaces.Box(-1, 1, (3,))}), 4)
+        >>> rows["img"].shape, rows["img"].dtype, rows["pos"].shape
+        ((4, 2, 2), dtype('uint8'), (4, 3))
+    """
+    alloc = alloc or (lambda shape, dtype: np.zeros(shape, dtype))
+    if isinstance(space, gym.spaces.Dict):
+        return {k: space_rows(s, n, alloc) for k, s in space.spaces.items()}
+    if isinstance(space, gym.spaces.Box):
+        return alloc((n, *space.shape), space.dtype)
+    if isinstance(space, gym.spaces.Discrete):
+        return alloc((n,), np.dtype(np.int64))
+    if isinstance(space, (gym.spaces.MultiDiscrete, gym.spaces.MultiBinary)):
+        return alloc((n, *space.shape), np.dtype(np.int64))
+    raise TypeError(f"{type(space).__name__} spaces cannot be stored in rows: the runtime supports Box, "
+                    "Discrete, MultiDiscrete, MultiBinary and Dicts of them (wrap the env to flatten others)")
+
+
+def _write(rows: Any, i: Any, value: Any) -> None:
+    if isinstance(rows, dict):
+        for k, v in rows.items():
+            _write(v, i, value[k])
+    else:
+        rows[i] = value
+
+
+class StepRows:
+    """Per-env rows for the latest step of every env: observation (tree), final observation
+    (tree), action (tree), reward and flags. Written where the step runs, read by the pool when
+    it builds a :class:`Block`. Env ``i``'s rows are touched only while its step runs, so
+    writers and readers never overlap.
+    """
+
+    def __init__(self, num_envs: int, obs_space: gym.Space, act_space: gym.Space,
+                 alloc: Callable[[tuple, np.dtype], np.ndarray] | None = None):
+        self.num_envs = num_envs
+        self.obs = space_rows(obs_space, num_envs, alloc)
+        self.final_obs = space_rows(obs_space, num_envs, alloc)
+        self.act = space_rows(act_space, num_envs, alloc)
+        make = alloc or (lambda shape, dtype: np.zeros(shape, dtype))
+        self.reward = make((num_envs,), np.dtype(np.float64))
+        self.flags = make((num_envs,), np.dtype(np.uint8))
+
+    def write(self, i: int, out: StepOut) -> None:
+        """Store env ``i``'s step."""
+        _write(self.obs, i, out.obs)
+        self.reward[i] = out.reward
+        success = out.success
+        flags = (TERMINATED * out.terminated | TRUNCATED * out.truncated | NONFINITE * (not out.finite)
+                 | (SUCCESS_KNOWN | SUCCESS * success if success >= 0 else 0))
+        if out.final_obs is not None and out.truncated and not out.terminated:
+            _write(self.final_obs, i, out.final_obs)
+        self.flags[i] = flags
+
+    def write_many(self, ids: np.ndarray, obs: Any, reward: np.ndarray, terminated: np.ndarray,
+                   truncated: np.ndarray, finite: np.ndarray, success: np.ndarray,
+                   final_obs: dict[int, Any]) -> None:
+        """Store the steps of envs ``ids`` at once (a vector env's); ``final_obs`` by row."""
+        _write(self.obs, ids, obs)
+        self.reward[ids] = reward
+        known = success >= 0
+        self.flags[ids] = (TERMINATED * terminated | TRUNCATED * truncated | NONFINITE * ~finite
+                           | SUCCESS_KNOWN * known | SUCCESS * (success > 0)).astype(np.uint8)
+        for row, o in final_obs.items():
+            if truncated[row] and not terminated[row]:
+                _write(self.final_obs, int(ids[row]), o)
+
+    def actions(self, ids: np.ndarray) -> Any:
+        return index(self.act, ids)
+
+    def set_actions(self, ids: np.ndarray, actions: Any) -> None:
+        _write(self.act, ids, actions)
+
+    def block(self, ids: np.ndarray, errors: list[tuple[int, str]] | None = None) -> Block:
+        """The finished steps of envs ``ids`` (copied out of the rows)."""
+        flags = self.flags[ids]
+        terminated = (flags & TERMINATED) != 0
+        truncated = (flags & TRUNCATED) != 0
+        success = np.where(flags & SUCCESS_KNOWN, (flags & SUCCESS) != 0, -1).astype(np.int8)
+        boot = np.flatnonzero(truncated & ~terminated)
+        final_obs = {int(r): tree_map(np.copy, index(self.final_obs, int(ids[r]))) for r in boot}
+        return Block(ids, index(self.obs, ids), self.reward[ids], terminated, truncated,
+                     (flags & NONFINITE) == 0, success, final_obs, errors or [])
+
+    def close(self) -> None:
+        self.obs = self.final_obs = self.act = self.reward = self.flags = None
 
 
 class EnvStepError(RuntimeError):
@@ -92,30 +228,47 @@ def describe(exc: BaseException) -> str:
     return "".join(traceback.format_exception_only(type(exc), exc)).strip()
 
 
+OnBlock = Callable[[Block], None]
+
+
 class SimPool(ABC):
-    """An awaitable home for ``num_envs`` envs built by ``env_fn(i)``."""
+    """A home for ``num_envs`` envs built by ``env_fn(i)``, stepped a block at a time.
+
+    The driver sets ``on_block`` before :meth:`start`. :meth:`submit` starts the steps of a
+    block of idle envs and returns at once; their results come back later, through
+    ``on_block``, in one or more blocks (never from inside ``submit``). A *unit* is one env, or
+    one vector env of ``vector_size`` envs (``reset`` and ``rebuild`` take units; ``submit``
+    takes env ids, whole units at a time).
+    """
 
     backend: SimBackend
     resizable = False
+    vector_size = 1
 
     def __init__(self, env_fn: EnvFn, num_envs: int):
         self.env_fn = env_fn
-        self.num_envs = num_envs
+        self.num_envs = num_envs  # envs (not units)
         self.observation_space: gym.Space | None = None
         self.action_space: gym.Space | None = None
+        self.on_block: OnBlock = _unset
+        self.virtual_step_cost = 0.0  # the latest step's declared cost (virtual time only)
 
     @abstractmethod
-    async def start(self) -> None: ...
+    async def start(self) -> None:
+        """Build the envs; afterwards ``observation_space``/``action_space`` are one env's."""
 
     @abstractmethod
-    async def reset(self, env_id: int, seed: int | None = None) -> tuple[Any, dict]: ...
+    def submit(self, ids: np.ndarray, actions: Any) -> None:
+        """Start a step for each env in ``ids`` (idle envs) with ``actions`` rows (a tree ``[B, ...]``)."""
 
     @abstractmethod
-    async def step(self, env_id: int, action: Any) -> StepOut: ...
+    async def reset(self, unit: int, seed: Any = None) -> tuple[Any, Any]:
+        """Reset a unit. A plain env: ``(obs, info)``; a vector env takes a list of seeds
+        (every row) or ``{row: seed}`` (some rows) and returns ``({row: obs}, {row: info})``."""
 
     @abstractmethod
-    async def rebuild(self, env_id: int) -> None:
-        """Close env ``env_id`` (ignoring its errors) and build it anew from ``env_fn``."""
+    async def rebuild(self, unit: int) -> None:
+        """Close unit ``unit`` (ignoring its errors) and build it anew from ``env_fn``."""
 
     @abstractmethod
     def close(self) -> None:
@@ -127,3 +280,7 @@ class SimPool(ABC):
 
     def resize(self, n: int) -> None:
         raise ValueError(f"the {self.backend.value} sim backend has a fixed size ({self.size})")
+
+
+def _unset(block: Block) -> None:
+    raise RuntimeError("SimPool.on_block was not set before the pool stepped")

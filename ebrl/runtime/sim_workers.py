@@ -1,26 +1,44 @@
 """ProcessSimPool: envs hosted in worker processes, for GIL-bound Python envs.
 
-Env ``i`` lives in worker ``i % W``. The event loop talks to each worker over a pipe it
-watches with ``add_reader`` (no thread in between): requests made in one loop iteration go
-out as one message per worker, so a worker steps the ready subset of its envs per trip.
+Env ``i`` lives in worker ``i % W``. The event loop watches each worker's pipe with
+``add_reader`` (no thread in between). Every array of :class:`StepRows` (one per observation
+key, for ``obs`` and ``final_obs``, plus actions, rewards and flags) is a shared-memory block
+made by the parent, so a step request or reply is a 1-byte tag and the int32 env ids: nothing
+is pickled per step. Only errors, resets and rebuilds are pickled.
 
-Transport: for Box observations and Box or Discrete actions, actions, observations, rewards
-and done flags live in shared memory, and a step request or reply is just the packed env
-ids, so nothing is pickled per step. Only episode ends (the final observation and info),
-per-step success flags and errors are pickled. Other spaces fall back to pickling each
-step. ``StepOut.info`` on this backend carries only the success keys (``is_success``,
-``success``); ``final_info`` is complete.
+Submits made in one loop iteration go out as one message per worker. The worker steps that
+message's envs cheapest first (by an EWMA of each env's step wall time) and streams replies,
+so no env waits for the slowest of its message: it sends the ids finished so far (a) before
+stepping an env whose EWMA cost exceeds ``reply_hold_s``, and (b) after a step, once the
+oldest unsent one finished more than ``reply_hold_s`` ago; the rest goes at the end. Cheap
+envs thus come back in one reply per message.
+
+    >>> import asyncio, gymnasium as gym, numpy as np
+    >>> async def demo():
+    ...     pool = ProcessSimPool(lambda i: gym.make("CartPole-v1"), num_envs=4, num_workers=2)
+    ...     done = asyncio.get_running_loop().create_future()
+    ...     pool.on_block = done.set_result  # one Block per reply
+    ...     await pool.start()
+    ...     obs, _ = await pool.reset(3, seed=0)
+    ...     pool.submit(np.array([3]), np.array([1]))  # env 3, action 1
+    ...     block = await done
+    ...     pool.close()
+    ...     return obs.shape, block.ids, block.reward
+    >>> asyncio.run(demo())
+    ((4,), array([3]), array([1.]))
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
 import signal
 import sys
 import time
+from collections import deque
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
@@ -28,78 +46,71 @@ import gymnasium as gym
 import numpy as np
 
 from ebrl.config import SimBackend
-from ebrl.runtime.sim_types import (
-    EnvFn,
-    EnvStepError,
-    SimPool,
-    StepOut,
-    close_quietly,
-    describe,
-    step_env,
-)
+from ebrl.runtime.sim_types import EnvFn, EnvStepError, SimPool, StepRows, close_quietly, describe, reset_env, step_env
+from ebrl.spaces import index, tree_map
 
-INFO_KEYS = ("is_success", "success")  # per-step info worth a pickle
-_STEP, _PICKLED, _QUIT = b"S", b"P", b"Q"
-TERMINATED, TRUNCATED, NONFINITE = 1, 2, 4
+# message tags. Parent to worker: step ids, pickled requests, quit. Worker to parent: step ids,
+# pickled (step ids, errors), pickled request replies.
+_STEP, _ERRORS, _PICKLED, _QUIT = b"S", b"E", b"P", b"Q"
+_ALPHA = 0.25  # EWMA weight of the latest step time
 
 
-def _shareable(space: gym.Space) -> bool:
-    return isinstance(space, (gym.spaces.Box, gym.spaces.Discrete))
+def _shm_alloc(blocks: list[shared_memory.SharedMemory], names: list[str] | None = None):
+    """An ``alloc`` for :class:`StepRows`: each array a new block (parent), or the next of
+    ``names`` (worker: same spaces, same call order, so the same sequence)."""
+
+    def alloc(shape: tuple, dtype: np.dtype) -> np.ndarray:
+        nbytes = max(1, int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize)
+        if names is None:
+            block = shared_memory.SharedMemory(create=True, size=nbytes)
+        else:
+            # workers share the parent's resource tracker (started before they are), so
+            # attaching registers nothing new; the parent unlinks each block once, at close
+            block = shared_memory.SharedMemory(name=names[len(blocks)])
+        blocks.append(block)
+        return np.ndarray(shape, dtype, buffer=block.buf)
+
+    return alloc
 
 
-class SharedArrays:
-    """Per-env slots for actions, observations, rewards and done flags, in shared memory."""
-
-    def __init__(self, num_envs: int, obs_space: gym.Space, act_space: gym.Space, names: list[str] | None = None):
-        specs = [(tuple(obs_space.shape), obs_space.dtype),
-                 (tuple(act_space.shape), act_space.dtype if isinstance(act_space, gym.spaces.Box) else np.int64),
-                 ((), np.float64), ((), np.uint8)]
-        self.blocks: list[shared_memory.SharedMemory] = []
-        arrays = []
-        for k, (shape, dtype) in enumerate(specs):
-            nbytes = max(1, num_envs * int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize)
-            if names is None:
-                block = shared_memory.SharedMemory(create=True, size=nbytes)
-            else:
-                # workers share the parent's resource tracker (started before they are), so
-                # attaching registers nothing new; the parent unlinks the block once, at close
-                block = shared_memory.SharedMemory(name=names[k])
-            self.blocks.append(block)
-            arrays.append(np.ndarray((num_envs, *shape), dtype=dtype, buffer=block.buf))
-        self.obs, self.act, self.reward, self.flags = arrays
-        self.names = [b.name for b in self.blocks]
-
-    def close(self, unlink: bool) -> None:
-        self.obs = self.act = self.reward = self.flags = None
-        for block in self.blocks:
+def _release(rows: StepRows | None, blocks: list[shared_memory.SharedMemory], unlink: bool) -> None:
+    if rows is not None:
+        rows.close()  # drop the arrays first: a block with live views cannot close
+    for block in blocks:
+        with contextlib.suppress(BufferError):  # a view still held: unlinking still frees the name
             block.close()
-            if unlink:
+        if unlink:
+            with contextlib.suppress(FileNotFoundError):
                 block.unlink()
-        self.blocks = []
+    blocks.clear()
 
 
-def _worker_main(conn, env_fn: EnvFn, env_ids: list[int], num_envs: int) -> None:
+def _worker_main(conn, env_fn: EnvFn, env_ids: list[int], num_envs: int, hold_s: float) -> None:
     """A worker process: hosts its envs and answers requests until told to quit."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     envs: dict[int, gym.Env] = {}
-    shm: SharedArrays | None = None
+    blocks: list[shared_memory.SharedMemory] = []
+    rows = None
     try:
-        try:
-            for i in env_ids:
+        for i in env_ids:
+            try:
                 envs[i] = env_fn(i)
-        except Exception as exc:
-            conn.send_bytes(pickle.dumps(("error", describe(exc))))
-            return
+            except Exception as exc:
+                conn.send_bytes(pickle.dumps(("error", i, describe(exc))))
+                return
         first = envs[env_ids[0]]
         conn.send_bytes(pickle.dumps(("ready", first.observation_space, first.action_space)))
-        msg = pickle.loads(conn.recv_bytes())
-        if msg[0] == "attach":
-            shm = SharedArrays(num_envs, first.observation_space, first.action_space, names=msg[1])
+        raw = conn.recv_bytes()
+        if raw == _QUIT:
+            return
+        names, obs_space, act_space = pickle.loads(raw)
+        rows = StepRows(num_envs, obs_space, act_space, alloc=_shm_alloc(blocks, names))
+        cost: list[float | None] = [None] * num_envs
         while True:
             raw = conn.recv_bytes()
             kind, body = raw[:1], raw[1:]
             if kind == _STEP:
-                conn.send_bytes(_step_shared(envs, shm, np.frombuffer(body, np.int32)))
+                _step_message(conn, envs, rows, cost, np.frombuffer(body, np.int32).tolist(), hold_s)
             elif kind == _PICKLED:
                 conn.send_bytes(_PICKLED + pickle.dumps(_serve(envs, env_fn, pickle.loads(body))))
             else:
@@ -107,45 +118,51 @@ def _worker_main(conn, env_fn: EnvFn, env_ids: list[int], num_envs: int) -> None
     except (EOFError, KeyboardInterrupt, BrokenPipeError, OSError):
         pass
     finally:
-        if shm is not None:
-            shm.close(unlink=False)
+        _release(rows, blocks, unlink=False)
         for env in envs.values():
             close_quietly(env)
 
 
-def _step_shared(envs: dict[int, gym.Env], shm: SharedArrays, ids: np.ndarray) -> bytes:
-    extras: dict[int, tuple] = {}
-    for i in ids.tolist():
+def _step_message(conn, envs, rows: StepRows, cost: list, ids: list[int], hold_s: float) -> None:
+    """Step ``ids`` cheapest first, streaming replies by the rule in the module docstring."""
+    done: list[int] = []
+    errors: list[tuple[int, str]] = []
+    since = 0.0  # when the oldest unsent env finished
+
+    def send() -> None:
+        raw = np.asarray(done, np.int32).tobytes()
+        conn.send_bytes(_ERRORS + pickle.dumps((raw, list(errors))) if errors else _STEP + raw)
+        done.clear()
+        errors.clear()
+
+    for i in sorted(ids, key=lambda j: cost[j] or 0.0):
+        if (done or errors) and (cost[i] or 0.0) > hold_s:
+            send()  # (a): a known-slow env must not hold the finished ones
+        t0 = time.perf_counter()
         try:
-            out = step_env(envs[i], shm.act[i].copy())
+            rows.write(i, step_env(envs[i], tree_map(lambda a: a.copy(), index(rows.act, i))))
+            done.append(i)
         except Exception as exc:
-            extras[i] = ("error", describe(exc))
-            continue
-        shm.obs[i] = out.obs
-        shm.reward[i] = out.reward
-        shm.flags[i] = TERMINATED * out.terminated | TRUNCATED * out.truncated | NONFINITE * (not out.finite)
-        small = {k: out.info[k] for k in INFO_KEYS if k in out.info}
-        if out.final_info is not None:
-            extras[i] = ("done", small, out.final_obs, out.final_info)
-        elif small:
-            extras[i] = ("info", small)
-    if not extras:
-        return _STEP + ids.tobytes()
-    return _PICKLED + pickle.dumps(("step", ids.tobytes(), extras))
+            errors.append((i, describe(exc)))
+        t1 = time.perf_counter()
+        c = cost[i]
+        cost[i] = t1 - t0 if c is None else c + _ALPHA * (t1 - t0 - c)
+        if len(done) + len(errors) == 1:
+            since = t1
+        elif t1 - since > hold_s:
+            send()  # (b): the oldest unsent one has waited long enough
+    if done or errors:
+        send()
 
 
 def _serve(envs: dict[int, gym.Env], env_fn: EnvFn, requests: list[tuple[str, int, Any]]) -> list:
     replies = []
     for op, i, arg in requests:
         try:
-            if op == "step":
-                replies.append((i, True, step_env(envs[i], arg)))
-            elif op == "reset":
-                replies.append((i, True, envs[i].reset(seed=arg)))
-            elif op == "rebuild":
+            if op == "rebuild":
                 close_quietly(envs[i])
                 envs[i] = env_fn(i)
-                replies.append((i, True, None))
+            replies.append((i, True, reset_env(envs[i], seed=arg) if op == "reset" else None))
         except Exception as exc:
             replies.append((i, False, describe(exc)))
     return replies
@@ -154,25 +171,28 @@ def _serve(envs: dict[int, gym.Env], env_fn: EnvFn, requests: list[tuple[str, in
 class _Worker:
     def __init__(self, index: int, process, conn):
         self.index, self.process, self.conn = index, process, conn
-        self.steps: list[int] = []  # env ids whose action is in shared memory
-        self.requests: list[tuple[str, int, Any]] = []  # pickled requests
-        self.waiting: dict[int, tuple[str, asyncio.Future]] = {}
+        self.steps: list[np.ndarray] = []  # ids whose actions are written, not yet sent
+        self.requests: list[tuple[str, int, Any]] = []  # pickled requests, not yet sent
+        self.waiting: deque[tuple[int, str, asyncio.Future]] = deque()  # sent requests, in order
+        self.dead: str | None = None  # why it is gone
 
 
 class ProcessSimPool(SimPool):
-    """Envs hosted in worker processes; the event loop batches requests per worker per iteration."""
+    """Envs hosted in worker processes; steps travel through shared memory as env-id blocks."""
 
     backend = SimBackend.PROCESS
 
-    def __init__(self, env_fn: EnvFn, num_envs: int, num_workers: int, start_method: str | None = None):
+    def __init__(self, env_fn: EnvFn, num_envs: int, num_workers: int, start_method: str | None = None,
+                 reply_hold_s: float = 0.0005):
         super().__init__(env_fn, num_envs)
         self._num_workers = max(1, min(num_workers, num_envs))
-        if start_method is None:
-            start_method = "fork" if sys.platform.startswith("linux") else "spawn"
-        self._ctx = mp.get_context(start_method)
+        self._ctx = mp.get_context(start_method or ("fork" if sys.platform.startswith("linux") else "spawn"))
+        self.reply_hold_s = reply_hold_s
         self._workers: list[_Worker] = []
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._shm: SharedArrays | None = None
+        self._rows: StepRows | None = None
+        self._blocks: list[shared_memory.SharedMemory] = []
+        self._busy = np.zeros(num_envs, bool)  # steps in flight, to report if a worker dies
         self._flush_scheduled = False
         self._closed = False
 
@@ -185,26 +205,27 @@ class ProcessSimPool(SimPool):
         # one resource tracker for parent and workers: a worker forked before the parent's
         # tracker exists starts its own, which unlinks the shared memory when the worker exits
         resource_tracker.ensure_running()
-        for w in range(self._num_workers):
+        W = self._num_workers
+        for w in range(W):
             parent, child = self._ctx.Pipe(duplex=True)
             proc = self._ctx.Process(
-                target=_worker_main, args=(child, self.env_fn, list(range(w, self.num_envs, self._num_workers)),
-                                           self.num_envs),
-                name=f"ebrl-sim-worker-{w}", daemon=True)
+                target=_worker_main, name=f"ebrl-sim-worker-{w}", daemon=True,
+                args=(child, self.env_fn, list(range(w, self.num_envs, W)), self.num_envs, self.reply_hold_s))
             proc.start()
             child.close()
             self._workers.append(_Worker(w, proc, parent))
         try:
-            for worker in self._workers:
-                msg = await self._first_message(worker)  # workers build their envs in parallel
+            for worker in self._workers:  # they build their envs in parallel
+                msg = await self._first_message(worker)
                 if msg[0] == "error":
-                    raise EnvStepError(worker.index, "env_fn", f"in worker {worker.index}: {msg[1]}")
-                self.observation_space, self.action_space = msg[1], msg[2]
-            shared = _shareable(self.observation_space) and _shareable(self.action_space)
-            if shared:
-                self._shm = SharedArrays(self.num_envs, self.observation_space, self.action_space)
+                    raise EnvStepError(msg[1], "env_fn", f"in worker {worker.index}: {msg[2]}")
+                if self.observation_space is None:
+                    self.observation_space, self.action_space = msg[1], msg[2]
+            self._rows = StepRows(self.num_envs, self.observation_space, self.action_space,
+                                  alloc=_shm_alloc(self._blocks))
+            attach = pickle.dumps(([b.name for b in self._blocks], self.observation_space, self.action_space))
             for worker in self._workers:
-                worker.conn.send_bytes(pickle.dumps(("attach", self._shm.names) if shared else ("pickle",)))
+                worker.conn.send_bytes(attach)
                 self._watch(worker.conn.fileno(), self._on_readable, worker)
         except BaseException:
             self.close()
@@ -219,101 +240,112 @@ class ProcessSimPool(SimPool):
             self._loop.remove_reader(worker.conn.fileno())
         try:
             return pickle.loads(worker.conn.recv_bytes())
-        except EOFError:
-            return ("error", f"worker exited during start (exit code {worker.process.exitcode})")
+        except (EOFError, OSError):
+            worker.process.join(1.0)
+            return ("error", worker.index, f"worker exited during start (exit code {worker.process.exitcode})")
 
     def _watch(self, fd: int, callback, *args) -> None:
         self._loop.add_reader(fd, callback, *args)
         # add_reader makes the socket non-blocking; a message larger than the socket buffer
-        # (pixels) then arrives in pieces and recv_bytes would fail half-way. Readable means a
-        # message has started, and the worker writes the rest at once: a blocking read is safe.
+        # then arrives in pieces and recv_bytes would fail half-way. Readable means a message
+        # has started, and the worker writes the rest at once: a blocking read is safe.
         os.set_blocking(fd, True)
 
-    def _future(self, worker: _Worker, op: str, env_id: int) -> asyncio.Future:
-        if self._closed:
-            raise RuntimeError("sim pool is closed")
-        fut = self._loop.create_future()
-        worker.waiting[env_id] = (op, fut)
+    def _schedule_flush(self) -> None:
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
-        return fut
 
-    def _request(self, op: str, env_id: int, arg: Any) -> asyncio.Future:
-        worker = self._workers[env_id % self._num_workers]
-        worker.requests.append((op, env_id, arg))
-        return self._future(worker, op, env_id)
+    def _check_open(self) -> None:
+        if self._closed or self._rows is None:
+            raise RuntimeError("sim pool is closed" if self._closed else "sim pool is not started")
+
+    def submit(self, ids: np.ndarray, actions: Any) -> None:
+        self._check_open()
+        ids = np.asarray(ids, np.int64)
+        if self._busy[ids].any():
+            raise ValueError(f"envs {ids[self._busy[ids]].tolist()} are still stepping")
+        self._rows.set_actions(ids, actions)  # the envs are idle: nobody reads their slots now
+        self._busy[ids] = True
+        owner = ids % self._num_workers
+        for w in np.unique(owner).tolist():
+            self._workers[w].steps.append(ids[owner == w])
+        self._schedule_flush()
 
     def _flush(self) -> None:
         self._flush_scheduled = False
         for worker in self._workers:
+            if worker.dead is not None:  # steps submitted to a dead worker fail as a block
+                if worker.steps:
+                    self._fail_steps(worker, np.concatenate(worker.steps))
+                continue
             try:
                 if worker.steps:
-                    ids, worker.steps = np.asarray(worker.steps, np.int32), []
+                    ids = np.concatenate(worker.steps).astype(np.int32)
+                    worker.steps = []
                     worker.conn.send_bytes(_STEP + ids.tobytes())
                 if worker.requests:
                     reqs, worker.requests = worker.requests, []
                     worker.conn.send_bytes(_PICKLED + pickle.dumps(reqs))
-            except (BrokenPipeError, OSError) as exc:
-                self._fail_worker(worker, f"pipe to worker {worker.index} broke: {exc}")
+            except (BrokenPipeError, OSError):
+                self._fail_worker(worker)
 
     def _on_readable(self, worker: _Worker) -> None:
         try:
             raw = worker.conn.recv_bytes()
         except (EOFError, OSError):
-            self._fail_worker(worker, f"worker {worker.index} died (exit code {worker.process.exitcode})")
+            self._fail_worker(worker)
             return
         kind, body = raw[:1], raw[1:]
-        if kind == _STEP:
-            self._resolve_steps(worker, np.frombuffer(body, np.int32), {})
+        if kind == _PICKLED:
+            for env_id, ok, payload in pickle.loads(body):
+                _, op, fut = worker.waiting.popleft()
+                if not fut.done():
+                    fut.set_result(payload) if ok else fut.set_exception(EnvStepError(env_id, op, payload))
             return
-        msg = pickle.loads(body)
-        if isinstance(msg, tuple) and msg[0] == "step":
-            self._resolve_steps(worker, np.frombuffer(msg[1], np.int32), msg[2])
+        errors: list[tuple[int, str]] = []
+        if kind == _ERRORS:
+            body, errors = pickle.loads(body)
+            self._busy[[i for i, _ in errors]] = False
+        ids = np.frombuffer(body, np.int32).astype(np.int64)
+        self._busy[ids] = False
+        self.on_block(self._rows.block(ids, errors))
+
+    def _fail_steps(self, worker: _Worker, ids: np.ndarray) -> None:
+        worker.steps = []
+        self._busy[ids] = False
+        errors = [(int(i), worker.dead) for i in ids]
+        self.on_block(self._rows.block(np.zeros(0, np.int64), errors))
+
+    def _fail_worker(self, worker: _Worker) -> None:
+        if worker.dead is not None:
             return
-        for env_id, ok, payload in msg:
-            op, fut = worker.waiting.pop(env_id)
-            if not fut.done():
-                fut.set_result(payload) if ok else fut.set_exception(EnvStepError(env_id, op, payload))
-
-    def _resolve_steps(self, worker: _Worker, ids: np.ndarray, extras: dict) -> None:
-        shm = self._shm
-        for i in ids.tolist():
-            _, fut = worker.waiting.pop(i)
-            if fut.done():
-                continue
-            extra = extras.get(i)
-            if extra is not None and extra[0] == "error":
-                fut.set_exception(EnvStepError(i, "step", extra[1]))
-                continue
-            flags = int(shm.flags[i])
-            out = StepOut(shm.obs[i].copy(), float(shm.reward[i]), bool(flags & TERMINATED),
-                          bool(flags & TRUNCATED), extra[1] if extra is not None else {},
-                          finite=not flags & NONFINITE)
-            if extra is not None and extra[0] == "done":
-                out.final_obs, out.final_info = extra[2], extra[3]
-            fut.set_result(out)
-
-    def _fail_worker(self, worker: _Worker, why: str) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self._loop.remove_reader(worker.conn.fileno())
-        except Exception:
-            pass
-        for env_id, (op, fut) in worker.waiting.items():
+        worker.process.join(0.5)  # to learn its exit code; it closed its pipe, so it is exiting
+        worker.dead = f"worker {worker.index} died (exit code {worker.process.exitcode})"
+        for env_id, _, fut in worker.waiting:
             if not fut.done():
-                fut.set_exception(RuntimeError(f"env {env_id}: {why}"))
-        worker.waiting.clear()
+                fut.set_exception(RuntimeError(f"env {env_id}: {worker.dead}"))
+        worker.waiting.clear()  # sent or not: every request's future is in waiting
+        worker.requests = []
+        in_flight = np.flatnonzero(self._busy & (np.arange(self.num_envs) % self._num_workers == worker.index))
+        if len(in_flight):
+            self._fail_steps(worker, in_flight)
+
+    def _request(self, op: str, env_id: int, arg: Any) -> asyncio.Future:
+        self._check_open()
+        worker = self._workers[env_id % self._num_workers]
+        if worker.dead is not None:
+            raise RuntimeError(f"env {env_id}: {worker.dead}")
+        fut = self._loop.create_future()
+        worker.requests.append((op, env_id, arg))
+        worker.waiting.append((env_id, op, fut))
+        self._schedule_flush()
+        return fut
 
     async def reset(self, env_id: int, seed: int | None = None) -> tuple[Any, dict]:
         return await self._request("reset", env_id, seed)
-
-    async def step(self, env_id: int, action: Any) -> StepOut:
-        if self._shm is None:
-            return await self._request("step", env_id, action)
-        worker = self._workers[env_id % self._num_workers]
-        self._shm.act[env_id] = action  # the env is idle: nobody reads its slot now
-        worker.steps.append(env_id)
-        return await self._future(worker, "step", env_id)
 
     async def rebuild(self, env_id: int) -> None:
         await self._request("rebuild", env_id, None)
@@ -323,14 +355,10 @@ class ProcessSimPool(SimPool):
             return
         self._closed = True
         for worker in self._workers:
-            try:
+            with contextlib.suppress(Exception):
                 self._loop.remove_reader(worker.conn.fileno())
-            except Exception:
-                pass
-            try:
+            with contextlib.suppress(Exception):
                 worker.conn.send_bytes(_QUIT)
-            except Exception:
-                pass
         deadline = time.monotonic() + 5.0
         for worker in self._workers:
             worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -338,9 +366,8 @@ class ProcessSimPool(SimPool):
                 worker.process.kill()
                 worker.process.join()
             worker.conn.close()
-            for _, fut in worker.waiting.values():
+            for _, _, fut in worker.waiting:
                 fut.cancel()
         self._workers = []
-        if self._shm is not None:
-            self._shm.close(unlink=True)
-            self._shm = None
+        _release(self._rows, self._blocks, unlink=True)
+        self._rows = None

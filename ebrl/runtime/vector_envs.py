@@ -3,9 +3,9 @@ or any gymnasium ``VectorEnv``), hosted as one unit of the sim pool.
 
 With ``sim.vector_size = V > 1``, ``env_fn(k)`` builds vector env ``k``: a
 ``gymnasium.vector.VectorEnv`` of ``V`` envs, which are envs ``k*V ... k*V + V-1`` of the run.
-Each vector env is one task in the runtime: one ``act`` request for its ``V`` observations, one
-simulator call for its ``V`` actions, and ``V`` transitions recorded, each in its env's own
-segment. Vector envs never wait for each other under the ``async`` schedule; inside one, the
+Each vector env is one unit of the sim pool: one generation request for its ``V`` observations,
+one simulator call for its ``V`` actions, whose reply is one block of ``V`` rows, each recorded in
+its env's own segment. Vector envs never wait for each other under the ``async`` schedule; inside one, the
 simulator itself is the barrier.
 
 A vector env must reset its finished envs in the step that ends them (gymnasium's
@@ -21,20 +21,21 @@ ignores the action, so the runtime would record a transition that never happened
     >>> obs, _ = reset_vector_env(venv, [0, 1, 2])
     >>> sorted(obs), obs[0].shape
     ([0, 1, 2], (4,))
-    >>> outs = step_vector_env(venv, np.array([0, 1, 0]))
-    >>> len(outs), outs[1].obs.shape, outs[1].terminated
-    (3, (4,), False)
+    >>> out = step_vector_env(venv, np.array([0, 1, 0]))
+    >>> out.obs.shape, out.terminated.tolist()
+    ((3, 4), [False, False, False])
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 
-from ebrl.runtime.sim_types import StepOut
-from ebrl.spaces import all_finite, copy_tree, finite_rows, unstack
+from ebrl.runtime.sim_types import SUCCESS_KEYS
+from ebrl.spaces import all_finite, copy_tree, finite_rows, index, tree_map, unstack, write
 
 SAME_STEP, DISABLED = gym.vector.AutoresetMode.SAME_STEP, gym.vector.AutoresetMode.DISABLED
 
@@ -100,8 +101,29 @@ def reset_vector_env(venv: gym.vector.VectorEnv, seed: list[int | None] | dict[i
     return {i: obs[i] for i in rows}, {i: row_info(infos, i) for i in rows}
 
 
-def step_vector_env(venv: gym.vector.VectorEnv, actions: Any) -> list[StepOut]:
-    """One step of every env, as one ``StepOut`` per env (same-step autoreset)."""
+@dataclass(slots=True)
+class VectorStep:
+    """One step of every env of a vector env, row ``i`` for env ``i`` (same-step autoreset)."""
+
+    obs: Any  # array tree [n, ...]: after an episode's end, the next episode's first observation
+    reward: np.ndarray  # float64 [n]
+    terminated: np.ndarray  # bool [n]
+    truncated: np.ndarray  # bool [n]
+    finite: np.ndarray  # bool [n]
+    success: np.ndarray  # int8 [n]: 1, 0, or -1 where the row's info had no success flag
+    final_obs: dict[int, Any]  # row -> last observation of the episode that ended there
+    cost_s: float = 0.0  # declared cost (virtual time)
+
+
+def _success(info: dict) -> int:
+    for key in SUCCESS_KEYS:
+        if key in info:
+            return int(bool(info[key]))
+    return -1
+
+
+def step_vector_env(venv: gym.vector.VectorEnv, actions: Any) -> VectorStep:
+    """One step of every env, as arrays with a row per env (same-step autoreset)."""
     n = venv.num_envs
     obs, rewards, terminated, truncated, infos = venv.step(actions)
     rewards = np.asarray(rewards, np.float64).reshape(n)
@@ -110,25 +132,25 @@ def step_vector_env(venv: gym.vector.VectorEnv, actions: Any) -> list[StepOut]:
     done = terminated | truncated
     obs = copy_tree(obs)
     finite = finite_rows(obs, n) & np.isfinite(rewards)
-    rows = unstack(obs, n)
-    row_infos = [row_info(infos, i) for i in range(n)] if infos else [{} for _ in range(n)]
+    success = np.full(n, -1, np.int8)
+    if infos:
+        for key in SUCCESS_KEYS:
+            if key in infos:
+                mask = infos.get("_" + key, np.ones(n, bool))
+                success = np.where(mask, np.asarray(infos[key]).astype(bool), success).astype(np.int8)
+                break
     final_obs: dict[int, Any] = {}
-    final_info: dict[int, dict] = {}
     if done.any():
         if autoreset_mode(venv) is DISABLED:
-            final_obs = {int(i): rows[i] for i in np.flatnonzero(done)}
-            final_info = {i: row_infos[i] for i in final_obs}
-            reset_obs, reset_infos = reset_vector_env(venv, {i: None for i in final_obs})
+            final_obs = {int(i): index(obs, int(i)) for i in np.flatnonzero(done)}
+            reset_obs, _ = reset_vector_env(venv, {i: None for i in final_obs})
+            obs = tree_map(np.copy, obs)
             for i, o in reset_obs.items():
-                rows[i], row_infos[i] = o, reset_infos[i]
+                write(obs, i, o)
                 finite[i] &= all_finite(o)
         else:  # SAME_STEP: the venv reset them already; infos are the new episodes'
             for i in np.flatnonzero(done):
                 final_obs[int(i)] = copy_tree(infos["final_obs"][i])
-                final_info[int(i)] = row_info(infos.get("final_info", {}), i)
+                success[i] = _success(row_info(infos.get("final_info", {}), i))
                 finite[i] &= all_finite(final_obs[int(i)])
-    cost = _vector_cost(venv)
-    return [StepOut(rows[i], float(rewards[i]), bool(terminated[i]), bool(truncated[i]), row_infos[i],
-                    final_obs.get(i), final_info.get(i), cost, bool(finite[i]))
-            for i in range(n)]
-
+    return VectorStep(obs, rewards, terminated, truncated, finite, success, final_obs, _vector_cost(venv))

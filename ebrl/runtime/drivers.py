@@ -1,0 +1,397 @@
+"""The driver core: one object turns blocks of finished steps into records and new requests,
+for every schedule and backend.
+
+The hot path is three callbacks, with no coroutine, future or Python object per env step:
+
+1. the sim pool calls :meth:`Driver.on_block` with a block of envs whose steps are done: the
+   block is recorded into the rollout storage (one write per field), episodes are tracked in
+   NumPy, and NaN/inf rows and failed envs go aside for recovery;
+2. the envs that may go on are released: they claim steps from the budget, envs that would
+   open a segment on a full queue park (backpressure), and the rest make one generation
+   request (:meth:`Generator.request`) for the block;
+3. the batch that serves them calls :meth:`Driver.on_actions`, which keeps the behaviour data
+   for the record and submits the action rows to the pool.
+
+The schedules differ only in what is released together (:class:`~ebrl.config.Schedule`):
+under ``async`` every unit (an env, or a vector env) goes on alone, as soon as its step is
+back; under ``sync`` and ``pipelined`` a lockstep group goes on once all of its units are
+back, in env id order. A :class:`~ebrl.runtime.profiler.Timeline`, when given, observes the
+same path (``act``, ``sim``, ``blocked``, ``fail`` per env); it does not fork it.
+
+Every transition is counted exactly once: simulated, then trained, dropped with a reason, or
+still in flight when the run stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ebrl.config import NonFinite, RunConfig, Schedule
+from ebrl.policies.base import ActResult
+from ebrl.runtime.generation import Generator
+from ebrl.runtime.rollout import RolloutQueue
+from ebrl.runtime.sim_types import Block, EnvStepError, SimPool
+from ebrl.runtime.state import RunState
+from ebrl.runtime.stats import RunStats
+from ebrl.spaces import batch_of_one, index, stack, tree_map
+from ebrl.telemetry.logging import get_logger
+
+if TYPE_CHECKING:
+    from ebrl.runtime.profiler import Timeline
+
+log = get_logger("ebrl.env")
+
+
+class TooManyEnvFailures(RuntimeError):
+    """More env failures within the window than ``faults.max_env_failures`` allows."""
+
+
+class NonFiniteError(RuntimeError):
+    """An env produced NaN or inf in an observation or reward."""
+
+
+def lockstep_groups(cfg: RunConfig) -> list[list[int]]:
+    """Each lockstep group's units (env ids, or vector env ids when ``sim.vector_size > 1``):
+    contiguous, sizes differing by at most one. Under ``async`` every unit is its own group."""
+    units = cfg.num_envs // cfg.sim.vector_size
+    if cfg.schedule is Schedule.ASYNC:
+        return [[u] for u in range(units)]
+    n = 1 if cfg.schedule is Schedule.SYNC else cfg.num_groups
+    size = -(-units // n)
+    return [list(range(s, min(s + size, units))) for s in range(0, units, size)]
+
+
+def _put(buf: Any, ids: Any, rows: Any) -> None:
+    if isinstance(buf, dict):
+        for k, v in buf.items():
+            _put(v, ids, rows[k])
+    else:
+        buf[ids] = rows
+
+
+class Driver:
+    """Records finished blocks and releases envs for their next step (see module docstring)."""
+
+    def __init__(self, cfg: RunConfig, pool: SimPool, generator: Generator, rollout: RolloutQueue,
+                 stats: RunStats, state: RunState, timeline: Timeline | None = None):
+        self.cfg, self.pool, self.generator, self.rollout, self.stats = cfg, pool, generator, rollout, stats
+        self.state, self.timeline = state, timeline
+        n, v = cfg.num_envs, cfg.sim.vector_size
+        self.V = v
+        self.lockstep = cfg.schedule is not Schedule.ASYNC
+        groups = lockstep_groups(cfg)
+        self.group_ids = [np.concatenate([np.arange(u * v, u * v + v) for u in g]) for g in groups]
+        self.group_of = np.zeros(n, np.int64)
+        for g, ids in enumerate(self.group_ids):
+            self.group_of[ids] = g
+        self.arrived = np.zeros(len(groups), np.int64)  # lockstep: units of the group back and ready
+        self.parked: deque[np.ndarray] = deque()  # blocks of envs waiting for queue space
+        # behaviour data of each env's in-flight step (allocated at the first batch)
+        self.act_actions: Any = None
+        self.act_logprob = np.zeros(n, np.float32)
+        self.act_value = np.zeros(n, np.float32)
+        self.act_version = np.zeros(n, np.int64)
+        # episodes
+        self.ep_return = np.zeros(n, np.float64)
+        self.ep_length = np.zeros(n, np.int64)
+        self.ep_success = np.full(n, -1, np.int8)  # -1 until the env reports a success flag
+        self.resets = np.zeros(n, np.int64)
+        self.failure_times: deque[float] = deque()
+        # timeline: when each env became ready / was submitted / parked
+        self.t_ready = np.zeros(n)
+        self.t_sub = np.zeros(n)
+        self.lanes = [f"env {i}" for i in range(n)]
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._done: asyncio.Future | None = None
+        self._tg: asyncio.TaskGroup | None = None
+        pool.on_block = self.on_block
+        rollout.on_space = self.unpark
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def run(self) -> None:
+        """Reset every env, release them all, and return when every env has finished."""
+        self._loop = asyncio.get_running_loop()
+        self._done = self._loop.create_future()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self._tg = tg
+                units = range(self.cfg.num_envs // self.V)
+                await asyncio.gather(*(self._reset_unit(u) for u in units))
+                now = self._loop.time()
+                self.t_ready[:] = now
+                for ids in self.group_ids:
+                    self._release(ids)
+                await self._done
+        except BaseExceptionGroup as group:  # one failure (an env's, or a callback's): raise it as itself
+            real = [e for e in group.exceptions if not isinstance(e, asyncio.CancelledError)]
+            if len(real) == 1:
+                raise real[0] from None
+            raise
+        finally:
+            self._tg = None
+            self.rollout.finish()
+
+    def _fail(self, exc: BaseException) -> None:
+        if not self._done.done():
+            self._done.set_exception(exc)
+
+    def _finish(self, n: int) -> None:
+        self.state.active -= n
+        self.generator.poke()
+        self.rollout.poke()
+        if self.state.active <= 0 and not self._done.done():
+            self._done.set_result(None)
+
+    # ---------------------------------------------------------------- the hot path
+
+    def on_block(self, block: Block) -> None:
+        try:
+            self._on_block(block)
+        except BaseException as exc:  # a callback: hand it to run(), the TaskGroup's task
+            self._fail(exc)
+
+    def _on_block(self, block: Block) -> None:
+        ids, now = block.ids, self._loop.time()
+        tl = self.timeline
+        if block.errors:
+            self._on_errors(block.errors, now)
+        if not len(ids):
+            return
+        if tl is not None:
+            for i in ids.tolist():
+                tl.record(self.lanes[i], "sim", self.t_sub[i], now)
+            self.t_ready[ids] = now
+        self.stats.simulated += len(ids)
+        go = ids
+        if not block.finite.all():
+            # NaN/inf rows are dropped; their units wait for the reset of those rows, then go on whole
+            held = self._on_nonfinite(block, np.flatnonzero(~block.finite))
+            block = _rows(block, np.flatnonzero(block.finite))
+            ids = block.ids
+            go = ids[~np.isin(ids // self.V, list(held))]
+        if len(ids):
+            acts = index(self.act_actions, ids)
+            self.rollout.record(ids, acts, self.act_logprob[ids], self.act_value[ids], self.act_version[ids],
+                                block.reward, block.terminated, block.truncated, block.obs, block.final_obs)
+            self._episodes(block)
+        if len(go):
+            self._arrive(go)
+
+    def _episodes(self, block: Block) -> None:
+        ids = block.ids
+        self.ep_return[ids] += block.reward
+        self.ep_length[ids] += 1
+        known = block.success >= 0
+        if known.any():
+            k = ids[known]
+            self.ep_success[k] = np.maximum(self.ep_success[k], block.success[known])
+        ended = np.flatnonzero(block.terminated | block.truncated)
+        for r in ended.tolist():
+            i = int(ids[r])
+            once = None if self.ep_success[i] < 0 else bool(self.ep_success[i])
+            at_end = None if block.success[r] < 0 else bool(block.success[r])
+            ret, length = float(self.ep_return[i]), int(self.ep_length[i])
+            self.stats.episode(ret, length, once, at_end)
+            log.info("episode", env=i, ep_return=round(ret, 4), length=length, success_once=once,
+                     success_at_end=at_end, truncated=bool(block.truncated[r] and not block.terminated[r]))
+            self.ep_return[i], self.ep_length[i], self.ep_success[i] = 0.0, 0, -1
+
+    def _arrive(self, ids: np.ndarray) -> None:
+        """Envs ``ids`` (whole units) are ready for their next step."""
+        if not self.lockstep:
+            self._release(ids)
+            return
+        groups, counts = np.unique(self.group_of[ids], return_counts=True)
+        for g, c in zip(groups.tolist(), counts.tolist()):
+            self.arrived[g] += c
+            if self.arrived[g] == len(self.group_ids[g]):
+                self.arrived[g] = 0
+                self._release(self.group_ids[g])
+
+    def _release(self, ids: np.ndarray) -> None:
+        """Claim the next step of envs ``ids`` (a block of whole units, or one lockstep group);
+        park what would overflow the queue; request actions for the rest."""
+        state = self.state
+        if self.lockstep:
+            if not state.claim_all(len(ids)):
+                self._finish(len(ids))
+                return
+        elif state.budget < len(ids):  # a vector env claims its whole step, or none of it
+            go = min(len(ids) // self.V, state.budget // self.V) * self.V
+            state.claim_all(go)
+            self._finish(len(ids) - go)
+            ids = ids[:go]
+            if not go:
+                return
+        else:
+            state.budget -= len(ids)
+        blocked = self.rollout.need_space(ids)
+        if blocked.any():
+            if self.lockstep or self.V > 1:
+                # a group or a vector env goes whole, or not at all
+                self._park(ids)
+                return
+            self._park(ids[blocked])
+            ids = ids[~blocked]
+        self._request(ids)
+
+    def _request(self, ids: np.ndarray) -> None:
+        self.generator.request(ids, self.rollout.current_obs(ids), self.on_actions)
+
+    def on_actions(self, ids: np.ndarray, result: ActResult, lo: int, hi: int, version: int) -> None:
+        try:
+            if self.act_actions is None:
+                self.act_actions = tree_map(
+                    lambda a: np.zeros((self.cfg.num_envs, *np.shape(a)[1:]), np.asarray(a).dtype), result.actions)
+            whole = lo == 0 and hi == len(result.logprobs)
+            rows = (lambda x: x) if whole else (lambda x: index(x, slice(lo, hi)))
+            _put(self.act_actions, ids, rows(result.actions))
+            self.act_logprob[ids] = rows(result.logprobs)
+            self.act_value[ids] = rows(result.values)
+            self.act_version[ids] = version
+            now = self._loop.time()
+            if self.timeline is not None:
+                for i in ids.tolist():
+                    self.timeline.record(self.lanes[i], "act", self.t_ready[i], now)
+            self.t_sub[ids] = now
+            self.pool.submit(ids, rows(result.env_actions))
+        except BaseException as exc:
+            self._fail(exc)
+
+    # ---------------------------------------------------------------- backpressure
+
+    def _park(self, ids: np.ndarray) -> None:
+        self.parked.append(ids)
+        self.state.parked += len(ids)
+        if self.timeline is not None:
+            now = self._loop.time()
+            for i in ids.tolist():
+                self.timeline.record(self.lanes[i], "act", self.t_ready[i], now)
+            self.t_ready[ids] = now  # from here on "blocked"
+        self.generator.poke()
+        self.rollout.poke()
+
+    def unpark(self) -> None:
+        """The learner took segments: let parked envs try again."""
+        if not self.parked:
+            return
+        parked, self.parked = self.parked, deque()
+        now = self._loop.time()
+        for ids in parked:
+            self.state.parked -= len(ids)
+            if self.timeline is not None:
+                for i in ids.tolist():
+                    self.timeline.record(self.lanes[i], "blocked", self.t_ready[i], now)
+                self.t_ready[ids] = now
+            self.state.release(len(ids))  # _release claims again
+            self._release(ids)
+        self.generator.poke()
+
+    # ---------------------------------------------------------------- faults
+
+    def _on_nonfinite(self, block: Block, rows: np.ndarray) -> dict[int, list[int]]:
+        """Raise, or drop the NaN/inf steps and reset those envs; returns the units held for it."""
+        held: dict[int, list[int]] = {}
+        for r in rows.tolist():
+            i = int(block.ids[r])
+            step = int(self.rollout.steps_per_env[i])
+            what = f"env {i} produced NaN/inf at step {step} (reward={block.reward[r]})"
+            if self.cfg.faults.nonfinite is NonFinite.RAISE:
+                raise NonFiniteError(what + "; set faults.nonfinite='drop' to drop such segments instead")
+            log.warning("nonfinite_dropped", env=i, step=step)
+            self.stats.drop("nonfinite", 1)
+            self.rollout.drop_open(i, "nonfinite")
+            held.setdefault(i // self.V, []).append(i)
+        for unit, ids in held.items():
+            self._spawn(self._reset_rows(unit, ids))
+        return held
+
+    def _on_errors(self, errors: list[tuple[int, str]], now: float) -> None:
+        units = sorted({i // self.V for i, _ in errors})
+        detail = dict(errors)
+        for u in units:
+            ids = self._unit_ids(u)
+            if self.timeline is not None:
+                for i in ids.tolist():
+                    self.timeline.record(self.lanes[i], "fail", self.t_sub[i], now)
+            self.state.release(len(ids))  # the claimed step never happened
+            exc = EnvStepError(u, "step", detail.get(int(ids[0]), next(iter(detail.values()))))
+            self._spawn(self._recover(u, exc))
+
+    def _spawn(self, coro) -> None:
+        if self._tg is None:
+            coro.close()
+            return
+        self._tg.create_task(coro)
+
+    async def _recover(self, unit: int, exc: EnvStepError) -> None:
+        """Drop the failed unit's open segments, rebuild it from env_fn, reset it, release it."""
+        ids = self._unit_ids(unit)
+        while True:
+            self.stats.env_failures += 1
+            dropped = sum(self.rollout.drop_open(i, "env_error") for i in ids.tolist())
+            log.warning("env_failed", env=int(ids[0]) if len(ids) == 1 else f"{ids[0]}-{ids[-1]}",
+                        step=int(self.rollout.steps_per_env[ids[0]]), op=exc.op, error=exc.detail,
+                        dropped_steps=dropped)
+            now = self._loop.time()
+            self.failure_times.append(now)
+            while self.failure_times and now - self.failure_times[0] > self.cfg.faults.failure_window_s:
+                self.failure_times.popleft()
+            if len(self.failure_times) > self.cfg.faults.max_env_failures:
+                raise TooManyEnvFailures(
+                    f"{len(self.failure_times)} env failures within {self.cfg.faults.failure_window_s}s "
+                    f"(faults.max_env_failures={self.cfg.faults.max_env_failures}); last: {exc}") from exc
+            try:
+                await self.pool.rebuild(unit)
+                await self._reset_unit(unit)
+                break
+            except EnvStepError as again:
+                exc = again
+        self.t_ready[ids] = self._loop.time()
+        self._arrive(ids)
+
+    # ---------------------------------------------------------------- resets
+
+    def _unit_ids(self, unit: int) -> np.ndarray:
+        return np.arange(unit * self.V, unit * self.V + self.V)
+
+    def _seed(self, env_id: int) -> int:
+        # seed each env's first episode; later resets (after a rebuild) get fresh, reproducible seeds
+        seed = self.cfg.seed + env_id + self.cfg.num_envs * int(self.resets[env_id])
+        self.resets[env_id] += 1
+        self.ep_return[env_id], self.ep_length[env_id], self.ep_success[env_id] = 0.0, 0, -1
+        return seed
+
+    async def _reset_unit(self, unit: int) -> None:
+        ids = self._unit_ids(unit)
+        if self.V == 1:
+            obs, _ = await self.pool.reset(unit, seed=self._seed(unit))
+            self.rollout.set_obs(ids, batch_of_one(obs))
+        else:
+            obs, _ = await self.pool.reset(unit, [self._seed(i) for i in ids.tolist()])
+            self.rollout.set_obs(ids, stack([obs[r] for r in range(self.V)]))
+
+    async def _reset_rows(self, unit: int, env_ids: list[int]) -> None:
+        """Reset some envs of a unit after dropped NaN steps, then let the unit go on."""
+        if self.V == 1:
+            obs, _ = await self.pool.reset(unit, seed=self._seed(unit))
+            self.rollout.set_obs(np.array(env_ids), batch_of_one(obs))
+        else:
+            got, _ = await self.pool.reset(unit, {i - unit * self.V: self._seed(i) for i in env_ids})
+            self.rollout.set_obs(np.array(env_ids), stack([got[i - unit * self.V] for i in env_ids]))
+        ids = self._unit_ids(unit)
+        self.t_ready[ids] = self._loop.time()
+        self._arrive(ids)
+
+
+def _rows(block: Block, keep: np.ndarray) -> Block:
+    """The rows ``keep`` of a block (final observations renumbered)."""
+    where = {int(r): k for k, r in enumerate(keep.tolist())}
+    return Block(block.ids[keep], index(block.obs, keep), block.reward[keep], block.terminated[keep],
+                 block.truncated[keep], block.finite[keep], block.success[keep],
+                 {where[r]: o for r, o in block.final_obs.items() if r in where})

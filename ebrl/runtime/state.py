@@ -1,0 +1,57 @@
+"""RunState: what every part of a run reads about where the run stands.
+
+One object owns the step budget, the count of envs still stepping (``active``), those held by
+backpressure (``parked``) and the stop request. The driver changes it; the generator's
+"every live env waits" rule and the rollout queue's "every env is blocked" rule read it, so no
+count is patched onto objects after they are built, and none is kept twice.
+
+    >>> state = RunState(budget=10, active=4)
+    >>> state.claim(3), state.budget, state.live
+    (3, 7, 4)
+    >>> state.parked = 1
+    >>> state.live, state.all_parked
+    (3, False)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RunState:
+    budget: int  # env steps not yet claimed
+    active: int  # envs that will still record a step (they stop once the budget is spent)
+    parked: int = 0  # active envs held by backpressure (a full rollout queue)
+    stopping: bool = False  # stop requested: no new steps; the update in flight finishes
+
+    def claim(self, n: int) -> int:
+        """Claim up to ``n`` steps; returns how many were granted."""
+        k = min(n, self.budget)
+        self.budget -= k
+        return k
+
+    def claim_all(self, n: int) -> bool:
+        """Claim exactly ``n`` steps, or none."""
+        if self.budget < n:
+            return False
+        self.budget -= n
+        return True
+
+    def release(self, n: int) -> None:
+        """Give back steps claimed for steps that never happened (an env failed)."""
+        if not self.stopping:
+            self.budget += n
+
+    def stop(self) -> None:
+        self.budget = 0
+        self.stopping = True
+
+    @property
+    def live(self) -> int:
+        """Envs that may still ask for an action."""
+        return self.active - self.parked
+
+    @property
+    def all_parked(self) -> bool:
+        return self.active > 0 and self.parked >= self.active
