@@ -106,6 +106,9 @@ class SimConfig:
     num_workers: int | None = None  # processes of the process backend; None = one per core
     start_method: str | None = None  # multiprocessing start method; None = fork on Linux
     inline_below_s: float = 20e-6  # AUTO steps inline when a step costs less than this
+    # a worker process holds finished envs at most this long before replying, and replies before
+    # stepping an env known to take longer: a slow env never holds its worker-mates' results
+    reply_hold_s: float = 0.0005
     # envs per env_fn call: > 1 means env_fn(k) builds a gymnasium VectorEnv of that many envs
     # (a GPU simulator), stepped as one task (ebrl.runtime.vector_envs)
     vector_size: int = 1
@@ -117,6 +120,7 @@ class SimConfig:
         if self.start_method not in (None, "fork", "spawn", "forkserver"):
             raise ConfigError("sim.start_method", self.start_method, "must be 'fork', 'spawn', 'forkserver' or None")
         _check_float("sim.inline_below_s", self.inline_below_s, 0.0)
+        _check_float("sim.reply_hold_s", self.reply_hold_s, 0.0)
         _check_int("sim.vector_size", self.vector_size, 1)
 
 

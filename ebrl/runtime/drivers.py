@@ -238,6 +238,8 @@ class Driver:
                 return
             self._park(ids[blocked])
             ids = ids[~blocked]
+            if not len(ids):
+                return
         self._request(ids)
 
     def _request(self, ids: np.ndarray) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import gymnasium as gym
@@ -64,7 +65,21 @@ class _LocalEnvs(SimPool):
         self.rows: StepRows | None = None
         self.envs: list[gym.Env] = []
 
-    def _build_all(self) -> None:
+    async def _build_all(self) -> None:
+        """Build every unit off the event loop (a private thread, joined here): 64 MuJoCo envs
+        take a few hundred ms to build, which would stall the caller's loop. Inline under virtual
+        time, where threads are not allowed."""
+        loop = asyncio.get_running_loop()
+        if is_virtual(loop):
+            self._build_units()
+            return
+        executor = ThreadPoolExecutor(1, thread_name_prefix="ebrl-sim-build")
+        try:
+            await loop.run_in_executor(executor, self._build_units)
+        finally:
+            executor.shutdown(wait=True)  # on cancel too: building is bounded, and must not outlive us
+
+    def _build_units(self) -> None:
         self.envs = [self._build(u) for u in range(self.num_units)]
         self.observation_space, self.action_space = single_spaces(self.envs[0])
         self.rows = StepRows(self.num_envs, self.observation_space, self.action_space)
@@ -142,7 +157,7 @@ class InlineSimPool(_LocalEnvs):
         self._loop = asyncio.get_running_loop()
         self._virtual = is_virtual(self._loop)
         self._lane_sem = asyncio.Semaphore(self._lanes)
-        self._build_all()
+        await self._build_all()
 
     @property
     def size(self) -> int:
@@ -232,7 +247,7 @@ class ThreadSimPool(_LocalEnvs):
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._build_all()
+        await self._build_all()
         self.resize(self._target)
 
     @property

@@ -140,4 +140,5 @@ def make_sim_pool(env_fn: EnvFn, num_envs: int, cfg: SimConfig, backend: SimBack
         return InlineSimPool(env_fn, num_envs, num_lanes=cfg.num_threads, vector_size=size)
     if backend is SimBackend.THREAD:
         return ThreadSimPool(env_fn, num_envs, cfg.num_threads, vector_size=size)
-    return ProcessSimPool(env_fn, num_envs, cfg.num_workers or os.cpu_count() or 1, cfg.start_method)
+    return ProcessSimPool(env_fn, num_envs, cfg.num_workers or os.cpu_count() or 1, cfg.start_method,
+                          reply_hold_s=cfg.reply_hold_s)

@@ -268,8 +268,12 @@ class ProcessSimPool(SimPool):
         self._rows.set_actions(ids, actions)  # the envs are idle: nobody reads their slots now
         self._busy[ids] = True
         owner = ids % self._num_workers
-        for w in np.unique(owner).tolist():
-            self._workers[w].steps.append(ids[owner == w])
+        first = int(owner[0])
+        if self._num_workers == 1 or (owner == first).all():  # the usual case: a block from one worker's reply
+            self._workers[first].steps.append(ids)
+        else:
+            for w in np.unique(owner).tolist():
+                self._workers[w].steps.append(ids[owner == w])
         self._schedule_flush()
 
     def _flush(self) -> None:

@@ -1,0 +1,114 @@
+"""The block path end to end: no barrier inside a worker's message, nothing pickled per step,
+and no stall of the caller's event loop while the envs are built."""
+
+import asyncio
+import time
+
+import gymnasium as gym
+import numpy as np
+
+import ebrl
+import ebrl.runtime.sim_workers as sim_workers
+from ebrl.runtime.profiler import Timeline
+from ebrl.testing import Latency, MockEnv, MockPolicy, NoopAlgo
+
+
+def test_worker_mates_come_back_while_a_slow_env_steps(no_leaks):
+    """One worker, env 0 steps in 40 ms, envs 1-3 in 1 ms, all in the same messages. With a reply
+    per message (a barrier) every fast step would end when env 0's ends; streamed replies bring
+    the fast envs back while env 0 is still stepping. The margin is 30 ms, so load cannot flip it."""
+    timeline = Timeline()
+    tr = ebrl.Trainer(lambda i: MockEnv(latency=Latency.constant(0.040 if i == 0 else 0.001)), MockPolicy(act_dim=4),
+                      NoopAlgo(), ebrl.RunConfig(num_envs=4, segment_len=8, total_env_steps=160,
+                                                 sim={"backend": "process", "num_workers": 1}))
+    res = ebrl.run_sync(tr, timeline=timeline)
+    assert res.accounting_ok() and res.sim_backend == "process"
+    sims = [(lane, t0, t1) for lane, name, t0, t1, _ in timeline.events if name == "sim"]
+    slow = [(t0, t1) for lane, t0, t1 in sims if lane == "env 0"]
+    fast_ends = [t1 for lane, _, t1 in sims if lane != "env 0"]
+    inside = sum(any(a < t < b - 0.030 for a, b in slow) for t in fast_ends)
+    assert inside >= 0.5 * len(fast_ends), (inside, len(fast_ends))
+
+
+class DictEnv(gym.Env):
+    """Pixels and state, like every pixel env of the registry."""
+
+    observation_space = gym.spaces.Dict({"pixels": gym.spaces.Box(0, 255, (16, 16, 3), np.uint8),
+                                         "state": gym.spaces.Box(-1.0, 1.0, (3,), np.float32)})
+    action_space = gym.spaces.Box(-1.0, 1.0, (2,), np.float32)
+
+    def __init__(self):
+        self.t = 0
+
+    def _obs(self):
+        return {"pixels": np.full((16, 16, 3), self.t % 256, np.uint8), "state": np.full(3, 0.5, np.float32)}
+
+    def reset(self, *, seed=None, options=None):
+        self.t = 0
+        return self._obs(), {}
+
+    def step(self, action):
+        self.t += 1
+        return self._obs(), 1.0, False, self.t >= 20, {"is_success": self.t == 20}
+
+
+class CountingPickle:
+    def __init__(self, real):
+        self.real, self.dumps_calls, self.loads_calls = real, 0, 0
+        self.HIGHEST_PROTOCOL = real.HIGHEST_PROTOCOL
+
+    def dumps(self, *a, **k):
+        self.dumps_calls += 1
+        return self.real.dumps(*a, **k)
+
+    def loads(self, *a, **k):
+        self.loads_calls += 1
+        return self.real.loads(*a, **k)
+
+
+def test_a_dict_observation_run_pickles_nothing_per_step(monkeypatch, no_leaks):
+    """4000 steps of a pixels+state env on worker processes: the parent pickles and unpickles only
+    the start-up and reset messages (a few per worker), however many steps run; the episodes'
+    success flags still arrive (through shared-memory flags)."""
+    counter = CountingPickle(sim_workers.pickle)
+    monkeypatch.setattr(sim_workers, "pickle", counter)
+    tr = ebrl.Trainer(lambda i: DictEnv(), MockPolicy(act_dim=2), NoopAlgo(),
+                      ebrl.RunConfig(num_envs=8, segment_len=16, total_env_steps=4000,
+                                     sim={"backend": "process", "num_workers": 2}))
+    res = ebrl.run_sync(tr)
+    assert res.accounting_ok() and res.env_steps == 4000
+    assert res.episodes >= 190 and res.success_at_end == 1.0
+    assert counter.dumps_calls + counter.loads_calls <= 6 * 2, (counter.dumps_calls, counter.loads_calls)
+
+
+class SlowToBuild(MockEnv):
+    def __init__(self):
+        time.sleep(0.05)  # like loading a model file
+        super().__init__()
+
+
+def test_building_the_envs_does_not_stall_the_callers_event_loop(no_leaks):
+    """16 envs that take 50 ms each to build: on the loop that would be an 800 ms stall of the
+    caller's other tasks; run() builds them in a private thread, so a ticker keeps ticking."""
+    async def main():
+        gaps, last = [], time.perf_counter()
+
+        async def ticker():
+            nonlocal last
+            while True:
+                await asyncio.sleep(0.005)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        tick = asyncio.create_task(ticker())
+        tr = ebrl.Trainer(lambda i: SlowToBuild(), MockPolicy(act_dim=4), NoopAlgo(),
+                          ebrl.RunConfig(num_envs=16, segment_len=8, total_env_steps=256,
+                                         sim={"backend": "thread", "num_threads": 4}))
+        res = await ebrl.run(tr)
+        tick.cancel()
+        return res, max(gaps)
+
+    res, worst = asyncio.run(main())
+    assert res.accounting_ok()
+    assert worst < 0.4, worst
