@@ -107,8 +107,9 @@ class SimConfig:
     start_method: str | None = None  # multiprocessing start method; None = fork on Linux
     inline_below_s: float = 20e-6  # AUTO steps inline when a step costs less than this
     # a worker process holds finished envs at most this long before replying, and replies before
-    # stepping an env known to take longer: a slow env never holds its worker-mates' results
-    reply_hold_s: float = 0.0005
+    # stepping an env known to take longer (or 3x its message-mates): a slow env never holds its
+    # worker-mates' results. Smaller streams finer, at a block's CPU cost per reply.
+    reply_hold_s: float = 0.002
     # envs per env_fn call: > 1 means env_fn(k) builds a gymnasium VectorEnv of that many envs
     # (a GPU simulator), stepped as one task (ebrl.runtime.vector_envs)
     vector_size: int = 1

@@ -121,6 +121,7 @@ class MLPPolicy(ActorCriticHeads, nn.Module):
         self._np_rng = np.random.default_rng(self.seed)
         self._np_cache: tuple | None = None  # numpy mirror of the weights for CPU inference
         self._np_versions: tuple | None = None
+        self._np_tensors: list | None = None
 
     @classmethod
     def from_spaces(cls, observation_space, action_space, **kw) -> MLPPolicy:
@@ -169,7 +170,11 @@ class MLPPolicy(ActorCriticHeads, nn.Module):
     def _numpy_weights(self) -> tuple:
         """The weights as numpy arrays, rebuilt whenever any tensor was modified in place
         (optimiser steps and ``load_state_dict`` bump torch's per-tensor version counters)."""
-        tensors = [*self.parameters(), *self.buffers()]
+        # the tensor list is taken once: walking the module tree costs more than the forward pass
+        # itself at small batches (load_state_dict and optimisers write in place, keeping identity)
+        tensors = self._np_tensors
+        if tensors is None:
+            tensors = self._np_tensors = [*self.parameters(), *self.buffers()]
         versions = tuple(t._version for t in tensors)
         if self._np_cache is None or versions != self._np_versions:
             def layers(seq):

@@ -168,7 +168,7 @@ class Driver:
             self.t_ready[ids] = now
         self.stats.simulated += len(ids)
         go = ids
-        if not block.finite.all():
+        if not block.clean and not block.finite.all():
             # NaN/inf rows are dropped; their units wait for the reset of those rows, then go on whole
             held = self._on_nonfinite(block, np.flatnonzero(~block.finite))
             block = _rows(block, np.flatnonzero(block.finite))
@@ -186,11 +186,13 @@ class Driver:
         ids = block.ids
         self.ep_return[ids] += block.reward
         self.ep_length[ids] += 1
+        if block.clean:
+            return
         known = block.success >= 0
         if known.any():
             k = ids[known]
             self.ep_success[k] = np.maximum(self.ep_success[k], block.success[known])
-        ended = np.flatnonzero(block.terminated | block.truncated)
+        ended = (block.terminated | block.truncated).nonzero()[0]
         for r in ended.tolist():
             i = int(ids[r])
             once = None if self.ep_success[i] < 0 else bool(self.ep_success[i])

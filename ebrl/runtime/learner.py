@@ -70,10 +70,18 @@ def _recv(conn):
     return pickle.loads(conn.recv_bytes())
 
 
+def warm_up() -> None:
+    """Pay torch's lazy imports before the first update, while the envs start: constructing the
+    first optimizer imports ``torch._dynamo``, about 1 s on the reference machine, which
+    otherwise delays the first update (and, in a learner thread, holds the GIL meanwhile)."""
+    import torch._dynamo  # noqa: F401
+
+
 def _learner_main(conn, policy, algo, torch_threads: int | None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     if torch_threads is not None:
         torch.set_num_threads(torch_threads)
+    warm_up()
     try:
         while True:
             msg = _recv(conn)
@@ -191,6 +199,10 @@ class Learner:
         return self.metrics.rows
 
     async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self.remote is None and not is_virtual(loop):
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="ebrl-learner")
+            loop.run_in_executor(self._executor, warm_up)  # ahead of the first update, in the same thread
         try:
             while not self.state.stopping:
                 await self.rollout.wait_due()

@@ -123,10 +123,13 @@ class RolloutQueue:
 
     def _clear_inflight(self, ids: Any) -> bool:
         """Clear the in-flight marks of ``ids``; wake the learner if it waits for one of them."""
+        limit = self._stale_limit
+        if limit is None:  # the learner waits for no step
+            self.inflight[ids] = -1
+            return False
         was = self.inflight[ids]
         self.inflight[ids] = -1
-        limit = self._stale_limit
-        if limit is not None and bool(((was >= 0) & (was <= limit)).any()):
+        if bool(((was >= 0) & (was <= limit)).any()):
             self._wake()
             return True
         return False
@@ -161,8 +164,10 @@ class RolloutQueue:
                next_obs: Any, final_obs: dict[int, Any]) -> None:
         """Record one finished step for each env in ``ids`` (distinct); ``final_obs`` by row."""
         slots = self.open_slot[ids]
-        for k in np.flatnonzero(slots < 0).tolist():
-            slots[k] = self._open(int(ids[k]), int(versions[k]))
+        fresh = slots < 0
+        if fresh.any():
+            for k in fresh.nonzero()[0].tolist():
+                slots[k] = self._open(int(ids[k]), int(versions[k]))
         if self.fields is None:
             m = len(self.slot_env)
             self.fields = {
@@ -188,9 +193,9 @@ class RolloutQueue:
         self.slot_n[slots] = pos
         self.steps_per_env[ids] += 1
         woke = self._clear_inflight(ids)
-        full = np.flatnonzero(pos >= self.T)
-        if len(full):
-            for k in full.tolist():
+        full = pos >= self.T
+        if full.any():
+            for k in full.nonzero()[0].tolist():
                 self._close(int(ids[k]))
             if not woke:
                 self._wake()

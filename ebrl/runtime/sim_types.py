@@ -67,7 +67,7 @@ class StepOut:
         return -1
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # arrays inside: compared by identity
 class Block:
     """The finished steps of some envs: row ``k`` belongs to env ``ids[k]``.
 
@@ -86,6 +86,7 @@ class Block:
     success: np.ndarray  # int8 [B]: 1, 0, or -1 where the step's info had no success flag
     final_obs: dict[int, Any] = field(default_factory=dict)
     errors: list[tuple[int, str]] = field(default_factory=list)
+    clean: bool = False  # known: no episode ended, every row finite, no success flag
 
 
 def space_rows(space: gym.Space, n: int, alloc: Callable[[tuple, np.dtype], np.ndarray] | None = None) -> Any:
@@ -169,10 +170,15 @@ class StepRows:
     def block(self, ids: np.ndarray, errors: list[tuple[int, str]] | None = None) -> Block:
         """The finished steps of envs ``ids`` (copied out of the rows)."""
         flags = self.flags[ids]
+        n = len(ids)
+        if not flags.any():  # the common step: no episode end, no NaN, no success flag
+            no = np.zeros(n, bool)
+            return Block(ids, index(self.obs, ids), self.reward[ids], no, no, ~no, np.full(n, -1, np.int8),
+                         {}, errors or [], clean=True)
         terminated = (flags & TERMINATED) != 0
         truncated = (flags & TRUNCATED) != 0
         success = np.where(flags & SUCCESS_KNOWN, (flags & SUCCESS) != 0, -1).astype(np.int8)
-        boot = np.flatnonzero(truncated & ~terminated)
+        boot = (truncated & ~terminated).nonzero()[0]
         final_obs = {int(r): tree_map(np.copy, index(self.final_obs, int(ids[r]))) for r in boot}
         return Block(ids, index(self.obs, ids), self.reward[ids], terminated, truncated,
                      (flags & NONFINITE) == 0, success, final_obs, errors or [])

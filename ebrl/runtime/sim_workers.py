@@ -9,9 +9,11 @@ is pickled per step. Only errors, resets and rebuilds are pickled.
 Submits made in one loop iteration go out as one message per worker. The worker steps that
 message's envs cheapest first (by an EWMA of each env's step wall time) and streams replies,
 so no env waits for the slowest of its message: it sends the ids finished so far (a) before
-stepping an env whose EWMA cost exceeds ``reply_hold_s``, and (b) after a step, once the
-oldest unsent one finished more than ``reply_hold_s`` ago; the rest goes at the end. Cheap
-envs thus come back in one reply per message.
+stepping an env whose EWMA cost exceeds ``reply_hold_s`` or 3x the mean of the envs stepped
+before it in the message (a straggler), and (b) after a step, once the oldest unsent one
+finished more than ``reply_hold_s`` ago; the rest goes at the end. Envs of even cost thus come
+back in one reply per message, or one per ``reply_hold_s`` (each reply costs the event loop a
+block: too fine a stream spends the CPU that CPU-bound simulators need).
 
     >>> import asyncio, gymnasium as gym, numpy as np
     >>> async def demo():
@@ -52,7 +54,8 @@ from ebrl.spaces import index, tree_map
 # message tags. Parent to worker: step ids, pickled requests, quit. Worker to parent: step ids,
 # pickled (step ids, errors), pickled request replies.
 _STEP, _ERRORS, _PICKLED, _QUIT = b"S", b"E", b"P", b"Q"
-_ALPHA = 0.25  # EWMA weight of the latest step time
+_ALPHA = 0.1  # EWMA weight of the latest step time (low: a step preempted by another process is noise)
+_STRAGGLER = 3.0  # an env expected to take this many times its message-mates' mean is a straggler
 
 
 def _shm_alloc(blocks: list[shared_memory.SharedMemory], names: list[str] | None = None):
@@ -135,9 +138,12 @@ def _step_message(conn, envs, rows: StepRows, cost: list, ids: list[int], hold_s
         done.clear()
         errors.clear()
 
+    stepped, total = 0, 0.0  # envs of this message stepped so far, and their summed expected cost
     for i in sorted(ids, key=lambda j: cost[j] or 0.0):
-        if (done or errors) and (cost[i] or 0.0) > hold_s:
-            send()  # (a): a known-slow env must not hold the finished ones
+        expect = cost[i] or 0.0
+        if (done or errors) and (expect > hold_s or (stepped and expect > _STRAGGLER * total / stepped)):
+            send()  # (a): a known-slow env (slow outright, or next to its message-mates) must not hold the finished ones
+        stepped, total = stepped + 1, total + expect
         t0 = time.perf_counter()
         try:
             rows.write(i, step_env(envs[i], tree_map(lambda a: a.copy(), index(rows.act, i))))
@@ -183,7 +189,7 @@ class ProcessSimPool(SimPool):
     backend = SimBackend.PROCESS
 
     def __init__(self, env_fn: EnvFn, num_envs: int, num_workers: int, start_method: str | None = None,
-                 reply_hold_s: float = 0.0005):
+                 reply_hold_s: float = 0.002):
         super().__init__(env_fn, num_envs)
         self._num_workers = max(1, min(num_workers, num_envs))
         self._ctx = mp.get_context(start_method or ("fork" if sys.platform.startswith("linux") else "spawn"))
