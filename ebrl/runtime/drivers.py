@@ -37,7 +37,7 @@ from ebrl.runtime.rollout import RolloutQueue
 from ebrl.runtime.sim_types import Block, EnvStepError, SimPool
 from ebrl.runtime.state import RunState
 from ebrl.runtime.stats import RunStats
-from ebrl.spaces import batch_of_one, index, stack, tree_map
+from ebrl.spaces import batch_of_one, index, stack, tree_map, write
 from ebrl.telemetry.logging import get_logger
 
 if TYPE_CHECKING:
@@ -63,14 +63,6 @@ def lockstep_groups(cfg: RunConfig) -> list[list[int]]:
     n = 1 if cfg.schedule is Schedule.SYNC else cfg.num_groups
     size = -(-units // n)
     return [list(range(s, min(s + size, units))) for s in range(0, units, size)]
-
-
-def _put(buf: Any, ids: Any, rows: Any) -> None:
-    if isinstance(buf, dict):
-        for k, v in buf.items():
-            _put(v, ids, rows[k])
-    else:
-        buf[ids] = rows
 
 
 class Driver:
@@ -254,7 +246,7 @@ class Driver:
                     lambda a: np.zeros((self.cfg.num_envs, *np.shape(a)[1:]), np.asarray(a).dtype), result.actions)
             whole = lo == 0 and hi == len(result.logprobs)
             rows = (lambda x: x) if whole else (lambda x: index(x, slice(lo, hi)))
-            _put(self.act_actions, ids, rows(result.actions))
+            write(self.act_actions, ids, rows(result.actions))
             self.act_logprob[ids] = rows(result.logprobs)
             self.act_value[ids] = rows(result.values)
             self.act_version[ids] = version

@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ebrl.algos.batch import Batch
 from ebrl.checkpoint import algo_state, write_checkpoint
 from ebrl.runtime.generation import Generator
-from ebrl.algos.batch import Batch
 from ebrl.runtime.rollout import RolloutQueue, collate
 from ebrl.runtime.state import RunState
 from ebrl.runtime.stats import RunStats

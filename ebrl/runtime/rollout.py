@@ -42,20 +42,12 @@ import numpy as np
 
 from ebrl.runtime.state import RunState
 from ebrl.runtime.stats import RunStats
-from ebrl.spaces import index, tree_map
+from ebrl.spaces import index, tree_map, write
 
 
 def _alloc(like: Any, lead: tuple[int, ...]) -> Any:
     """Zeroed storage with leading dims ``lead`` for values shaped like the leaves of ``like`` (rows ``[B, ...]``)."""
     return tree_map(lambda a: np.zeros((*lead, *np.shape(a)[1:]), np.asarray(a).dtype), like)
-
-
-def _put(buf: Any, where: Any, rows: Any) -> None:
-    if isinstance(buf, dict):
-        for k, v in buf.items():
-            _put(v, where, rows[k])
-    else:
-        buf[where] = rows
 
 
 def _grow(buf: Any, extra: int) -> Any:
@@ -103,7 +95,7 @@ class RolloutQueue:
         """Envs ``ids`` start from ``obs`` (rows): after a reset."""
         if self.obs is None:
             self.obs = _alloc(obs, (self.num_envs,))
-        _put(self.obs, ids, obs)
+        write(self.obs, ids, obs)
 
     def current_obs(self, ids: np.ndarray) -> Any:
         return index(self.obs, ids)
@@ -178,8 +170,8 @@ class RolloutQueue:
                 "bootstrap_obs": _alloc(self.obs, (m,))}
         f, pos = self.fields, self.slot_n[slots]
         where = (slots, pos)
-        _put(f["obs"], where, index(self.obs, ids))
-        _put(f["actions"], where, actions)
+        write(f["obs"], where, index(self.obs, ids))
+        write(f["actions"], where, actions)
         f["logprobs"][where] = logprobs
         f["values"][where] = values
         f["rewards"][where] = reward
@@ -188,7 +180,7 @@ class RolloutQueue:
         f["versions"][where] = versions
         for row, o in final_obs.items():
             self.slot_final[slots[row]][int(pos[row])] = o
-        _put(self.obs, ids, next_obs)
+        write(self.obs, ids, next_obs)
         pos += 1
         self.slot_n[slots] = pos
         self.steps_per_env[ids] += 1
@@ -215,7 +207,7 @@ class RolloutQueue:
     def _close(self, env_id: int) -> None:
         slot = int(self.open_slot[env_id])
         self.open_slot[env_id] = -1
-        _put(self.fields["bootstrap_obs"], slot, index(self.obs, env_id))
+        write(self.fields["bootstrap_obs"], slot, index(self.obs, env_id))
         self.closed.append(slot)
         self.closed_per_env[env_id] += 1
 
@@ -309,7 +301,7 @@ def collate(rollout: RolloutQueue, slots: list[int], learner_version: int):
     from ebrl.algos.batch import Batch
 
     ns = rollout.slot_n[slots]
-    S, T = len(slots), int(ns.max())
+    T = int(ns.max())
     mask = np.arange(T)[None, :] < ns[:, None]
     short = np.flatnonzero(ns < T).tolist()
     f = rollout.fields

@@ -35,7 +35,7 @@ import gymnasium as gym
 import numpy as np
 
 from ebrl.config import SimBackend
-from ebrl.spaces import all_finite, copy_tree, index, tree_map
+from ebrl.spaces import all_finite, copy_tree, index, tree_map, write
 
 EnvFn = Callable[[int], gym.Env]
 SUCCESS_KEYS = ("is_success", "success")  # the info keys read as an episode's success flag
@@ -112,14 +112,6 @@ def space_rows(space: gym.Space, n: int, alloc: Callable[[tuple, np.dtype], np.n
                     "Discrete, MultiDiscrete, MultiBinary and Dicts of them (wrap the env to flatten others)")
 
 
-def _write(rows: Any, i: Any, value: Any) -> None:
-    if isinstance(rows, dict):
-        for k, v in rows.items():
-            _write(v, i, value[k])
-    else:
-        rows[i] = value
-
-
 class StepRows:
     """Per-env rows for the latest step of every env: observation (tree), final observation
     (tree), action (tree), reward and flags. Written where the step runs, read by the pool when
@@ -139,33 +131,33 @@ class StepRows:
 
     def write(self, i: int, out: StepOut) -> None:
         """Store env ``i``'s step."""
-        _write(self.obs, i, out.obs)
+        write(self.obs, i, out.obs)
         self.reward[i] = out.reward
         success = out.success
         flags = (TERMINATED * out.terminated | TRUNCATED * out.truncated | NONFINITE * (not out.finite)
                  | (SUCCESS_KNOWN | SUCCESS * success if success >= 0 else 0))
         if out.final_obs is not None and out.truncated and not out.terminated:
-            _write(self.final_obs, i, out.final_obs)
+            write(self.final_obs, i, out.final_obs)
         self.flags[i] = flags
 
     def write_many(self, ids: np.ndarray, obs: Any, reward: np.ndarray, terminated: np.ndarray,
                    truncated: np.ndarray, finite: np.ndarray, success: np.ndarray,
                    final_obs: dict[int, Any]) -> None:
         """Store the steps of envs ``ids`` at once (a vector env's); ``final_obs`` by row."""
-        _write(self.obs, ids, obs)
+        write(self.obs, ids, obs)
         self.reward[ids] = reward
         known = success >= 0
         self.flags[ids] = (TERMINATED * terminated | TRUNCATED * truncated | NONFINITE * ~finite
                            | SUCCESS_KNOWN * known | SUCCESS * (success > 0)).astype(np.uint8)
         for row, o in final_obs.items():
             if truncated[row] and not terminated[row]:
-                _write(self.final_obs, int(ids[row]), o)
+                write(self.final_obs, int(ids[row]), o)
 
     def actions(self, ids: np.ndarray) -> Any:
         return index(self.act, ids)
 
     def set_actions(self, ids: np.ndarray, actions: Any) -> None:
-        _write(self.act, ids, actions)
+        write(self.act, ids, actions)
 
     def block(self, ids: np.ndarray, errors: list[tuple[int, str]] | None = None) -> Block:
         """The finished steps of envs ``ids`` (copied out of the rows)."""
