@@ -102,7 +102,9 @@ class SimConfig:
     """The simulation pool."""
 
     backend: SimBackend = SimBackend.AUTO
-    num_threads: int = 2  # lanes of the thread backend, fixed for the run (no controller resizes them yet)
+    # lanes of the thread backend, fixed for the run; None: chosen by the AUTO probe (one per env for
+    # envs that mostly wait, one per core for busy ones), else 2
+    num_threads: int | None = None
     num_workers: int | None = None  # processes of the process backend; None = one per core
     start_method: str | None = None  # multiprocessing start method; None = fork on Linux
     inline_below_s: float = 20e-6  # AUTO steps inline when a step costs less than this
@@ -116,7 +118,7 @@ class SimConfig:
 
     def __post_init__(self) -> None:
         self.backend = _coerce_enum("sim.backend", self.backend, SimBackend)
-        _check_int("sim.num_threads", self.num_threads, 1)
+        _check_int("sim.num_threads", self.num_threads, 1, optional=True)
         _check_int("sim.num_workers", self.num_workers, 1, optional=True)
         if self.start_method not in (None, "fork", "spawn", "forkserver"):
             raise ConfigError("sim.start_method", self.start_method, "must be 'fork', 'spawn', 'forkserver' or None")

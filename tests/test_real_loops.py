@@ -79,13 +79,20 @@ async def test_env_failure_in_a_worker_process_is_rebuilt(no_leaks):
 
 def test_auto_backend_rule():
     from ebrl.config import SimConfig
-    from ebrl.runtime.sim_pool import decide_backend
+    from ebrl.runtime.sim_pool import StepProfile, decide_backend, decide_lanes
 
     cfg = SimConfig()
-    assert decide_backend(5e-6, False, cfg, cpus=2) == "inline"
-    assert decide_backend(1e-3, True, cfg, cpus=2) == "thread"
-    assert decide_backend(1e-3, False, cfg, cpus=2) == "process"
-    assert decide_backend(1e-3, False, cfg, cpus=1) == "thread"  # processes gain nothing on one core
+    busy, sleeping = StepProfile(1e-3, 1e-3, False), StepProfile(1e-3, 2e-5, False)
+    assert decide_backend(StepProfile(5e-6, 5e-6, False), cfg, cpus=2) == "inline"
+    assert decide_backend(StepProfile(1e-3, 1e-3, True), cfg, cpus=2) == "thread"  # declared
+    assert decide_backend(busy, cfg, cpus=2) == "process"
+    assert decide_backend(sleeping, cfg, cpus=2) == "thread"  # measured: the step waits, threads overlap it
+    assert decide_backend(busy, cfg, cpus=1) == "thread"  # processes gain nothing on one core
+    # lanes: one per env for envs that wait, one per core for busy ones, never more than the envs
+    assert decide_lanes(sleeping, num_envs=32, cpus=2) == 32
+    assert decide_lanes(StepProfile(1e-3, 2.5e-4, True), num_envs=32, cpus=2) == 8
+    assert decide_lanes(StepProfile(1e-3, 1e-3, True), num_envs=32, cpus=2) == 2
+    assert decide_lanes(sleeping, num_envs=4, cpus=2) == 4
 
 
 async def test_auto_backend_measures_the_env():
@@ -94,6 +101,27 @@ async def test_auto_backend_measures_the_env():
     assert cheap.sim_backend == "inline"
     spinning = await ebrl.run(make_trainer("auto", total=200, latency=Latency.constant(0.002), mode="spin"))
     assert spinning.sim_backend == "process"
+
+
+class QuietSleeper(MockEnv):
+    """A user's env that sleeps in its step and does not say it releases the GIL."""
+
+    def __init__(self):
+        super().__init__(latency=Latency.constant(0.002))
+        self.metadata = {"render_modes": []}
+
+
+async def test_auto_gives_an_env_that_waits_threads_and_a_lane_each():
+    """Measured, not declared: the probe sees CPU time far under wall time (a 2 ms sleep) and
+    picks threads, one lane per env; an explicit sim.num_threads is kept as set."""
+    def trainer(**sim):
+        return ebrl.Trainer(lambda i: QuietSleeper(), MockPolicy(act_dim=4), NoopAlgo(),
+                            ebrl.RunConfig(num_envs=12, segment_len=8, total_env_steps=96, sim=sim))
+
+    res = await ebrl.run(trainer())
+    assert (res.sim_backend, res.sim_size) == ("thread", 12) and res.accounting_ok()
+    res = await ebrl.run(trainer(num_threads=3))
+    assert (res.sim_backend, res.sim_size) == ("thread", 3)
 
 
 async def test_bad_env_fn_reports_the_env_and_the_cause():

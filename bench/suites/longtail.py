@@ -2,9 +2,9 @@
 straggler pattern of embodied simulators; the sleep releases the GIL like a C++ or GPU
 simulator. MLP policy, PPO; training included in every number.
 
-Every knob is at its default: the suite measures what a user gets, not a hand-set pool
-(a pool of 32 lanes set by hand reaches about 3.5x here; choosing it is the resource
-controller's job)."""
+Every knob is at its default: the suite measures what a user gets, not a hand-set pool.
+The AUTO probe sees a step whose CPU time is far under its wall time and gives the thread
+backend a lane per env (``sim.num_threads`` unset)."""
 
 from ebrl.algos import PPO
 from ebrl.benchmark import Suite

@@ -56,13 +56,13 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
     loop = asyncio.get_running_loop()
     virtual = is_virtual(loop)
     # AUTO is probed off the loop: the caller's tasks run on meanwhile
-    backend = SimBackend.INLINE if virtual else await probe_backend(trainer.env_fn, cfg.sim)
+    backend, lanes = (SimBackend.INLINE, None) if virtual else await probe_backend(trainer.env_fn, cfg.sim, cfg.num_envs)
     old_threads = torch.get_num_threads()
     if cfg.torch_threads is not None:
         torch.set_num_threads(cfg.torch_threads)
     stats = RunStats()
     state = RunState(budget=cfg.total_env_steps, active=cfg.num_envs)
-    pool = make_sim_pool(trainer.env_fn, cfg.num_envs, cfg.sim, backend)
+    pool = make_sim_pool(trainer.env_fn, cfg.num_envs, cfg.sim, backend, lanes)
     lockstep, lag = is_lockstep(cfg.schedule), effective_lag(cfg)
     rollout = RolloutQueue(cfg.num_envs, cfg.segment_len, cfg.segments_per_batch, lag, stats, lockstep, state)
     generator = Generator(copy.deepcopy(trainer.policy), batch_target=generation_target(cfg),
@@ -125,6 +125,7 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
                        version=learner.version, steps_per_env=rollout.steps_per_env.tolist(),
                        history=learner.history)
     result.sim_backend = pool.backend.value
+    result.sim_size = pool.size
     result.learner_mode = mode.value
     result.generator_busy_s = generator.busy_s
     result.learner_busy_s = learner.busy_s

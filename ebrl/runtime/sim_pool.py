@@ -8,7 +8,8 @@ Three backends (:class:`~ebrl.config.SimBackend`), one file a role:
   thread hop; virtual time), ``ThreadSimPool`` on lane threads (simulators that release the GIL).
 - ``sim_workers.py``: ``ProcessSimPool`` hosts the envs in worker processes (GIL-bound Python
   envs, which is most gymnasium envs).
-- here: :func:`make_sim_pool` and the ``auto`` rule, which measures a step and picks one.
+- here: :func:`make_sim_pool` and the ``auto`` rule, which measures a step's wall and CPU time
+  and picks a backend (and, for threads, the lanes).
 
 Every backend resets an env in the same call as the step that ends its episode
 (gymnasium's ``AutoresetMode.SAME_STEP``): ``StepOut.obs`` is then the first observation
@@ -37,9 +38,11 @@ names are importable from here too, as before the split.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from ebrl.config import ConfigError, SimBackend, SimConfig
 from ebrl.runtime.sim_local import InlineSimPool, ThreadSimPool
@@ -55,76 +58,123 @@ from ebrl.runtime.sim_types import (
 )
 from ebrl.runtime.sim_workers import ProcessSimPool
 from ebrl.spaces import all_finite, copy_tree
+from ebrl.telemetry.logging import get_logger
+
+log = get_logger("ebrl.sim")
+DEFAULT_LANES = 2  # thread lanes when neither the probe nor sim.num_threads says
 
 own = copy_tree  # the name this module gave it before the split
 
 __all__ = [
     "EnvFn", "EnvStepError", "InlineSimPool", "ProcessSimPool", "SimPool", "StepOut", "ThreadSimPool",
-    "all_finite", "choose_backend", "close_quietly", "decide_backend", "make_sim_pool", "measure_step_cost",
+    "StepProfile", "all_finite", "choose_backend", "close_quietly", "decide_backend", "decide_lanes", "make_sim_pool",
+    "measure_step_cost",
     "own", "probe_backend", "reset_env", "single_spaces", "step_env",
 ]
 
 
-def measure_step_cost(env_fn: EnvFn, steps: int = 100, rounds: int = 3) -> tuple[float, bool]:
-    """Seconds per random-action step of ``env_fn(0)`` (best of ``rounds``, after a warm-up),
-    and whether the env says it releases the GIL (``metadata["ebrl.releases_gil"]``)."""
+@dataclass(frozen=True)
+class StepProfile:
+    """What the AUTO probe measured of one env's step."""
+
+    wall_s: float  # seconds per step
+    # CPU seconds per step, of the whole process (process_time): ~0 for a step that waits; a
+    # simulator's own helper threads count (Mesa's llvmpipe renders on several), the stepping
+    # thread's time alone would take such an env for one that waits
+    cpu_s: float
+    releases_gil: bool  # the env says so (``metadata["ebrl.releases_gil"]``)
+
+    @property
+    def busy(self) -> float:
+        """The fraction of a step spent computing (1: CPU-bound; near 0: sleeping or waiting on a
+        device or a C++ simulator that released the GIL)."""
+        return min(1.0, self.cpu_s / self.wall_s) if self.wall_s > 0 else 1.0
+
+
+WAITS_BELOW = 0.5  # a step busy less than this fraction of its time mostly waits: threads overlap it
+
+
+def measure_step_cost(env_fn: EnvFn, steps: int = 100, rounds: int = 3) -> StepProfile:
+    """Wall and CPU seconds per random-action step of ``env_fn(0)`` (the round with the least
+    wall time of ``rounds``, after a warm-up), and whether the env says it releases the GIL."""
     env = env_fn(0)
     try:
         env.reset(seed=0)
         env.action_space.seed(0)
         actions = [env.action_space.sample() for _ in range(steps)]
 
-        def one_round() -> float:
-            t0 = time.perf_counter()
+        def one_round() -> tuple[float, float]:
+            t0, c0 = time.perf_counter(), time.process_time()
             for a in actions:
                 _, _, term, trunc, _ = env.step(a)
                 if term or trunc:
                     env.reset()
-            return (time.perf_counter() - t0) / steps
+            return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
 
         one_round()  # warm-up: first calls pay for caches and lazy imports
-        cost = min(one_round() for _ in range(rounds))
+        wall, cpu = min(one_round() for _ in range(rounds))
         releases_gil = bool(env.metadata.get("ebrl.releases_gil", False))
     finally:
         env.close()
-    return cost, releases_gil
+    return StepProfile(wall, cpu, releases_gil)
 
 
-def decide_backend(cost_s: float, releases_gil: bool, cfg: SimConfig, cpus: int | None = None) -> SimBackend:
-    """The AUTO rule: inline if a step is cheaper than a thread hop; threads if the env
-    releases the GIL (or there is one core); worker processes otherwise."""
+def decide_backend(profile: StepProfile, cfg: SimConfig, cpus: int | None = None) -> SimBackend:
+    """The AUTO rule: inline if a step is cheaper than a thread hop; threads if the step mostly
+    waits (CPU time under half its wall time), or the env says it releases the GIL, or there is
+    one core; worker processes otherwise (a GIL-bound Python env)."""
     cpus = cpus if cpus is not None else (os.cpu_count() or 1)
-    if cost_s < cfg.inline_below_s:
+    if profile.wall_s < cfg.inline_below_s:
         return SimBackend.INLINE
-    if releases_gil or cpus < 2:
+    if profile.releases_gil or cpus < 2 or profile.busy < WAITS_BELOW:
         return SimBackend.THREAD
     return SimBackend.PROCESS
 
 
-def choose_backend(env_fn: EnvFn, cfg: SimConfig) -> tuple[SimBackend, float]:
-    cost, releases_gil = measure_step_cost(env_fn)
-    return decide_backend(cost, releases_gil, cfg), cost
+def decide_lanes(profile: StepProfile, num_envs: int, cpus: int | None = None) -> int:
+    """Thread lanes when ``sim.num_threads`` is not set: a lane keeps ``busy`` of a core busy, so
+    ``cpus / busy`` lanes keep every core busy without an env waiting for a lane; at most one lane
+    per env (a sleeping env gets a lane of its own), at least one per core."""
+    cpus = cpus if cpus is not None else (os.cpu_count() or 1)
+    want = math.ceil(cpus / max(profile.busy, 1.0 / max(num_envs, 1)))
+    return max(1, min(num_envs, max(cpus, want)))
 
 
-async def probe_backend(env_fn: EnvFn, cfg: SimConfig) -> SimBackend:
-    """``cfg.backend``, with AUTO for plain envs resolved by :func:`choose_backend` in a private
-    thread, so the probe (a few hundred steps of ``env_fn(0)``: about 0.7 s for an env with 1 ms
-    steps) never blocks the event loop. The thread is joined before this returns (no thread
-    outlives the run). Vector envs keep AUTO: :func:`make_sim_pool` gives them threads unprobed."""
+def choose_backend(env_fn: EnvFn, cfg: SimConfig, num_envs: int = 1) -> tuple[SimBackend, int | None, StepProfile]:
+    """Probe ``env_fn(0)``; the backend, the thread lanes (None unless the probe chose threads and
+    ``sim.num_threads`` is unset: an explicit value is never overridden) and the profile."""
+    profile = measure_step_cost(env_fn)
+    backend = decide_backend(profile, cfg)
+    lanes = decide_lanes(profile, num_envs) if backend is SimBackend.THREAD and cfg.num_threads is None else None
+    return backend, lanes, profile
+
+
+async def probe_backend(env_fn: EnvFn, cfg: SimConfig, num_envs: int = 1) -> tuple[SimBackend, int | None]:
+    """``cfg.backend`` (and thread lanes, see :func:`choose_backend`), with AUTO for plain envs
+    resolved by :func:`choose_backend` in a private thread, so the probe (a few hundred steps of
+    ``env_fn(0)``: about 0.7 s for an env with 1 ms steps) never blocks the event loop. The
+    thread is joined before this returns (no thread outlives the run). Vector envs keep AUTO:
+    :func:`make_sim_pool` gives them threads unprobed."""
     if cfg.backend is not SimBackend.AUTO or cfg.vector_size > 1:
-        return cfg.backend
+        return cfg.backend, None
     loop = asyncio.get_running_loop()
     executor = ThreadPoolExecutor(1, thread_name_prefix="ebrl-sim-probe")
     try:
-        backend, _ = await loop.run_in_executor(executor, choose_backend, env_fn, cfg)
-        return backend
+        backend, lanes, profile = await loop.run_in_executor(executor, choose_backend, env_fn, cfg, num_envs)
     finally:
         executor.shutdown(wait=True)  # on cancel too: the probe is bounded, and must not outlive us
+    log.info("sim_backend_chosen", backend=backend.value, lanes=lanes, step_wall_us=round(profile.wall_s * 1e6, 1),
+             step_cpu_us=round(profile.cpu_s * 1e6, 1), busy=round(profile.busy, 3),
+             declared_releases_gil=profile.releases_gil)
+    return backend, lanes
 
 
-def make_sim_pool(env_fn: EnvFn, num_envs: int, cfg: SimConfig, backend: SimBackend | None = None) -> SimPool:
-    """A pool for ``num_envs`` envs: ``num_envs // cfg.vector_size`` vector envs when that is > 1."""
+def make_sim_pool(env_fn: EnvFn, num_envs: int, cfg: SimConfig, backend: SimBackend | None = None,
+                  lanes: int | None = None) -> SimPool:
+    """A pool for ``num_envs`` envs: ``num_envs // cfg.vector_size`` vector envs when that is > 1.
+    Thread lanes: ``lanes`` (the probe's), else ``cfg.num_threads``, else 2."""
     backend = backend or cfg.backend
+    lanes = lanes or cfg.num_threads or DEFAULT_LANES
     size = cfg.vector_size
     if size > 1:
         # a vectorised (typically GPU) simulator lives in this process, and one call steps many
@@ -135,10 +185,11 @@ def make_sim_pool(env_fn: EnvFn, num_envs: int, cfg: SimConfig, backend: SimBack
         if backend is SimBackend.AUTO:
             backend = SimBackend.THREAD
     elif backend is SimBackend.AUTO:
-        backend, _ = choose_backend(env_fn, cfg)
+        backend, probed, _ = choose_backend(env_fn, cfg, num_envs)
+        lanes = probed or lanes
     if backend is SimBackend.INLINE:
-        return InlineSimPool(env_fn, num_envs, num_lanes=cfg.num_threads, vector_size=size)
+        return InlineSimPool(env_fn, num_envs, num_lanes=lanes, vector_size=size)
     if backend is SimBackend.THREAD:
-        return ThreadSimPool(env_fn, num_envs, cfg.num_threads, vector_size=size)
+        return ThreadSimPool(env_fn, num_envs, lanes, vector_size=size)
     return ProcessSimPool(env_fn, num_envs, cfg.num_workers or os.cpu_count() or 1, cfg.start_method,
                           reply_hold_s=cfg.reply_hold_s)

@@ -77,6 +77,7 @@ class RunResult:
     metrics: dict[str, float]
     history: list[dict[str, Any]] = field(default_factory=list)  # one row per update (keys: docs/metrics.md)
     sim_backend: str = ""
+    sim_size: int = 0  # thread lanes, worker processes, or inline lanes (virtual time)
     learner_mode: str = ""
     generator_busy_s: float = 0.0  # time in policy calls
     learner_busy_s: float = 0.0  # time in updates
