@@ -93,7 +93,7 @@ class Driver:
         self.ep_success = np.full(n, -1, np.int8)  # -1 until the env reports a success flag
         self.resets = np.zeros(n, np.int64)
         self.failure_times: deque[float] = deque()
-        # timeline: when each env became ready / was submitted / parked
+        # timeline only: when each env became ready (or parked) and was submitted
         self.t_ready = np.zeros(n)
         self.t_sub = np.zeros(n)
         self.lanes = [f"env {i}" for i in range(n)]
@@ -250,11 +250,11 @@ class Driver:
             self.act_logprob[ids] = rows(result.logprobs)
             self.act_value[ids] = rows(result.values)
             self.act_version[ids] = version
-            now = self._loop.time()
-            if self.timeline is not None:
+            if self.timeline is not None:  # submit times serve the timeline alone: off the hot path otherwise
+                now = self._loop.time()
                 for i in ids.tolist():
                     self.timeline.record(self.lanes[i], "act", self.t_ready[i], now)
-            self.t_sub[ids] = now
+                self.t_sub[ids] = now
             self.pool.submit(ids, rows(result.env_actions))
         except BaseException as exc:
             self._fail(exc)

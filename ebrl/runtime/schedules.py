@@ -24,12 +24,7 @@ def effective_lag(cfg: RunConfig) -> int:
     return 0 if is_lockstep(cfg.schedule) else cfg.max_policy_lag
 
 
-def groups(cfg: RunConfig) -> list[list[int]]:
-    """Each lockstep group's units: env ids, or vector env ids when ``sim.vector_size > 1``."""
-    return lockstep_groups(cfg)
-
-
 def generation_target(cfg: RunConfig) -> int:
     if cfg.schedule is Schedule.ASYNC:
         return cfg.gen_batch_target
-    return max(len(g) for g in groups(cfg)) * cfg.sim.vector_size  # a lockstep group is one batch
+    return max(len(g) for g in lockstep_groups(cfg)) * cfg.sim.vector_size  # a lockstep group is one batch

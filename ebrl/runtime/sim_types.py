@@ -60,11 +60,15 @@ class StepOut:
     @property
     def success(self) -> int:
         """The step's success flag (from ``final_info`` at an episode's end): 1, 0, or -1 if none."""
-        info = self.final_info if self.final_info is not None else self.info
-        for key in SUCCESS_KEYS:
-            if key in info:
-                return int(bool(info[key]))
-        return -1
+        return success_flag(self.final_info if self.final_info is not None else self.info)
+
+
+def success_flag(info: dict) -> int:
+    """An info dict's success flag (``is_success`` or ``success``): 1, 0, or -1 if it has none."""
+    for key in SUCCESS_KEYS:
+        if key in info:
+            return int(bool(info[key]))
+    return -1
 
 
 @dataclass(slots=True, eq=False)  # arrays inside: compared by identity

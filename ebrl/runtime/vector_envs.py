@@ -34,7 +34,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from ebrl.runtime.sim_types import SUCCESS_KEYS
+from ebrl.runtime.sim_types import SUCCESS_KEYS, success_flag
 from ebrl.spaces import all_finite, copy_tree, finite_rows, index, tree_map, unstack, write
 
 SAME_STEP, DISABLED = gym.vector.AutoresetMode.SAME_STEP, gym.vector.AutoresetMode.DISABLED
@@ -115,13 +115,6 @@ class VectorStep:
     cost_s: float = 0.0  # declared cost (virtual time)
 
 
-def _success(info: dict) -> int:
-    for key in SUCCESS_KEYS:
-        if key in info:
-            return int(bool(info[key]))
-    return -1
-
-
 def step_vector_env(venv: gym.vector.VectorEnv, actions: Any) -> VectorStep:
     """One step of every env, as arrays with a row per env (same-step autoreset)."""
     n = venv.num_envs
@@ -151,6 +144,6 @@ def step_vector_env(venv: gym.vector.VectorEnv, actions: Any) -> VectorStep:
         else:  # SAME_STEP: the venv reset them already; infos are the new episodes'
             for i in np.flatnonzero(done):
                 final_obs[int(i)] = copy_tree(infos["final_obs"][i])
-                success[i] = _success(row_info(infos.get("final_info", {}), i))
+                success[i] = success_flag(row_info(infos.get("final_info", {}), i))
                 finite[i] &= all_finite(final_obs[int(i)])
     return VectorStep(obs, rewards, terminated, truncated, finite, success, final_obs, _vector_cost(venv))
