@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from ebrl.runtime import sim_workers
-from ebrl.runtime.sim_types import EnvStepError, reset_env, step_env
+from ebrl.runtime.sim_types import CPU, QUEUE, STEPS, WALL, EnvStepError, reset_env, step_env
 from ebrl.runtime.sim_workers import ProcessSimPool
 from ebrl.testing import Latency, MockEnv
 
@@ -179,7 +179,7 @@ async def test_dict_observations_travel_through_shared_memory_unpickled(monkeypa
     pool = ProcessSimPool(DictEnv, num_envs=4, num_workers=2)
     col = await started(pool)
     try:
-        assert len(pool._blocks) == 2 * 2 + 2 + 2  # obs and final_obs per key, act per key, reward, flags
+        assert len(pool._blocks) == 2 * 2 + 2 + 3  # obs and final_obs per key, act per key, reward, flags, cost
         for i in range(4):
             await pool.reset(i)
         calls = []
@@ -311,7 +311,7 @@ async def test_close_leaves_no_process_and_unlinks_shared_memory():
     pool.submit(np.arange(3), np.zeros((3, 4), np.float32))
     await col.wait(range(3))
     names = [b.name for b in pool._blocks]
-    assert len(names) == 5
+    assert len(names) == 6  # obs, final_obs, act, reward, flags, cost
     pool.close()
     pool.close()
     assert multiprocessing.active_children() == []
@@ -320,3 +320,277 @@ async def test_close_leaves_no_process_and_unlinks_shared_memory():
             shared_memory.SharedMemory(name=name)
     with pytest.raises(RuntimeError, match="closed"):
         pool.submit(np.arange(1), np.zeros((1, 4), np.float32))
+
+
+# --- per-env costs, placement, migration, resize -------------------------------------------
+
+
+class PidEnv(gym.Env):
+    """Observations ``[pid of the hosting process, env id, steps since reset]``; reset's info
+    has the pid too. ``close`` leaves a file ``closed-{id}-{pid}`` in ``flags``; seed 13 fails."""
+
+    observation_space = gym.spaces.Box(-np.inf, np.inf, (3,), np.float64)
+    action_space = gym.spaces.Box(-1, 1, (1,), np.float32)
+
+    def __init__(self, env_id, flags, sleep_s=0.0):
+        self.env_id, self.flags, self.sleep_s, self.t = env_id, flags, sleep_s, 0
+
+    def _obs(self):
+        return np.array([os.getpid(), self.env_id, self.t], np.float64)
+
+    def reset(self, *, seed=None, options=None):
+        if seed == 13:
+            raise ValueError("unlucky seed")
+        self.t = 0
+        return self._obs(), {"pid": os.getpid()}
+
+    def step(self, action):
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        self.t += 1
+        return self._obs(), 0.0, False, False, {}
+
+    def close(self):
+        (self.flags / f"closed-{self.env_id}-{os.getpid()}").touch()
+
+
+class PidEnvs:
+    """``env_fn`` for PidEnv; raises once a file ``fail`` exists in ``flags`` (in any process)."""
+
+    def __init__(self, flags, sleep=None):
+        self.flags, self.sleep = flags, sleep or {}
+
+    def __call__(self, i):
+        if (self.flags / "fail").exists():
+            raise RuntimeError("no simulator here")
+        return PidEnv(i, self.flags, self.sleep.get(i, 0.0))
+
+
+def pids(pool):
+    return [w.process.pid for w in pool._workers]
+
+
+async def step_all(pool, col, ids):
+    """Step ``ids`` once; env id -> the pid its step ran in."""
+    ids = np.asarray(ids)
+    pool.submit(ids, np.zeros((len(ids), 1), np.float32))
+    blocks = await col.wait(ids)
+    assert not any(b.errors for b in blocks)
+    return {i: int(b.obs[r][0]) for i, (b, r) in by_id(blocks).items()}
+
+
+async def wait_for(pred, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_workers_count_each_envs_steps_wall_and_cpu_time(no_leaks):
+    # env 0 sleeps in step (CPU idle), env 1 spins (CPU busy); each on its own worker
+    def make(i):
+        return MockEnv(latency=Latency.constant(0.01 if i < 2 else 0.0), latency_mode="spin" if i == 1 else "sleep")
+
+    pool = ProcessSimPool(make, num_envs=4, num_workers=2)
+    assert pool.costs() is None and pool.worker_cpu_s() == []
+    col = await started(pool)
+    try:
+        assert pool.costs().shape[0] == 4 and not pool.costs().any()
+        for _ in range(5):
+            ids = np.arange(4)
+            pool.submit(ids, np.zeros((4, 4), np.float32))
+            await col.wait(ids)
+        pool.submit(np.array([0]), np.zeros((1, 4), np.float32))  # env 0 once more
+        await col.wait([0])
+        costs = pool.costs()
+        np.testing.assert_array_equal(costs[:, STEPS], [6, 5, 5, 5])
+        assert (costs[:, WALL] > 0).all() and (costs[:, CPU] >= 0).all()
+        assert costs[0, WALL] >= 6 * 0.01 and costs[1, WALL] >= 5 * 0.01
+        assert costs[0, CPU] / costs[0, WALL] < 0.5
+        assert costs[1, CPU] / costs[1, WALL] > 0.5
+        costs[:] = -1  # a copy
+        assert (pool.costs() >= 0).all()
+        cpu = pool.worker_cpu_s()
+        assert len(cpu) == 2 and all(c >= 0 for c in cpu)
+        assert cpu[1] >= 0.5 * pool.costs()[1, CPU]  # psutil counts in clock ticks: a wide margin
+    finally:
+        pool.close()
+    assert pool.costs() is None
+
+
+async def test_a_step_waiting_behind_its_worker_mates_counts_queue_time(no_leaks):
+    pool = ProcessSimPool(lambda i: MockEnv(latency=Latency.constant(0.01)), num_envs=3, num_workers=1)
+    col = await started(pool)
+    try:
+        for _ in range(3):
+            pool.submit(np.arange(3), np.zeros((3, 4), np.float32))  # one message: 0, 10 and 20 ms of waiting
+            await col.wait(range(3))
+        costs = pool.costs()
+        assert (costs[:, QUEUE] >= 0).all()
+        assert costs[:, QUEUE].sum() > 0.5 * 3 * 0.03
+        assert (costs[:, QUEUE] < 3 * 0.03).all()  # nobody waits for its own step
+    finally:
+        pool.close()
+
+
+async def test_migrate_moves_an_env_to_another_worker(tmp_path, no_leaks):
+    pool = ProcessSimPool(PidEnvs(tmp_path), num_envs=4, num_workers=2)
+    col = await started(pool)
+    try:
+        pid = pids(pool)
+        np.testing.assert_array_equal(pool.placement, [0, 1, 0, 1])
+        assert pool.migrations == 0
+        ran = await step_all(pool, col, range(4))
+        assert ran == {0: pid[0], 1: pid[1], 2: pid[0], 3: pid[1]}
+        obs, info = await pool.migrate(0, 1, seed=3)
+        assert info["pid"] == pid[1] and obs.tolist() == [pid[1], 0, 0]
+        np.testing.assert_array_equal(pool.placement, [1, 1, 0, 1])
+        assert pool.migrations == 1
+        pool.placement[0] = 0  # a copy
+        assert pool.placement[0] == 1
+        assert await step_all(pool, col, [0]) == {0: pid[1]}  # right after the migration
+        await wait_for(lambda: (tmp_path / f"closed-0-{pid[0]}").exists())  # the old copy is closed
+        ran = await step_all(pool, col, range(4))  # one block for all, across both workers
+        assert ran == {0: pid[1], 1: pid[1], 2: pid[0], 3: pid[1]}
+        np.testing.assert_array_equal(pool.costs()[:, STEPS], [3, 2, 2, 2])  # one row, wherever it ran
+        obs, _ = await pool.reset(0)
+        assert obs.tolist() == [pid[1], 0, 0]  # requests follow the placement
+        await pool.rebuild(0)
+        assert (tmp_path / f"closed-0-{pid[1]}").exists()  # rebuilt where it lives now
+        with pytest.raises(ValueError, match="already on worker 1"):
+            await pool.migrate(0, 1, seed=None)
+        obs, info = await pool.migrate(0, 0, seed=None)  # and back
+        assert info["pid"] == pid[0]
+        assert await step_all(pool, col, range(4)) == {0: pid[0], 1: pid[1], 2: pid[0], 3: pid[1]}
+        assert pool.migrations == 2
+        with pytest.raises(ValueError, match="no worker 2"):
+            await pool.migrate(0, 2, seed=None)
+    finally:
+        pool.close()
+
+
+async def test_a_stepping_or_migrating_env_cannot_migrate_or_step(tmp_path, no_leaks):
+    pool = ProcessSimPool(PidEnvs(tmp_path, sleep={0: 0.2}), num_envs=2, num_workers=2)
+    col = await started(pool)
+    try:
+        pool.submit(np.array([0]), np.zeros((1, 1), np.float32))
+        with pytest.raises(ValueError, match="env 0 is stepping"):
+            await pool.migrate(0, 1, seed=None)
+        await col.wait([0])
+        moving = asyncio.ensure_future(pool.migrate(0, 1, seed=None))
+        await asyncio.sleep(0)  # it has asked worker 1 to build env 0
+        with pytest.raises(ValueError, match=r"envs \[0\] are migrating"):
+            pool.submit(np.array([0, 1]), np.zeros((2, 1), np.float32))
+        with pytest.raises(ValueError, match="env 0 is migrating"):
+            await pool.reset(0)
+        with pytest.raises(ValueError, match="env 0 is migrating already"):
+            await pool.migrate(0, 0, seed=None)
+        await moving
+        assert pool.placement.tolist() == [1, 1]
+        pool.submit(np.array([0, 1]), np.zeros((2, 1), np.float32))
+        await col.wait([0, 1])
+    finally:
+        pool.close()
+
+
+async def test_a_cancelled_migration_leaves_the_env_where_it_was(tmp_path, no_leaks):
+    pool = ProcessSimPool(PidEnvs(tmp_path), num_envs=2, num_workers=2)
+    col = await started(pool)
+    try:
+        pid = pids(pool)
+        moving = asyncio.ensure_future(pool.migrate(0, 1, seed=None))
+        await asyncio.sleep(0)  # the adopt request is queued for worker 1
+        moving.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await moving
+        assert pool.placement.tolist() == [0, 1] and pool.migrations == 0
+        await wait_for(lambda: (tmp_path / f"closed-0-{pid[1]}").exists())  # worker 1 built it, then dropped it
+        assert await step_all(pool, col, [0, 1]) == {0: pid[0], 1: pid[1]}
+        _, info = await pool.migrate(0, 1, seed=None)
+        assert info["pid"] == pid[1]
+    finally:
+        pool.close()
+
+
+async def test_a_failed_migration_leaves_the_env_where_it_was(tmp_path, no_leaks):
+    pool = ProcessSimPool(PidEnvs(tmp_path), num_envs=2, num_workers=2)
+    col = await started(pool)
+    try:
+        pid = pids(pool)
+        await step_all(pool, col, [0, 1])
+        with pytest.raises(EnvStepError, match="env 1 failed in reset: in worker 0: ValueError: unlucky seed") as err:
+            await pool.migrate(1, 0, seed=13)
+        assert err.value.env_id == 1 and err.value.op == "reset"
+        (tmp_path / "fail").touch()  # env_fn raises from now on, in every process
+        with pytest.raises(EnvStepError, match="env 1 failed in env_fn: in worker 0: RuntimeError: no simulator"):
+            await pool.migrate(1, 0, seed=0)
+        assert pool.placement.tolist() == [0, 1] and pool.migrations == 0
+        assert await step_all(pool, col, [0, 1]) == {0: pid[0], 1: pid[1]}
+        assert (await step_all(pool, col, [1])) == {1: pid[1]}
+        np.testing.assert_array_equal(pool.costs()[:, STEPS], [2, 3])
+        (tmp_path / "fail").unlink()
+        _, info = await pool.migrate(1, 0, seed=0)  # nothing left behind in worker 0 by the failures
+        assert info["pid"] == pid[0]
+        assert await step_all(pool, col, [0, 1]) == {0: pid[0], 1: pid[0]}
+    finally:
+        pool.close()
+
+
+async def test_a_dead_worker_fails_the_envs_placed_on_it(tmp_path, no_leaks):
+    pool = ProcessSimPool(PidEnvs(tmp_path, sleep={2: 1.0}), num_envs=4, num_workers=2)
+    col = await started(pool)
+    try:
+        pid = pids(pool)
+        await pool.migrate(0, 1, seed=None)  # worker 0 keeps env 2 only
+        pool.submit(np.arange(4), np.zeros((4, 1), np.float32))
+        blocks = await col.wait([0, 1, 3])
+        assert sorted(i for b in blocks for i in b.ids) == [0, 1, 3]
+        await asyncio.sleep(0.1)  # env 2 is inside its step
+        os.kill(pid[0], signal.SIGKILL)
+        blocks = await col.wait([2])
+        assert [e for b in blocks for e in b.errors] == [(2, "worker 0 died (exit code -9)")]
+        assert pool.worker_cpu_s()[0] == 0.0
+        with pytest.raises(RuntimeError, match="env 2: worker 0 died"):
+            await pool.reset(2)
+        with pytest.raises(RuntimeError, match="env 1: worker 0 died"):
+            await pool.migrate(1, 0, seed=None)
+        assert await step_all(pool, col, [0, 1, 3]) == {0: pid[1], 1: pid[1], 3: pid[1]}
+        _, info = await pool.migrate(2, 1, seed=None)  # an env can be moved off a dead worker
+        assert info["pid"] == pid[1] and pool.placement.tolist() == [1, 1, 1, 1]
+        assert await step_all(pool, col, range(4)) == dict.fromkeys(range(4), pid[1])
+    finally:
+        pool.close()
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+async def test_resize_adds_empty_workers_and_retires_only_empty_ones(tmp_path, start_method, no_leaks):
+    pool = ProcessSimPool(PidEnvs(tmp_path), num_envs=3, num_workers=2, start_method=start_method)
+    col = await started(pool)
+    try:
+        with pytest.raises(ValueError, match=r"workers 1..1 still host envs \[1\]"):
+            pool.resize(1)
+        with pytest.raises(ValueError, match=">= 1"):
+            pool.resize(0)
+        pool.resize(3)
+        assert pool.size == 3 and len(pool.worker_cpu_s()) == 3
+        pid = pids(pool)
+        assert pool.placement.tolist() == [0, 1, 0]
+        _, info = await pool.migrate(2, 2, seed=None)
+        assert info["pid"] == pid[2] not in pid[:2]
+        assert await step_all(pool, col, range(3)) == {0: pid[0], 1: pid[1], 2: pid[2]}
+        np.testing.assert_array_equal(pool.costs()[:, STEPS], [1, 1, 1])  # the new worker shares the rows
+        with pytest.raises(ValueError, match=r"workers 2..2 still host envs \[2\]"):
+            pool.resize(2)
+        await pool.migrate(2, 0, seed=None)
+        pool.resize(2)
+        assert pool.size == 2 and pids(pool) == pid[:2]
+        retired = pool._retired[0].process
+        await wait_for(lambda: not retired.is_alive())
+        assert (tmp_path / f"closed-2-{pid[2]}").exists()  # the drop ran before it quit
+        assert await step_all(pool, col, range(3)) == {0: pid[0], 1: pid[1], 2: pid[0]}
+        with pytest.raises(ValueError, match="no worker 2"):
+            await pool.migrate(2, 2, seed=None)
+    finally:
+        pool.close()
+    assert multiprocessing.active_children() == []

@@ -41,6 +41,8 @@ EnvFn = Callable[[int], gym.Env]
 SUCCESS_KEYS = ("is_success", "success")  # the info keys read as an episode's success flag
 # StepRows.flags bits
 TERMINATED, TRUNCATED, NONFINITE, SUCCESS_KNOWN, SUCCESS = 1, 2, 4, 8, 16
+# StepRows.cost columns
+STEPS, WALL, CPU, QUEUE = 0, 1, 2, 3
 
 
 @dataclass(slots=True)
@@ -132,6 +134,20 @@ class StepRows:
         make = alloc or (lambda shape, dtype: np.zeros(shape, dtype))
         self.reward = make((num_envs,), np.dtype(np.float64))
         self.flags = make((num_envs,), np.dtype(np.uint8))
+        # what each env's steps cost where they ran, summed since the start: columns STEPS, WALL
+        # (seconds in env.step), CPU (CPU seconds of the stepping thread, or of the worker
+        # process) and QUEUE (seconds from reaching the pool, or the worker, to the step's start:
+        # the wait for a lane or for the worker's other envs). Only the env's stepper writes its
+        # row; the profiler reads snapshots.
+        self.cost = make((num_envs, 4), np.dtype(np.float64))
+
+    def add_cost(self, i: int, wall_s: float, cpu_s: float, queue_s: float = 0.0) -> None:
+        """Count one step of env ``i`` that took these times."""
+        row = self.cost[i]
+        row[0] += 1
+        row[1] += wall_s
+        row[2] += cpu_s
+        row[3] += queue_s
 
     def write(self, i: int, out: StepOut) -> None:
         """Store env ``i``'s step."""
@@ -180,7 +196,7 @@ class StepRows:
                      (flags & NONFINITE) == 0, success, final_obs, errors or [])
 
     def close(self) -> None:
-        self.obs = self.final_obs = self.act = self.reward = self.flags = None
+        self.obs = self.final_obs = self.act = self.reward = self.flags = self.cost = None
 
 
 class EnvStepError(RuntimeError):
@@ -282,6 +298,12 @@ class SimPool(ABC):
 
     def resize(self, n: int) -> None:
         raise ValueError(f"the {self.backend.value} sim backend has a fixed size ({self.size})")
+
+    def costs(self) -> np.ndarray | None:
+        """A copy of the pool's per-env step costs (``[num_envs, 4]``: steps, wall, CPU and queue
+        seconds, summed since start; see :attr:`StepRows.cost`), or None before start."""
+        rows = getattr(self, "rows", None)
+        return None if rows is None or rows.cost is None else rows.cost.copy()
 
 
 def _unset(block: Block) -> None:

@@ -1,10 +1,18 @@
 """ProcessSimPool: envs hosted in worker processes, for GIL-bound Python envs.
 
-Env ``i`` lives in worker ``i % W``. The event loop watches each worker's pipe with
-``add_reader`` (no thread in between). Every array of :class:`StepRows` (one per observation
-key, for ``obs`` and ``final_obs``, plus actions, rewards and flags) is a shared-memory block
-made by the parent, so a step request or reply is a 1-byte tag and the int32 env ids: nothing
-is pickled per step. Only errors, resets and rebuilds are pickled.
+Env ``i`` lives in worker ``placement[i]``: round-robin (``i % W``) at start, changed only by
+:meth:`ProcessSimPool.migrate`, which moves an idle env (at an episode boundary) by building it
+anew in the target worker from ``env_fn(i)`` and resetting it there, and only then closing the
+old copy (so an ``env_fn`` that fails in the new worker leaves the env where it was).
+:meth:`ProcessSimPool.resize` adds empty workers, or retires the last ones once no env is placed
+on them. The event loop watches each worker's pipe with ``add_reader`` (no thread in between).
+Every array of :class:`StepRows` (one per observation key, for ``obs`` and ``final_obs``, plus
+actions, rewards, flags and per-env costs) is a shared-memory block made by the parent, so a
+step request or reply is a 1-byte tag and the int32 env ids: nothing is pickled per step. Only
+errors, resets, rebuilds and migrations are pickled. Workers add each step's wall time, the
+worker process's CPU time during it (helper threads of the simulator included) and its wait in
+the worker (from the message's arrival to the step's start) to the env's row of ``cost``;
+:meth:`ProcessSimPool.costs` reads a snapshot.
 
 Submits made in one loop iteration go out as one message per worker. The worker steps that
 message's envs cheapest first (by an EWMA of each env's step wall time) and streams replies,
@@ -46,9 +54,21 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
+import psutil
 
 from ebrl.config import SimBackend
-from ebrl.runtime.sim_types import EnvFn, EnvStepError, SimPool, StepRows, close_quietly, describe, reset_env, step_env
+from ebrl.runtime.sim_types import (
+    STEPS,
+    WALL,
+    EnvFn,
+    EnvStepError,
+    SimPool,
+    StepRows,
+    close_quietly,
+    describe,
+    reset_env,
+    step_env,
+)
 from ebrl.spaces import index, tree_map
 
 # message tags. Parent to worker: step ids, pickled requests, quit. Worker to parent: step ids,
@@ -88,26 +108,36 @@ def _release(rows: StepRows | None, blocks: list[shared_memory.SharedMemory], un
     blocks.clear()
 
 
-def _worker_main(conn, env_fn: EnvFn, env_ids: list[int], num_envs: int, hold_s: float) -> None:
-    """A worker process: hosts its envs and answers requests until told to quit."""
+def _worker_main(conn, env_fn: EnvFn, env_ids: list[int], num_envs: int, hold_s: float,
+                 attach: tuple | None = None) -> None:
+    """A worker process: hosts its envs and answers requests until told to quit.
+
+    At start it builds ``env_ids``, sends ``("ready", obs_space, act_space)`` (or ``("error",
+    env_id, detail)``) and waits for ``attach``: the shared-memory block names and the spaces. A
+    worker added later (:meth:`ProcessSimPool.resize`) hosts no env yet and gets ``attach`` as
+    an argument instead: it sends nothing before its first reply.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     envs: dict[int, gym.Env] = {}
     blocks: list[shared_memory.SharedMemory] = []
     rows = None
     try:
-        for i in env_ids:
-            try:
-                envs[i] = env_fn(i)
-            except Exception as exc:
-                conn.send_bytes(pickle.dumps(("error", i, describe(exc))))
+        if attach is None:
+            for i in env_ids:
+                try:
+                    envs[i] = env_fn(i)
+                except Exception as exc:
+                    conn.send_bytes(pickle.dumps(("error", i, describe(exc))))
+                    return
+            first = envs[env_ids[0]]
+            conn.send_bytes(pickle.dumps(("ready", first.observation_space, first.action_space)))
+            raw = conn.recv_bytes()
+            if raw == _QUIT:
                 return
-        first = envs[env_ids[0]]
-        conn.send_bytes(pickle.dumps(("ready", first.observation_space, first.action_space)))
-        raw = conn.recv_bytes()
-        if raw == _QUIT:
-            return
-        names, obs_space, act_space = pickle.loads(raw)
+            attach = pickle.loads(raw)
+        names, obs_space, act_space = attach
         rows = StepRows(num_envs, obs_space, act_space, alloc=_shm_alloc(blocks, names))
+        # EWMA of each env's step wall time, by env id (any env may be adopted later)
         cost: list[float | None] = [None] * num_envs
         while True:
             raw = conn.recv_bytes()
@@ -115,7 +145,8 @@ def _worker_main(conn, env_fn: EnvFn, env_ids: list[int], num_envs: int, hold_s:
             if kind == _STEP:
                 _step_message(conn, envs, rows, cost, np.frombuffer(body, np.int32).tolist(), hold_s)
             elif kind == _PICKLED:
-                conn.send_bytes(_PICKLED + pickle.dumps(_serve(envs, env_fn, pickle.loads(body))))
+                replies = _serve(envs, env_fn, pickle.loads(body), rows, cost)
+                conn.send_bytes(_PICKLED + pickle.dumps(replies))
             else:
                 break
     except (EOFError, KeyboardInterrupt, BrokenPipeError, OSError):
@@ -128,6 +159,7 @@ def _worker_main(conn, env_fn: EnvFn, env_ids: list[int], num_envs: int, hold_s:
 
 def _step_message(conn, envs, rows: StepRows, cost: list, ids: list[int], hold_s: float) -> None:
     """Step ``ids`` cheapest first, streaming replies by the rule in the module docstring."""
+    arrived = time.perf_counter()  # the envs' QUEUE cost: from here to their step's start
     done: list[int] = []
     errors: list[tuple[int, str]] = []
     since = 0.0  # when the oldest unsent env finished
@@ -139,18 +171,20 @@ def _step_message(conn, envs, rows: StepRows, cost: list, ids: list[int], hold_s
         errors.clear()
 
     stepped, total = 0, 0.0  # envs of this message stepped so far, and their summed expected cost
+    cpu = time.process_time  # the whole process: a simulator's helper threads count too
     for i in sorted(ids, key=lambda j: cost[j] or 0.0):
         expect = cost[i] or 0.0
         if (done or errors) and (expect > hold_s or (stepped and expect > _STRAGGLER * total / stepped)):
             send()  # (a): a known-slow env (slow outright, or next to its message-mates) must not hold the finished ones
         stepped, total = stepped + 1, total + expect
-        t0 = time.perf_counter()
+        c0, t0 = cpu(), time.perf_counter()
         try:
             rows.write(i, step_env(envs[i], tree_map(lambda a: a.copy(), index(rows.act, i))))
             done.append(i)
         except Exception as exc:
             errors.append((i, describe(exc)))
         t1 = time.perf_counter()
+        rows.add_cost(i, t1 - t0, cpu() - c0, t0 - arrived)  # before the reply: the parent reads it after
         c = cost[i]
         cost[i] = t1 - t0 if c is None else c + _ALPHA * (t1 - t0 - c)
         if len(done) + len(errors) == 1:
@@ -161,17 +195,64 @@ def _step_message(conn, envs, rows: StepRows, cost: list, ids: list[int], hold_s
         send()
 
 
-def _serve(envs: dict[int, gym.Env], env_fn: EnvFn, requests: list[tuple[str, int, Any]]) -> list:
+def _serve(envs: dict[int, gym.Env], env_fn: EnvFn, requests: list[tuple[str, int, Any]],
+           rows: StepRows | None = None, cost: list | None = None) -> list:
+    """Answer pickled requests ``(op, env_id, arg)`` in order, one reply ``(env_id, ok, payload)``
+    each; a failure's payload is its description, or ``(op, description)`` naming the part of
+    the request that failed (``adopt``: ``env_fn`` or ``reset``).
+
+    ``reset`` (arg: seed) -> (obs, info); ``rebuild`` -> None; ``adopt`` (arg: seed) builds the
+    env from ``env_fn`` and resets it -> (obs, info), keeping nothing if either fails; ``drop``
+    closes the env and forgets it -> None.
+    """
     replies = []
     for op, i, arg in requests:
         try:
+            if op == "adopt":
+                replies.append((i, True, _adopt(envs, env_fn, i, arg, rows, cost)))
+                continue
+            if op == "drop":
+                close_quietly(envs.pop(i))
+                if cost is not None:
+                    cost[i] = None
+                replies.append((i, True, None))
+                continue
             if op == "rebuild":
                 close_quietly(envs[i])
                 envs[i] = env_fn(i)
             replies.append((i, True, reset_env(envs[i], seed=arg) if op == "reset" else None))
+        except _AdoptError as exc:
+            replies.append((i, False, (exc.op, exc.detail)))
         except Exception as exc:
             replies.append((i, False, describe(exc)))
     return replies
+
+
+class _AdoptError(Exception):
+    def __init__(self, op: str, detail: str):
+        super().__init__(op, detail)
+        self.op, self.detail = op, detail
+
+
+def _adopt(envs: dict[int, gym.Env], env_fn: EnvFn, i: int, seed: Any, rows: StepRows | None,
+           cost: list | None) -> tuple[Any, dict]:
+    stale = envs.pop(i, None)  # a copy left by a cancelled migration: the parent's placement decides
+    if stale is not None:
+        close_quietly(stale)
+    try:
+        env = env_fn(i)
+    except Exception as exc:
+        raise _AdoptError("env_fn", describe(exc)) from exc
+    try:
+        out = reset_env(env, seed=seed)
+    except Exception as exc:
+        close_quietly(env)
+        raise _AdoptError("reset", describe(exc)) from exc
+    envs[i] = env
+    if cost is not None and rows is not None and rows.cost[i, STEPS] > 0:
+        # seed the step-order EWMA with the env's mean step time where it ran before
+        cost[i] = float(rows.cost[i, WALL] / rows.cost[i, STEPS])
+    return out
 
 
 class _Worker:
@@ -181,10 +262,20 @@ class _Worker:
         self.requests: list[tuple[str, int, Any]] = []  # pickled requests, not yet sent
         self.waiting: deque[tuple[int, str, asyncio.Future]] = deque()  # sent requests, in order
         self.dead: str | None = None  # why it is gone
+        self.ps: psutil.Process | None = None  # for cpu_times, made on first use
+
+
+def _ignore(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()  # retrieved: a fire-and-forget request's failure no longer matters
 
 
 class ProcessSimPool(SimPool):
-    """Envs hosted in worker processes; steps travel through shared memory as env-id blocks."""
+    """Envs hosted in worker processes; steps travel through shared memory as env-id blocks.
+
+    ``placement[i]`` is env ``i``'s worker (round-robin at start); :meth:`migrate` moves an idle
+    env to another worker, :meth:`resize` adds empty workers or retires empty ones.
+    """
 
     backend = SimBackend.PROCESS
 
@@ -195,31 +286,64 @@ class ProcessSimPool(SimPool):
         self._ctx = mp.get_context(start_method or ("fork" if sys.platform.startswith("linux") else "spawn"))
         self.reply_hold_s = reply_hold_s
         self._workers: list[_Worker] = []
+        self._retired: list[_Worker] = []  # told to quit by resize, joined at close
         self._loop: asyncio.AbstractEventLoop | None = None
         self._rows: StepRows | None = None
         self._blocks: list[shared_memory.SharedMemory] = []
+        self._attach: tuple | None = None  # (block names, spaces): what a worker needs to join
         self._busy = np.zeros(num_envs, bool)  # steps in flight, to report if a worker dies
+        self._placement = np.arange(num_envs, dtype=np.int64) % self._num_workers  # env -> worker
+        self._moving: dict[int, int] = {}  # envs being migrated -> their target worker
+        self.migrations = 0  # completed migrations
         self._flush_scheduled = False
         self._closed = False
 
     @property
     def size(self) -> int:
+        """The number of workers (a dead one still counts: it holds its envs' places)."""
         return self._num_workers
+
+    @property
+    def placement(self) -> np.ndarray:
+        """A copy of the env -> worker map (int64 ``[num_envs]``)."""
+        return self._placement.copy()
+
+    def costs(self) -> np.ndarray | None:
+        rows = self._rows
+        return None if rows is None or rows.cost is None else rows.cost.copy()
+
+    def worker_cpu_s(self) -> list[float]:
+        """Each worker's CPU seconds (user + system) since it started; 0 for a dead one."""
+        out = []
+        for worker in self._workers:
+            total = 0.0
+            if worker.dead is None:
+                try:
+                    if worker.ps is None:
+                        worker.ps = psutil.Process(worker.process.pid)
+                    times = worker.ps.cpu_times()
+                    total = times.user + times.system
+                except (psutil.Error, ValueError):
+                    pass
+            out.append(total)
+        return out
+
+    def _spawn(self, w: int, env_ids: list[int], attach: tuple | None = None) -> _Worker:
+        parent, child = self._ctx.Pipe(duplex=True)
+        proc = self._ctx.Process(
+            target=_worker_main, name=f"ebrl-sim-worker-{w}", daemon=True,
+            args=(child, self.env_fn, env_ids, self.num_envs, self.reply_hold_s, attach))
+        proc.start()
+        child.close()
+        return _Worker(w, proc, parent)
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         # one resource tracker for parent and workers: a worker forked before the parent's
         # tracker exists starts its own, which unlinks the shared memory when the worker exits
         resource_tracker.ensure_running()
-        W = self._num_workers
-        for w in range(W):
-            parent, child = self._ctx.Pipe(duplex=True)
-            proc = self._ctx.Process(
-                target=_worker_main, name=f"ebrl-sim-worker-{w}", daemon=True,
-                args=(child, self.env_fn, list(range(w, self.num_envs, W)), self.num_envs, self.reply_hold_s))
-            proc.start()
-            child.close()
-            self._workers.append(_Worker(w, proc, parent))
+        for w in range(self._num_workers):
+            self._workers.append(self._spawn(w, np.flatnonzero(self._placement == w).tolist()))
         try:
             for worker in self._workers:  # they build their envs in parallel
                 msg = await self._first_message(worker)
@@ -229,7 +353,8 @@ class ProcessSimPool(SimPool):
                     self.observation_space, self.action_space = msg[1], msg[2]
             self._rows = StepRows(self.num_envs, self.observation_space, self.action_space,
                                   alloc=_shm_alloc(self._blocks))
-            attach = pickle.dumps(([b.name for b in self._blocks], self.observation_space, self.action_space))
+            self._attach = ([b.name for b in self._blocks], self.observation_space, self.action_space)
+            attach = pickle.dumps(self._attach)
             for worker in self._workers:
                 worker.conn.send_bytes(attach)
                 self._watch(worker.conn.fileno(), self._on_readable, worker)
@@ -271,9 +396,11 @@ class ProcessSimPool(SimPool):
         ids = np.asarray(ids, np.int64)
         if self._busy[ids].any():
             raise ValueError(f"envs {ids[self._busy[ids]].tolist()} are still stepping")
+        if self._moving and not self._moving.keys().isdisjoint(ids.tolist()):
+            raise ValueError(f"envs {sorted(self._moving.keys() & set(ids.tolist()))} are migrating")
         self._rows.set_actions(ids, actions)  # the envs are idle: nobody reads their slots now
         self._busy[ids] = True
-        owner = ids % self._num_workers
+        owner = self._placement[ids]
         first = int(owner[0])
         if self._num_workers == 1 or (owner == first).all():  # the usual case: a block from one worker's reply
             self._workers[first].steps.append(ids)
@@ -285,20 +412,23 @@ class ProcessSimPool(SimPool):
     def _flush(self) -> None:
         self._flush_scheduled = False
         for worker in self._workers:
-            if worker.dead is not None:  # steps submitted to a dead worker fail as a block
-                if worker.steps:
-                    self._fail_steps(worker, np.concatenate(worker.steps))
-                continue
-            try:
-                if worker.steps:
-                    ids = np.concatenate(worker.steps).astype(np.int32)
-                    worker.steps = []
-                    worker.conn.send_bytes(_STEP + ids.tobytes())
-                if worker.requests:
-                    reqs, worker.requests = worker.requests, []
-                    worker.conn.send_bytes(_PICKLED + pickle.dumps(reqs))
-            except (BrokenPipeError, OSError):
-                self._fail_worker(worker)
+            self._flush_worker(worker)
+
+    def _flush_worker(self, worker: _Worker) -> None:
+        if worker.dead is not None:  # steps submitted to a dead worker fail as a block
+            if worker.steps:
+                self._fail_steps(worker, np.concatenate(worker.steps))
+            return
+        try:
+            if worker.steps:
+                ids = np.concatenate(worker.steps).astype(np.int32)
+                worker.steps = []
+                worker.conn.send_bytes(_STEP + ids.tobytes())
+            if worker.requests:
+                reqs, worker.requests = worker.requests, []
+                worker.conn.send_bytes(_PICKLED + pickle.dumps(reqs))
+        except (BrokenPipeError, OSError):
+            self._fail_worker(worker)
 
     def _on_readable(self, worker: _Worker) -> None:
         try:
@@ -310,6 +440,8 @@ class ProcessSimPool(SimPool):
         if kind == _PICKLED:
             for env_id, ok, payload in pickle.loads(body):
                 _, op, fut = worker.waiting.popleft()
+                if not ok and isinstance(payload, tuple):  # (the part of the request that failed, why)
+                    op, payload = payload
                 if not fut.done():
                     fut.set_result(payload) if ok else fut.set_exception(EnvStepError(env_id, op, payload))
             return
@@ -339,13 +471,17 @@ class ProcessSimPool(SimPool):
                 fut.set_exception(RuntimeError(f"env {env_id}: {worker.dead}"))
         worker.waiting.clear()  # sent or not: every request's future is in waiting
         worker.requests = []
-        in_flight = np.flatnonzero(self._busy & (np.arange(self.num_envs) % self._num_workers == worker.index))
+        in_flight = np.flatnonzero(self._busy & (self._placement == worker.index))
         if len(in_flight):
             self._fail_steps(worker, in_flight)
 
     def _request(self, op: str, env_id: int, arg: Any) -> asyncio.Future:
         self._check_open()
-        worker = self._workers[env_id % self._num_workers]
+        if env_id in self._moving:
+            raise ValueError(f"env {env_id} is migrating")
+        return self._request_to(self._workers[self._placement[env_id]], op, env_id, arg)
+
+    def _request_to(self, worker: _Worker, op: str, env_id: int, arg: Any) -> asyncio.Future:
         if worker.dead is not None:
             raise RuntimeError(f"env {env_id}: {worker.dead}")
         fut = self._loop.create_future()
@@ -360,6 +496,87 @@ class ProcessSimPool(SimPool):
     async def rebuild(self, env_id: int) -> None:
         await self._request("rebuild", env_id, None)
 
+    async def migrate(self, env_id: int, worker: int, seed: int | None = None) -> tuple[Any, dict]:
+        """Move idle env ``env_id`` to ``worker``, where it is built anew from ``env_fn`` and
+        reset with ``seed``; returns that reset's ``(obs, info)``. Meant for an episode boundary:
+        the env's state is not carried over.
+
+        The new worker builds the env first: if ``env_fn`` (or the reset) raises there, this
+        raises :class:`EnvStepError` (op ``env_fn`` or ``reset``) and the env stays, unchanged,
+        where it was. Only then is the env placed on ``worker`` and the old copy closed (the old
+        worker does that after whatever it is stepping; steps of the env go to ``worker`` from
+        the moment this returns). An env on a dead worker can be migrated off it (recovering it).
+        Raises ValueError if the env is stepping, migrating, has a reset or rebuild in flight,
+        or is on ``worker`` already; RuntimeError if ``worker`` is dead.
+        """
+        self._check_open()
+        env_id, worker = int(env_id), int(worker)
+        if not 0 <= env_id < self.num_envs:
+            raise ValueError(f"no env {env_id}: the pool has {self.num_envs}")
+        if not 0 <= worker < self._num_workers:
+            raise ValueError(f"no worker {worker}: the pool has {self._num_workers}")
+        if env_id in self._moving:
+            raise ValueError(f"env {env_id} is migrating already")
+        old = int(self._placement[env_id])
+        if worker == old:
+            raise ValueError(f"env {env_id} is already on worker {worker}")
+        if self._busy[env_id]:
+            raise ValueError(f"env {env_id} is stepping: migrate it between steps")
+        source, target = self._workers[old], self._workers[worker]
+        if any(e == env_id for e, _, _ in source.waiting):
+            raise ValueError(f"env {env_id} has a reset or rebuild in flight")
+        adopt = self._request_to(target, "adopt", env_id, seed)
+        self._moving[env_id] = worker
+        try:
+            out = await adopt
+        except EnvStepError as exc:
+            raise EnvStepError(env_id, exc.op, f"in worker {worker}: {exc.detail}") from None
+        except asyncio.CancelledError:
+            if target.dead is None and not self._closed:  # it may have built the env: it must not keep it
+                self._request_to(target, "drop", env_id, None).add_done_callback(_ignore)
+            raise
+        finally:
+            del self._moving[env_id]
+        self._placement[env_id] = worker
+        self.migrations += 1
+        if source.dead is None:
+            self._request_to(source, "drop", env_id, None).add_done_callback(_ignore)
+        return out
+
+    def resize(self, n: int) -> None:
+        """Grow to ``n`` workers (new ones host no env until :meth:`migrate` moves some there),
+        or shrink by retiring workers ``n..size-1``, which must host no env (ValueError, naming
+        the envs still on them, otherwise)."""
+        self._check_open()
+        n = int(n)
+        if n < 1:
+            raise ValueError(f"sim pool size must be >= 1, got {n}")
+        W = self._num_workers
+        if n < W:
+            hosted = np.flatnonzero(self._placement >= n).tolist()
+            hosted += [i for i, w in self._moving.items() if w >= n]
+            if hosted:
+                raise ValueError(f"workers {n}..{W - 1} still host envs {sorted(hosted)}: migrate them first")
+            for worker in self._workers[n:]:
+                self._retire(worker)
+            del self._workers[n:]
+        for w in range(W, n):
+            worker = self._spawn(w, [], self._attach)
+            self._workers.append(worker)
+            self._watch(worker.conn.fileno(), self._on_readable, worker)
+        self._num_workers = n
+
+    def _retire(self, worker: _Worker) -> None:
+        self._flush_worker(worker)  # a drop not yet sent still closes its env
+        with contextlib.suppress(Exception):
+            self._loop.remove_reader(worker.conn.fileno())
+        with contextlib.suppress(Exception):
+            worker.conn.send_bytes(_QUIT)
+        for _, _, fut in worker.waiting:
+            fut.cancel()
+        worker.waiting.clear()
+        self._retired.append(worker)
+
     def close(self) -> None:
         if self._closed:
             return
@@ -370,7 +587,7 @@ class ProcessSimPool(SimPool):
             with contextlib.suppress(Exception):
                 worker.conn.send_bytes(_QUIT)
         deadline = time.monotonic() + 5.0
-        for worker in self._workers:
+        for worker in self._workers + self._retired:
             worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
             if worker.process.is_alive():
                 worker.process.kill()
@@ -378,6 +595,6 @@ class ProcessSimPool(SimPool):
             worker.conn.close()
             for _, _, fut in worker.waiting:
                 fut.cancel()
-        self._workers = []
+        self._workers, self._retired = [], []
         _release(self._rows, self._blocks, unlink=True)
         self._rows = None
