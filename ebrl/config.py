@@ -132,15 +132,45 @@ class GenerationConfig:
     """Dynamic batching of ``act()`` requests."""
 
     batch_target: int | None = None  # run a batch once this many requests wait; None = num_envs
-    max_wait_s: float = 0.002  # cap on the adaptive wait (about one batch's duration) for a batch to fill
+    # cap on the adaptive wait (about one batch's duration) for a batch to fill; None: 2 ms, and
+    # the resource controller may change it (an explicit value is kept)
+    max_wait_s: float | None = None
     offload: Offload = Offload.AUTO
     inline_below_s: float = 200e-6  # AUTO moves the policy to a thread once a batch costs more
 
     def __post_init__(self) -> None:
         _check_int("generation.batch_target", self.batch_target, 1, optional=True)
-        _check_float("generation.max_wait_s", self.max_wait_s, 0.0)
+        _check_float("generation.max_wait_s", self.max_wait_s, 0.0, optional=True)
         self.offload = _coerce_enum("generation.offload", self.offload, Offload)
         _check_float("generation.inline_below_s", self.inline_below_s, 0.0)
+
+
+DEFAULT_MAX_WAIT_S = 0.002
+
+
+@dataclass
+class ResourceConfig:
+    """The resource manager: a live profile every epoch, and a controller that re-tunes the knobs
+    left unset (``sim.num_threads``, ``sim.num_workers``, ``generation.batch_target``,
+    ``generation.max_wait_s``) from it. Values set explicitly are never changed."""
+
+    adapt: bool = True  # False: profile only, change nothing
+    epoch_s: float = 1.0  # seconds (loop time) per profile window and controller decision
+    # sim lanes grow while envs wait for a lane longer than this fraction of their sim time
+    lane_wait_above: float = 0.1
+    # process placement is rebalanced when the busiest worker is busier than the idlest by this much
+    imbalance_above: float = 0.15
+    # GPU with green contexts: generation gets the fewest SMs that keep an env's mean wait for
+    # an action under this
+    act_wait_target_s: float = 0.002
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.adapt, bool):
+            raise ConfigError("resources.adapt", self.adapt, "must be true or false")
+        _check_float("resources.epoch_s", self.epoch_s, 0.0, strict=True)
+        _check_float("resources.lane_wait_above", self.lane_wait_above, 0.0)
+        _check_float("resources.imbalance_above", self.imbalance_above, 0.0)
+        _check_float("resources.act_wait_target_s", self.act_wait_target_s, 0.0, strict=True)
 
 
 @dataclass
@@ -180,9 +210,11 @@ class RunConfig:
     sim: SimConfig = field(default_factory=SimConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
+    resources: ResourceConfig = field(default_factory=ResourceConfig)
 
     def __post_init__(self) -> None:
-        for name, sub in (("sim", SimConfig), ("generation", GenerationConfig), ("faults", FaultConfig)):
+        for name, sub in (("sim", SimConfig), ("generation", GenerationConfig), ("faults", FaultConfig),
+                          ("resources", ResourceConfig)):
             value = getattr(self, name)
             if isinstance(value, dict):
                 setattr(self, name, _build(sub, value, prefix=name + "."))

@@ -293,18 +293,25 @@ def test_lag_bound_holds_against_the_weights_that_acted(backend, learner, lag, n
 
 
 def test_auto_backend_probe_runs_off_the_event_loop():
-    """The AUTO probe builds and steps ``env_fn(0)`` in a thread of its own, so ``run()`` does
-    not block the caller's loop while it measures. The probe's env waits until a coroutine on
-    the loop has run: had the probe blocked the loop, that could never happen and it raises."""
+    """The AUTO probe builds and steps ``env_fn(0)`` in a forked child process (waited on by a
+    thread of its own), so ``run()`` does not block the caller's loop while it measures, not even
+    in C code holding the GIL. The probe's env waits until a coroutine on the loop has run: had
+    the probe blocked the loop, that could never happen and it raises."""
+    import multiprocessing as mp
+    import os
     import threading
 
     from ebrl.testing import MockEnv, MockPolicy, NoopAlgo
 
-    loop_ran, seen = threading.Event(), []
+    ctx = mp.get_context("fork")
+    loop_ran, first_pid = ctx.Event(), ctx.Value("i", 0)  # shared with the forked probe
 
     def env_fn(i):
-        seen.append(threading.current_thread().name)
-        if len(seen) == 1 and not loop_ran.wait(10):
+        with first_pid.get_lock():
+            first = first_pid.value == 0
+            if first:
+                first_pid.value = os.getpid()
+        if first and not loop_ran.wait(10):
             raise RuntimeError("the event loop stayed blocked while the probe ran")
         return MockEnv(dim=3)
 
@@ -323,5 +330,6 @@ def test_auto_backend_probe_runs_off_the_event_loop():
 
     result = asyncio.run(main())
     assert result.env_steps == 64 and result.accounting_ok()
-    assert seen[0].startswith("ebrl-sim-probe")
+    assert first_pid.value not in (0, os.getpid())  # the probe's env was built in another process
     assert not any(t.name.startswith("ebrl-sim-probe") for t in threading.enumerate())
+    assert not mp.active_children()

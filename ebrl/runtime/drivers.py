@@ -93,9 +93,19 @@ class Driver:
         self.ep_success = np.full(n, -1, np.int8)  # -1 until the env reports a success flag
         self.resets = np.zeros(n, np.int64)
         self.failure_times: deque[float] = deque()
-        # timeline only: when each env became ready (or parked) and was submitted
+        # placement changes the controller asked for: env -> worker, done at the env's next episode end
+        self.moves: dict[int, int] = {}
+        self.migrations = 0
+        # when each env became ready (or parked) and was submitted, and its waits since the start
+        # by cause (seconds, read by the live profiler): the round trip of its sim steps (the step,
+        # plus any wait for a lane or worker), waits for an action, for the lockstep group's last
+        # member (the barrier) and for queue space (backpressure)
         self.t_ready = np.zeros(n)
         self.t_sub = np.zeros(n)
+        self.wait_sim = np.zeros(n)
+        self.wait_action = np.zeros(n)
+        self.wait_barrier = np.zeros(n)
+        self.wait_blocked = np.zeros(n)
         self.lanes = [f"env {i}" for i in range(n)]
         self._loop: asyncio.AbstractEventLoop | None = None
         self._done: asyncio.Future | None = None
@@ -157,7 +167,8 @@ class Driver:
         if tl is not None:
             for i in ids.tolist():
                 tl.record(self.lanes[i], "sim", self.t_sub[i], now)
-            self.t_ready[ids] = now
+        self.wait_sim[ids] += now - self.t_sub[ids]
+        self.t_ready[ids] = now
         self.stats.simulated += len(ids)
         go = ids
         if not block.clean and not block.finite.all():
@@ -171,8 +182,31 @@ class Driver:
             self.rollout.record(ids, acts, self.act_logprob[ids], self.act_value[ids], self.act_version[ids],
                                 block.reward, block.terminated, block.truncated, block.obs, block.final_obs)
             self._episodes(block)
+            if self.moves and not block.clean:
+                go = self._start_moves(block, go)
         if len(go):
             self._arrive(go)
+
+    def _start_moves(self, block: Block, go: np.ndarray) -> np.ndarray:
+        """Envs due to move whose episode just ended migrate now; the rest of ``go`` goes on."""
+        ended = block.ids[block.terminated | block.truncated]
+        moving = [i for i in ended.tolist() if i in self.moves]
+        for i in moving:
+            self._spawn(self._migrate(i, self.moves.pop(i)))
+        return go[~np.isin(go, moving)] if moving else go
+
+    async def _migrate(self, env_id: int, worker: int) -> None:
+        """Rebuild env ``env_id`` in ``worker`` (an episode just ended: nothing of it is lost),
+        start its next episode there, and let it go on. A failed move leaves it where it was."""
+        try:
+            obs, _ = await self.pool.migrate(env_id, worker, seed=self._seed(env_id))
+            self.rollout.set_obs(np.array([env_id]), batch_of_one(obs))
+            self.migrations += 1
+            log.info("env_migrated", env=env_id, worker=worker)
+        except EnvStepError as exc:
+            log.warning("env_migration_failed", env=env_id, worker=worker, error=exc.detail)
+        self.t_ready[env_id] = self._loop.time()
+        self._arrive(np.array([env_id]))
 
     def _episodes(self, block: Block) -> None:
         ids = block.ids
@@ -205,7 +239,12 @@ class Driver:
             self.arrived[g] += c
             if self.arrived[g] == len(self.group_ids[g]):
                 self.arrived[g] = 0
-                self._release(self.group_ids[g])
+                group = self.group_ids[g]
+                if self.timeline is None:  # the timeline counts the barrier as part of "act"
+                    now = self._loop.time()
+                    self.wait_barrier[group] += now - self.t_ready[group]
+                    self.t_ready[group] = now
+                self._release(group)
 
     def _release(self, ids: np.ndarray) -> None:
         """Claim the next step of envs ``ids`` (a block of whole units, or one lockstep group);
@@ -250,11 +289,12 @@ class Driver:
             self.act_logprob[ids] = rows(result.logprobs)
             self.act_value[ids] = rows(result.values)
             self.act_version[ids] = version
-            if self.timeline is not None:  # submit times serve the timeline alone: off the hot path otherwise
-                now = self._loop.time()
+            now = self._loop.time()
+            if self.timeline is not None:
                 for i in ids.tolist():
                     self.timeline.record(self.lanes[i], "act", self.t_ready[i], now)
-                self.t_sub[ids] = now
+            self.wait_action[ids] += now - self.t_ready[ids]
+            self.t_sub[ids] = now
             self.pool.submit(ids, rows(result.env_actions))
         except BaseException as exc:
             self._fail(exc)
@@ -264,11 +304,12 @@ class Driver:
     def _park(self, ids: np.ndarray) -> None:
         self.parked.append(ids)
         self.state.parked += len(ids)
+        now = self._loop.time()
         if self.timeline is not None:
-            now = self._loop.time()
             for i in ids.tolist():
                 self.timeline.record(self.lanes[i], "act", self.t_ready[i], now)
-            self.t_ready[ids] = now  # from here on "blocked"
+        self.wait_action[ids] += now - self.t_ready[ids]
+        self.t_ready[ids] = now  # from here on "blocked"
         self.generator.poke()
         self.rollout.poke()
 
@@ -283,7 +324,8 @@ class Driver:
             if self.timeline is not None:
                 for i in ids.tolist():
                     self.timeline.record(self.lanes[i], "blocked", self.t_ready[i], now)
-                self.t_ready[ids] = now
+            self.wait_blocked[ids] += now - self.t_ready[ids]
+            self.t_ready[ids] = now
             self.state.release(len(ids))  # _release claims again
             self._release(ids)
         self.generator.poke()

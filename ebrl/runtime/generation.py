@@ -52,6 +52,7 @@ from ebrl.spaces import batch_of_one, concat
 
 if TYPE_CHECKING:
     from ebrl.runtime.profiler import Timeline
+    from ebrl.runtime.resources.gpu import GpuStreams
 
 # What act() returns: the batch's result, this request's row in it, and the policy version.
 ActReply = tuple[ActResult, int, int]
@@ -64,8 +65,10 @@ class Generator:
 
     def __init__(self, policy, *, batch_target: int, max_wait_s: float, live: int = 0,
                  state: RunState | None = None, offload: Offload = Offload.AUTO, inline_below_s: float = 200e-6,
-                 on_batch: Callable[[np.ndarray, int], None] | None = None, timeline: Timeline | None = None):
+                 on_batch: Callable[[np.ndarray, int], None] | None = None, timeline: Timeline | None = None,
+                 streams: GpuStreams | None = None):
         self.policy = policy
+        self.streams = streams  # GPU: policy calls go to the generation stream (resources.gpu)
         self.batch_target = batch_target
         self.max_wait_s = max_wait_s
         self.offload = offload
@@ -75,6 +78,7 @@ class Generator:
         self._live = live
         self.batch_sizes: Counter = Counter()
         self.max_request_wait_s = 0.0
+        self.request_wait_s = 0.0  # summed over rows: how long each waited for its batch to start
         self.busy_s = 0.0  # time spent in policy calls
         self._on_batch = on_batch  # (env ids, version) as a batch forms: the rollout marks them in flight
         self._timeline = timeline  # records lane "generator", "batch" (arg: batch size) per policy call
@@ -89,6 +93,7 @@ class Generator:
         self._new_weights: tuple[dict, int] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._cost_ewma: float | None = None  # seconds per inline policy call (AUTO offload)
+        self._warmed = False  # AUTO: the first call ran (in the thread)
         self.batch_s_ewma = 0.0  # seconds per batch, how ever it ran: the adaptive wait
         self._virtual_cost = getattr(policy, "virtual_cost", None)
 
@@ -125,9 +130,10 @@ class Generator:
 
     # ---------------------------------------------------------------- weights and pausing
 
-    def publish(self, state: dict, version: int) -> None:
-        """New weights; they take effect at the next batch."""
-        self._new_weights = (state, version)
+    def publish(self, state: dict, version: int, event: Any = None) -> None:
+        """New weights; they take effect at the next batch. ``event``: the CUDA event recorded
+        on the training stream after the weights were copied, waited for on the generation stream."""
+        self._new_weights = (state, version, event)
 
     async def pause(self) -> None:
         """Stop forming batches (after the running one finishes); used while an update must not overlap generation."""
@@ -173,9 +179,14 @@ class Generator:
         batch, self._pending = self._pending, []
         rows, self._pending_rows = self._pending_rows, 0
         if self._new_weights is not None:
-            state, self.version = self._new_weights
+            state, self.version, event = self._new_weights
             self._new_weights = None
-            self.policy.load_state_dict(state)
+            if self.streams is not None:
+                self.streams.wait_published(event)
+                with self.streams.generation():
+                    self.policy.load_state_dict(state)
+            else:
+                self.policy.load_state_dict(state)
         now = loop.time()
         self.max_request_wait_s = max(self.max_request_wait_s, now - batch[0][3])
         if len(batch) == 1:
@@ -190,8 +201,9 @@ class Generator:
         self._idle.clear()
         try:
             t0, cpu0 = time.perf_counter(), time.thread_time()
+            act = self.policy.act if self.streams is None else self._act_on_stream
             if virtual or not self._use_thread():
-                result = self.policy.act(obs)
+                result = act(obs)
                 spent = time.perf_counter() - t0
                 if not virtual:
                     # CPU time, not wall: waiting for the GIL or a core under load is no reason to offload
@@ -200,7 +212,7 @@ class Generator:
             else:
                 if self._executor is None:
                     self._executor = ThreadPoolExecutor(1, thread_name_prefix="ebrl-generator")
-                result = await loop.run_in_executor(self._executor, self.policy.act, obs)
+                result = await loop.run_in_executor(self._executor, act, obs)
                 spent = time.perf_counter() - t0
             if virtual and self._virtual_cost is not None:
                 spent = float(self._virtual_cost(rows))
@@ -213,16 +225,28 @@ class Generator:
             self._timeline.record("generator", "batch", now, loop.time(), rows)
         self.batch_sizes[rows] += 1
         version, lo = self.version, 0
-        for ids, _, on_actions, _ in batch:
+        waited = 0.0
+        for ids, _, on_actions, t_req in batch:
             hi = lo + len(ids)
+            waited += (now - t_req) * (hi - lo)
             on_actions(ids, result, lo, hi, version)
             lo = hi
+        self.request_wait_s += waited
+
+    def _act_on_stream(self, obs: Any) -> ActResult:
+        with self.streams.generation():  # the stream is per thread: entered where the call runs
+            return self.policy.act(obs)
 
     def _use_thread(self) -> bool:
         if self.offload is Offload.THREAD:
             return True
         if self.offload is Offload.INLINE:
             return False
+        if not self._warmed:
+            # AUTO's first call pays the policy's lazy set-up (tens of ms for a torch policy):
+            # off the loop, and not measured
+            self._warmed = True
+            return True
         # AUTO: inline until batches are measured to cost more than a thread hop; then threads for good
         if self._cost_ewma is not None and self._cost_ewma > self.inline_below_s:
             self.offload = Offload.THREAD

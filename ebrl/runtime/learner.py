@@ -38,12 +38,14 @@ from ebrl.runtime.generation import Generator
 from ebrl.runtime.rollout import RolloutQueue, collate
 from ebrl.runtime.state import RunState
 from ebrl.runtime.stats import RunStats
+from ebrl.runtime.threads import in_thread
 from ebrl.runtime.virtual_time import is_virtual
 from ebrl.telemetry.logging import get_logger
 from ebrl.telemetry.metrics import MetricsLog
 
 if TYPE_CHECKING:
     from ebrl.runtime.profiler import Timeline
+    from ebrl.runtime.resources.gpu import GpuStreams
 
 log = get_logger("ebrl.learner")
 
@@ -173,9 +175,11 @@ class Learner:
     def __init__(self, policy, algo, rollout: RolloutQueue, generator: Generator, stats: RunStats,
                  state: RunState, *, pause_generation: bool, remote: LearnerProcess | None = None,
                  timeline: Timeline | None = None, checkpoint: Checkpointing | None = None,
-                 metrics: MetricsLog | None = None):
+                 metrics: MetricsLog | None = None, streams: GpuStreams | None = None):
         self.policy = policy
         self.algo = algo
+        self.streams = streams  # GPU: updates go to the training stream (resources.gpu)
+        self._event = None  # the CUDA event recorded after the latest update's weight snapshot
         self.rollout = rollout
         self.generator = generator
         self.stats = stats
@@ -207,14 +211,18 @@ class Learner:
             while not self.state.stopping:
                 await self.rollout.wait_due()
                 if self.state.stopping:
-                    return
+                    break
                 if self.pause_generation:
                     # the running batch finishes first, so its actions are in flight (and awaited) before the cut
                     await self.generator.pause()
                 slots = await self.rollout.take(self.version)
                 if slots is None:
-                    return
+                    break
                 await self.train(slots)
+            if self.remote is not None and not is_virtual(loop):
+                # joining the learner process (its trained state comes back first) would take the
+                # loop ~15 ms
+                await in_thread(self.close, name="ebrl-learner-close")
         finally:
             self.close()
 
@@ -259,7 +267,7 @@ class Learner:
         if self._timeline is not None:
             self._timeline.record("learner", "update", lt0, lt1, n)
         self.version += 1
-        self.generator.publish(state, self.version)
+        self.generator.publish(state, self.version, self._event)
         if self.pause_generation:
             self.generator.resume()
         self.untrained_in_hand = 0
@@ -315,4 +323,9 @@ class Learner:
         log.info("checkpoint", path=str(cp.path), **meta)
 
     def _update(self, batch: Batch):
-        return update_once(self.policy, self.algo, batch)
+        if self.streams is None:
+            return update_once(self.policy, self.algo, batch)
+        with self.streams.training():  # the stream is per thread: entered in the learner's thread
+            out = update_once(self.policy, self.algo, batch)
+            self._event = self.streams.publish()  # after the snapshot: generation waits for it
+        return out

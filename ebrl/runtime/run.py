@@ -21,15 +21,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ebrl.config import LearnerMode, RunConfig, SimBackend
+from ebrl.config import DEFAULT_MAX_WAIT_S, LearnerMode, RunConfig, SimBackend
 from ebrl.runtime.drivers import Driver
 from ebrl.runtime.generation import Generator
 from ebrl.runtime.learner import Checkpointing, Learner, LearnerProcess
+from ebrl.runtime.resources.gpu import GpuStreams
+from ebrl.runtime.resources.manager import ResourceManager
+from ebrl.runtime.resources.profiler import LiveProfiler
 from ebrl.runtime.rollout import RolloutQueue
 from ebrl.runtime.schedules import effective_lag, generation_target, is_lockstep
 from ebrl.runtime.sim_pool import make_sim_pool, probe_backend
 from ebrl.runtime.state import RunState
 from ebrl.runtime.stats import RunResult, RunStats, summarize
+from ebrl.runtime.threads import in_thread
 from ebrl.runtime.virtual_time import is_virtual
 from ebrl.telemetry.logging import get_logger
 from ebrl.telemetry.metrics import MetricsLog
@@ -66,34 +70,45 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
     lockstep, lag = is_lockstep(cfg.schedule), effective_lag(cfg)
     rollout = RolloutQueue(cfg.num_envs, cfg.segment_len, cfg.segments_per_batch, lag, stats, lockstep, state)
     generator = Generator(copy.deepcopy(trainer.policy), batch_target=generation_target(cfg),
-                          max_wait_s=cfg.generation.max_wait_s, state=state,
+                          max_wait_s=_or(cfg.generation.max_wait_s, DEFAULT_MAX_WAIT_S), state=state,
                           offload=cfg.generation.offload, inline_below_s=cfg.generation.inline_below_s,
                           on_batch=rollout.mark_inflight, timeline=timeline)
     mode = learner_mode(cfg, trainer.policy, virtual)
+    streams = gpu_streams(trainer.policy) if mode is LearnerMode.THREAD and not virtual else None
     checkpoint = None
     if cfg.checkpoint_every_s is not None:
         checkpoint = Checkpointing(Path(cfg.log_dir) / "checkpoint.pt", cfg.checkpoint_every_s,
                                    type(trainer.policy).__name__, trainer.env_steps_done)
     # log_dir None: rows stay in memory (RunResult.history), nothing is written
     metrics = MetricsLog(cfg.log_dir)
+    generator.streams = streams
     learner = Learner(trainer.policy, trainer.algo, rollout, generator, stats, state,
                       pause_generation=lockstep or lag == 0, timeline=timeline, checkpoint=checkpoint,
-                      metrics=metrics)
+                      metrics=metrics, streams=streams)
     driver = Driver(cfg, pool, generator, rollout, stats, state, timeline)
+    manager: ResourceManager | None = None
     log.info("run_start", schedule=cfg.schedule.value, num_envs=cfg.num_envs, sim_backend=pool.backend.value,
              sim_size=pool.size, total_env_steps=cfg.total_env_steps, max_policy_lag=lag, virtual_time=virtual)
     t0, wall0 = loop.time(), time.perf_counter()
     learner.t0 = t0
     try:
         if mode is LearnerMode.PROCESS:
-            learner.remote = LearnerProcess(trainer.policy, trainer.algo, cfg.torch_threads, cfg.sim.start_method)
+            def start_learner() -> None:  # set by the thread: a cancel while it forks still closes it
+                learner.remote = LearnerProcess(trainer.policy, trainer.algo, cfg.torch_threads, cfg.sim.start_method)
+
+            # forking copies this process's page tables (~8 ms with torch loaded): off the loop
+            await in_thread(start_learner, name="ebrl-learner-start")
         await pool.start()
         # after the forks above (learner process, sim workers): the writer's thread must not be forked
         metrics.open()
         if not virtual:  # a virtual run's hardware use means nothing, and its history stays deterministic
             metrics.system = SystemSampler()
+        profiler = LiveProfiler(pool, driver, generator, learner, stats, loop.time,
+                                system=None if virtual else SystemSampler(nvml=False))
+        manager = ResourceManager(cfg, profiler, pool, driver, generator, virtual, streams)
         async with asyncio.TaskGroup() as tg:
-            helpers = [tg.create_task(generator.serve(), name="ebrl-generator")]
+            helpers = [tg.create_task(generator.serve(), name="ebrl-generator"),
+                       tg.create_task(manager.run(), name="ebrl-resources")]
             if progress is not None:
                 helpers.append(tg.create_task(_report(progress, stats, learner, cfg.log_every_s)))
             if stop is not None:
@@ -103,6 +118,7 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
             await learn
             for task in [drive] + helpers:  # a stop leaves envs parked on a queue that no one empties
                 task.cancel()
+        manager.finish()  # before the pool closes: the last window reads its counters
     except BaseExceptionGroup as group:
         real = [e for e in group.exceptions if not isinstance(e, asyncio.CancelledError)]
         if len(real) == 1:
@@ -130,6 +146,9 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
     result.generator_busy_s = generator.busy_s
     result.learner_busy_s = learner.busy_s
     result.cpu_wall_s = time.perf_counter() - wall0
+    result.profiles = [p.to_dict() for p in manager.profiles]
+    result.decisions = [d.to_dict() for d in manager.decisions]
+    result.migrations = driver.migrations
     if result.wall_s > 0:
         result.busy = {"generator": generator.busy_s / result.wall_s, "learner": learner.busy_s / result.wall_s}
         if timeline is not None:
@@ -139,6 +158,22 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
              updates=result.updates, lag_max=result.lag_max, dropped=result.dropped,
              in_flight_at_stop=result.in_flight_at_stop, mean_return=result.mean_return)
     return result
+
+
+def gpu_streams(policy) -> GpuStreams | None:
+    """Generation and training streams (green contexts where they work) for a policy on a CUDA
+    device; None for one on the CPU."""
+    params = getattr(policy, "parameters", None)
+    first = next(iter(params()), None) if callable(params) else None
+    if first is None or first.device.type != "cuda":
+        return None
+    streams = GpuStreams.create(device=first.device)
+    log.info("gpu_streams", **streams.describe())
+    return streams
+
+
+def _or(value, default):
+    return default if value is None else value
 
 
 def learner_mode(cfg: RunConfig, policy, virtual: bool) -> LearnerMode:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from time import perf_counter, thread_time
 from typing import Any
 
 import gymnasium as gym
@@ -51,6 +51,7 @@ from ebrl.runtime.sim_types import (
     single_spaces,
     step_env,
 )
+from ebrl.runtime.threads import in_thread
 from ebrl.runtime.vector_envs import check_vector_env, reset_vector_env, step_vector_env
 from ebrl.runtime.virtual_time import is_virtual
 
@@ -64,20 +65,17 @@ class _LocalEnvs(SimPool):
         self.num_units = num_envs // vector_size
         self.rows: StepRows | None = None
         self.envs: list[gym.Env] = []
+        self.virtual = False  # under virtual time a step's cost is the one it declares
 
     async def _build_all(self) -> None:
         """Build every unit off the event loop (a private thread, joined here): 64 MuJoCo envs
         take a few hundred ms to build, which would stall the caller's loop. Inline under virtual
         time, where threads are not allowed."""
-        loop = asyncio.get_running_loop()
-        if is_virtual(loop):
+        if is_virtual(asyncio.get_running_loop()):
+            self.virtual = True
             self._build_units()
             return
-        executor = ThreadPoolExecutor(1, thread_name_prefix="ebrl-sim-build")
-        try:
-            await loop.run_in_executor(executor, self._build_units)
-        finally:
-            executor.shutdown(wait=True)  # on cancel too: building is bounded, and must not outlive us
+        await in_thread(self._build_units, name="ebrl-sim-build")
 
     def _build_units(self) -> None:
         self.envs = [self._build(u) for u in range(self.num_units)]
@@ -104,16 +102,26 @@ class _LocalEnvs(SimPool):
     def _units(self, ids: np.ndarray) -> list[int]:
         return ids.tolist() if self.vector_size == 1 else (ids[:: self.vector_size] // self.vector_size).tolist()
 
-    def _step_unit(self, unit: int) -> float:
-        """Step one unit with the actions in its rows and write the results there; the declared cost."""
+    def _step_unit(self, unit: int, queued_s: float = 0.0) -> float:
+        """Step one unit with the actions in its rows, write the results and the step's cost
+        (wall and stepping-thread CPU seconds, and ``queued_s`` it waited for a lane; under
+        virtual time the declared cost, all of it waiting) there; returns the declared cost."""
         rows, env = self.rows, self.envs[unit]
+        t0, c0 = perf_counter(), thread_time()
         if self.vector_size == 1:
             out = step_env(env, _row(rows.act, unit))
             rows.write(unit, out)
-            return out.cost_s
+            declared = out.cost_s
+            if self.virtual:
+                rows.add_cost(unit, declared, 0.0, queued_s)
+            else:
+                rows.add_cost(unit, perf_counter() - t0, thread_time() - c0, queued_s)
+            return declared
         ids = self._ids(unit)
         vs = step_vector_env(env, rows.actions(ids))
         rows.write_many(ids, vs.obs, vs.reward, vs.terminated, vs.truncated, vs.finite, vs.success, vs.final_obs)
+        wall, cpu = (vs.cost_s, 0.0) if self.virtual else (perf_counter() - t0, thread_time() - c0)
+        rows.cost[ids] += (1.0, wall, cpu, queued_s)  # every row waited through the whole call
         return vs.cost_s
 
     def _reset_unit(self, unit: int, seed: Any) -> tuple[Any, Any]:
@@ -147,7 +155,6 @@ class InlineSimPool(_LocalEnvs):
     def __init__(self, env_fn: EnvFn, num_envs: int, num_lanes: int = 1, vector_size: int = 1):
         super().__init__(env_fn, num_envs, vector_size)
         self._lanes = num_lanes
-        self._virtual = False
         self._lane_sem: asyncio.Semaphore | None = None
         self._pending: list[np.ndarray] = []
         self._tasks: set[asyncio.Task] = set()
@@ -155,7 +162,6 @@ class InlineSimPool(_LocalEnvs):
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._virtual = is_virtual(self._loop)
         self._lane_sem = asyncio.Semaphore(self._lanes)
         await self._build_all()
 
@@ -179,7 +185,7 @@ class InlineSimPool(_LocalEnvs):
 
     def submit(self, ids: np.ndarray, actions: Any) -> None:
         self.rows.set_actions(ids, actions)
-        if self._virtual:
+        if self.virtual:
             for unit in self._units(ids):
                 self._spawn(self._virtual_step(unit))
             return
@@ -202,9 +208,10 @@ class InlineSimPool(_LocalEnvs):
         self.on_block(self.rows.block(ids, errors))
 
     async def _virtual_step(self, unit: int) -> None:
+        t_in = self._loop.time()
         async with self._lane_sem:
             try:
-                cost = self._step_unit(unit)
+                cost = self._step_unit(unit, self._loop.time() - t_in)
             except Exception as exc:
                 self.on_block(self.rows.block(np.zeros(0, np.int64), self._errors(unit, exc)))
                 return
@@ -243,12 +250,19 @@ class ThreadSimPool(_LocalEnvs):
         self._next_lane = 0
         self._lock = threading.Lock()
         self._done: list[int] = []  # units stepped since the last drain
+        self._t_submit = np.zeros(self.num_units)  # perf_counter when each unit's step was queued
         self._failed: list[tuple[int, str]] = []
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         await self._build_all()
-        self.resize(self._target)
+        if not self._threads:  # the build thread starts the lanes unless under virtual time
+            self.resize(self._target)
+
+    def _build_units(self) -> None:
+        super()._build_units()
+        if not self.virtual:  # off the loop: starting 64 threads takes the loop ~20 ms
+            self.resize(self._target)
 
     @property
     def size(self) -> int:
@@ -270,7 +284,9 @@ class ThreadSimPool(_LocalEnvs):
     def submit(self, ids: np.ndarray, actions: Any) -> None:
         self.rows.set_actions(ids, actions)
         put = self._requests.put
-        for unit in self._units(ids):
+        units = self._units(ids)
+        self._t_submit[units] = perf_counter()
+        for unit in units:
             put(unit)
 
     def _lane(self) -> None:
@@ -279,7 +295,7 @@ class ThreadSimPool(_LocalEnvs):
                 self._call(*item)
                 continue
             try:
-                self._step_unit(item)
+                self._step_unit(item, perf_counter() - self._t_submit[item])
                 failed = None
             except Exception as exc:
                 failed = self._errors(item, exc)

@@ -37,11 +37,10 @@ names are importable from here too, as before the split.
 
 from __future__ import annotations
 
-import asyncio
 import math
+import multiprocessing as mp
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ebrl.config import ConfigError, SimBackend, SimConfig
@@ -52,11 +51,13 @@ from ebrl.runtime.sim_types import (
     SimPool,
     StepOut,
     close_quietly,
+    describe,
     reset_env,
     single_spaces,
     step_env,
 )
 from ebrl.runtime.sim_workers import ProcessSimPool
+from ebrl.runtime.threads import in_thread
 from ebrl.spaces import all_finite, copy_tree
 from ebrl.telemetry.logging import get_logger
 
@@ -151,22 +152,54 @@ def choose_backend(env_fn: EnvFn, cfg: SimConfig, num_envs: int = 1) -> tuple[Si
 
 async def probe_backend(env_fn: EnvFn, cfg: SimConfig, num_envs: int = 1) -> tuple[SimBackend, int | None]:
     """``cfg.backend`` (and thread lanes, see :func:`choose_backend`), with AUTO for plain envs
-    resolved by :func:`choose_backend` in a private thread, so the probe (a few hundred steps of
-    ``env_fn(0)``: about 0.7 s for an env with 1 ms steps) never blocks the event loop. The
-    thread is joined before this returns (no thread outlives the run). Vector envs keep AUTO:
+    resolved by :func:`choose_backend` in a forked child process (where fork is the start method;
+    else a private thread), so the probe (building ``env_fn(0)`` and a few hundred steps: about
+    0.7 s for an env with 1 ms steps) never blocks the event loop. The child and the thread
+    waiting on it are joined before this returns (nothing outlives the run). Vector envs keep AUTO:
     :func:`make_sim_pool` gives them threads unprobed."""
     if cfg.backend is not SimBackend.AUTO or cfg.vector_size > 1:
         return cfg.backend, None
-    loop = asyncio.get_running_loop()
-    executor = ThreadPoolExecutor(1, thread_name_prefix="ebrl-sim-probe")
-    try:
-        backend, lanes, profile = await loop.run_in_executor(executor, choose_backend, env_fn, cfg, num_envs)
-    finally:
-        executor.shutdown(wait=True)  # on cancel too: the probe is bounded, and must not outlive us
+    probe = _probe_in_child if _can_fork(cfg) else choose_backend
+    backend, lanes, profile = await in_thread(probe, env_fn, cfg, num_envs, name="ebrl-sim-probe")
     log.info("sim_backend_chosen", backend=backend.value, lanes=lanes, step_wall_us=round(profile.wall_s * 1e6, 1),
              step_cpu_us=round(profile.cpu_s * 1e6, 1), busy=round(profile.busy, 3),
              declared_releases_gil=profile.releases_gil)
     return backend, lanes
+
+
+def _can_fork(cfg: SimConfig) -> bool:
+    return cfg.start_method in (None, "fork") and "fork" in mp.get_all_start_methods()
+
+
+def _probe_in_child(env_fn: EnvFn, cfg: SimConfig, num_envs: int) -> tuple[SimBackend, int | None, StepProfile]:
+    """:func:`choose_backend` in a forked child: building and stepping ``env_fn(0)`` in a thread
+    of this process would hold the GIL in C code (a MuJoCo model's first build: ~80 ms), which
+    stalls the caller's event loop. The child's own CPU clock is then the probe's alone. Called
+    from a private thread; the child is joined before this returns."""
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_probe_main, args=(child, env_fn, cfg, num_envs), name="ebrl-sim-probe", daemon=True)
+    proc.start()
+    child.close()
+    try:
+        ok, value = parent.recv()
+    except EOFError:
+        ok, value = False, f"the probe process exited (exit code {proc.exitcode})"
+    finally:
+        parent.close()
+        proc.join()
+    if not ok:
+        raise EnvStepError(0, "probe", value)
+    return value
+
+
+def _probe_main(conn, env_fn: EnvFn, cfg: SimConfig, num_envs: int) -> None:
+    try:
+        conn.send((True, choose_backend(env_fn, cfg, num_envs)))
+    except Exception as exc:
+        conn.send((False, describe(exc)))
+    finally:
+        conn.close()
 
 
 def make_sim_pool(env_fn: EnvFn, num_envs: int, cfg: SimConfig, backend: SimBackend | None = None,

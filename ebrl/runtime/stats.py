@@ -86,6 +86,11 @@ class RunResult:
     # counters), "sim" (mean over envs) when run() was given a timeline
     busy: dict[str, float] = field(default_factory=dict)
     learner_wakeups: int = 0  # the rollout queue woke the learner this often (not once per env step)
+    # the resource manager (ebrl.runtime.resources): one profile per epoch (EpochProfile.to_dict),
+    # the controller's decisions with their reasons, and envs moved between worker processes
+    profiles: list[dict[str, Any]] = field(default_factory=list)
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+    migrations: int = 0
 
     def accounting_ok(self) -> bool:
         return self.env_steps == self.trained + sum(self.dropped.values()) + self.in_flight_at_stop

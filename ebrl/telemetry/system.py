@@ -2,7 +2,9 @@
 
 :class:`SystemSampler` reports, between one :meth:`~SystemSampler.sample` and the next:
 
-- ``cpu_core_<i>_util``: busy percent of each logical core (``psutil.cpu_percent(percpu=True)``);
+- ``cpu_core_<i>_util``: busy percent of each logical core (from ``psutil.cpu_times(percpu=True)``
+  deltas kept by the sampler, so two samplers, e.g. the metrics' and the live profiler's, do not
+  disturb each other as ``psutil.cpu_percent``'s module-wide state would);
 - ``cpu_util_mean``: their mean;
 - ``proc_cpu_util``: CPU percent of this process and its children (sim workers, the learner
   process), summed like ``top`` does, so 250 means two and a half cores;
@@ -68,13 +70,25 @@ class SystemSampler:
     def sample(self) -> dict[str, float]:
         """Utilisation since the previous call, as ``{key: percent or MiB}``."""
         out: dict[str, float] = {}
-        cores = psutil.cpu_percent(percpu=True)  # interval=None: since the last call, non-blocking
+        cores = self._cores()
         for i, util in enumerate(cores):
             out[f"cpu_core_{i}_util"] = float(util)
         out["cpu_util_mean"] = float(sum(cores) / len(cores)) if cores else 0.0
         out["proc_cpu_util"] = self._tree_cpu()
         if self._nvml is not None:
             out.update(self._gpu_sample())
+        return out
+
+    def _cores(self) -> list[float]:
+        times = psutil.cpu_times(percpu=True)
+        last, self._last_cores = getattr(self, "_last_cores", None), times
+        if last is None or len(last) != len(times):
+            return [0.0] * len(times)
+        out = []
+        for a, b in zip(last, times):
+            total = sum(b) - sum(a)
+            idle = (b.idle + getattr(b, "iowait", 0.0)) - (a.idle + getattr(a, "iowait", 0.0))
+            out.append(100.0 * max(0.0, 1.0 - idle / total) if total > 0 else 0.0)
         return out
 
     def _tree_cpu(self) -> float:

@@ -1,0 +1,244 @@
+"""The controller: pure functions from an epoch's profile and the current knobs to decisions.
+
+Each rule looks at one knob, changes it only when the profile shows a cost it can remove, in
+bounded steps, with hysteresis, and says why. Knobs the user set (``fixed``) are never touched.
+
+- **Thread lanes** (:func:`lanes_rule`). Envs that wait for a free lane longer than
+  ``lane_wait_above`` of their sim round trip get more lanes: as many as the units that were
+  stepping or queued on average (Little's law, plus a fifth), at most 4x a step, at most one
+  per unit, and never more than the cores can keep busy (``cpus / busy``, where ``busy`` is the
+  steps' CPU over wall time: lanes beyond that only queue on the GIL). Lanes shrink, by half at
+  most, after two epochs in a row with fewer than half of them stepping and no lane waits, and
+  never to a count at which waits were seen.
+- **Placement of envs on worker processes** (:func:`placement_rule`). When one worker is busier
+  than another by more than ``imbalance_above`` of the window, the envs are re-placed by
+  longest-processing-time first on their measured cost per step, if that balances the predicted
+  load better; the new placement keeps as many envs where they are as it can. (Under ``async``
+  with every worker saturated the measured busy times are even and nothing moves: a busy worker
+  spinning through cheap envs loses no throughput; under the lockstep schedules an unbalanced
+  worker idles at every barrier.)
+- **SM split** (:func:`sm_split_rule`, GPU with green contexts): generation gets the fewest SMs
+  that keep the mean env wait for an action under ``act_wait_target_s``
+  (:func:`~ebrl.runtime.resources.gpu.plan_sm_split`), training the rest.
+- **Generation** (:func:`generation_rule`). When envs spend a large share of their time waiting
+  for actions and that wait is mostly the batch-fill wait (requests wait more than twice what a
+  batch takes, and the generator is idle more than half the time), the maximum wait is halved.
+
+    >>> import numpy as np
+    >>> from ebrl.runtime.resources.controller import Knobs, Limits, Memory, decide
+    >>> from ebrl.runtime.resources.profiler import EpochProfile
+    >>> n = 16   # 16 sleeping envs on 2 lanes: each step 1 ms asleep, 7 ms waiting for a lane
+    >>> p = EpochProfile(epoch=0, t_start=0.0, t_end=1.0, backend="thread", lanes=2, num_units=n,
+    ...                  steps=np.full(n, 125.0), wall_s=np.full(n, 0.125), cpu_s=np.full(n, 0.001),
+    ...                  mean_step_s=np.full(n, 0.001), waits={"lane": np.full(n, 0.875),
+    ...                  "action": np.zeros(n), "barrier": np.zeros(n), "backpressure": np.zeros(n)})
+    >>> [d.to_dict()["new"] for d in decide(p, Knobs("thread", lanes=2), Limits(num_units=n, cpus=2), Memory())]
+    [8]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from ebrl.runtime.resources.gpu import plan_sm_split
+from ebrl.runtime.resources.profiler import EpochProfile
+
+MIN_STEPS_PER_UNIT = 4  # a window with fewer steps per unit says too little to act on
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """What the controller may set, as it stands."""
+
+    backend: str
+    lanes: int | None = None  # resizable lanes (thread backend, virtual-time inline); None: not resizable
+    workers: int | None = None  # worker processes (process backend)
+    placement: tuple[int, ...] | None = None  # env -> worker (process backend)
+    max_wait_s: float | None = None
+    gen_sms: int | None = None  # generation's SMs (green contexts); None: no split to set
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What bounds the decisions."""
+
+    num_units: int
+    cpus: int
+    fixed: frozenset[str] = frozenset()  # knob names the user set: never changed
+    lane_wait_above: float = 0.1
+    imbalance_above: float = 0.15
+    min_max_wait_s: float = 100e-6
+    total_sms: int = 0  # the GPU's SMs (green contexts)
+    sm_granularity: int = 8
+    act_wait_target_s: float = 0.002  # generation gets the fewest SMs that keep env waits for actions under this
+
+
+@dataclass(frozen=True)
+class Decision:
+    epoch: int
+    knob: str
+    old: Any
+    new: Any
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        new = list(self.new) if isinstance(self.new, tuple) else self.new
+        old = list(self.old) if isinstance(self.old, tuple) else self.old
+        return {"epoch": self.epoch, "knob": self.knob, "old": old, "new": new, "reason": self.reason}
+
+
+@dataclass
+class Memory:
+    """What the rules remember between epochs (hysteresis)."""
+
+    shrink_votes: int = 0
+    lanes_needed: int = 0  # the most lanes at which envs were still seen waiting for one
+    settle_until: dict[str, int] = field(default_factory=dict)  # knob -> first epoch it may change again
+
+
+def decide(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> list[Decision]:
+    """Every rule's decision for this epoch (``memory`` is updated in place)."""
+    if profile.total_steps < MIN_STEPS_PER_UNIT * limits.num_units:
+        return []
+    out = []
+    for rule in (lanes_rule, placement_rule, generation_rule, sm_split_rule):
+        d = rule(profile, knobs, limits, memory)
+        if d is not None:
+            memory.settle_until[d.knob] = profile.epoch + 2  # judge a change on a window it ran through
+            out.append(d)
+    return out
+
+
+def _settling(knob: str, profile: EpochProfile, memory: Memory) -> bool:
+    return profile.epoch < memory.settle_until.get(knob, 0)
+
+
+def lane_cap(profile: EpochProfile, limits: Limits) -> int:
+    """The most lanes worth having: one per unit, and no more than the cores can keep stepping."""
+    busy = max(profile.busy, 1.0 / max(limits.num_units, 1))
+    return max(1, min(limits.num_units, max(limits.cpus, math.ceil(limits.cpus / busy))))
+
+
+def lanes_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> Decision | None:
+    lanes = knobs.lanes
+    if lanes is None or "lanes" in limits.fixed or _settling("lanes", profile, memory):
+        return None
+    share, cap = profile.lane_wait_share, lane_cap(profile, limits)
+    if share > limits.lane_wait_above:
+        memory.lanes_needed = max(memory.lanes_needed, lanes)
+        memory.shrink_votes = 0
+        if lanes >= cap:
+            return None
+        want = min(cap, 4 * lanes, max(lanes + 1, math.ceil(profile.units_in_sim * 1.2)))
+        return Decision(profile.epoch, "lanes", lanes, want,
+                        f"envs waited {share:.0%} of their sim round trip for a lane; {profile.units_in_sim:.1f} "
+                        f"units stepping or queued on average on {lanes} lanes (steps busy {profile.busy:.0%} "
+                        f"of their wall time: up to {cap} lanes can step at once)")
+    running = profile.lanes_running
+    floor = max(1, memory.lanes_needed + 1, math.ceil(running * 2), lanes // 2)
+    if share < limits.lane_wait_above / 4 and running < 0.5 * lanes and floor < lanes:
+        memory.shrink_votes += 1
+        if memory.shrink_votes >= 2:
+            memory.shrink_votes = 0
+            return Decision(profile.epoch, "lanes", lanes, floor,
+                            f"{running:.1f} of {lanes} lanes stepping on average for two epochs, "
+                            f"lane waits {share:.0%}")
+    else:
+        memory.shrink_votes = 0
+    return None
+
+
+def lpt_placement(costs: np.ndarray, workers: int, current: np.ndarray | None = None) -> np.ndarray:
+    """Longest processing time first: each env, costliest first, onto the least-loaded worker.
+    With ``current``, the new bins are renamed to keep as many envs where they are as possible."""
+    order = np.argsort(-costs, kind="stable")
+    load = np.zeros(workers)
+    out = np.zeros(len(costs), np.int64)
+    for i in order.tolist():
+        w = int(np.argmin(load))
+        out[i] = w
+        load[w] += costs[i]
+    if current is None:
+        return out
+    # rename bins greedily by overlap with the current workers (W is small)
+    overlap = np.zeros((workers, workers), np.int64)
+    np.add.at(overlap, (out, current), 1)
+    rename, used = {}, set()
+    for flat in np.argsort(-overlap, axis=None, kind="stable").tolist():
+        b, w = divmod(flat, workers)
+        if b in rename or w in used:
+            continue
+        rename[b] = w
+        used.add(w)
+    return np.array([rename[b] for b in out.tolist()], np.int64)
+
+
+def spread(costs: np.ndarray, placement: np.ndarray, workers: int) -> float:
+    """The busiest worker's load over the mean load (1.0: balanced), at equal step rates."""
+    load = np.bincount(placement, weights=costs, minlength=workers)
+    mean = load.mean()
+    return float(load.max() / mean) if mean > 0 else 1.0
+
+
+def placement_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> Decision | None:
+    if knobs.placement is None or not knobs.workers or knobs.workers < 2 or "placement" in limits.fixed:
+        return None
+    if _settling("placement", profile, memory) or np.isnan(profile.mean_step_s).any():
+        return None
+    w = knobs.workers
+    current = np.asarray(knobs.placement)
+    busy = np.bincount(current, weights=profile.wall_s, minlength=w) / profile.window_s
+    gap = float(busy.max() - busy.min())
+    if gap <= limits.imbalance_above:
+        return None
+    costs = profile.mean_step_s
+    new = lpt_placement(costs, w, current)
+    before, after = spread(costs, current, w), spread(costs, new, w)
+    if after > before - 0.05:
+        return None
+    moves = int((new != current).sum())
+    return Decision(profile.epoch, "placement", tuple(current.tolist()), tuple(new.tolist()),
+                    f"workers busy {', '.join(f'{b:.0%}' for b in busy)} of the window; placing by measured "
+                    f"cost per step (longest first) takes the busiest worker's load from {before:.2f}x to "
+                    f"{after:.2f}x the mean; {moves} envs move at their next episode end")
+
+
+def generation_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> Decision | None:
+    wait = knobs.max_wait_s
+    if wait is None or "max_wait_s" in limits.fixed or _settling("max_wait_s", profile, memory):
+        return None
+    env_time = profile.window_s * max(profile.steps.size, 1)
+    action_share = profile.wait_s("action") / env_time
+    lat, req = profile.gen_latency_s, profile.gen_request_wait_s
+    if action_share > 0.3 and req > 2 * lat and profile.gen_busy < 0.5 and wait > limits.min_max_wait_s:
+        new = max(limits.min_max_wait_s, wait / 2)
+        return Decision(profile.epoch, "max_wait_s", wait, round(new, 6),
+                        f"envs spent {action_share:.0%} of their time waiting for actions; requests waited "
+                        f"{req * 1e6:.0f} us for batches that take {lat * 1e6:.0f} us, generator busy "
+                        f"{profile.gen_busy:.0%}: the batch-fill wait holds them")
+    return None
+
+
+def sm_split_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> Decision | None:
+    """Green contexts: :func:`~ebrl.runtime.resources.gpu.plan_sm_split` on the mean wait for an
+    action per step and one batch's latency."""
+    if knobs.gen_sms is None or "gen_sms" in limits.fixed or _settling("gen_sms", profile, memory):
+        return None
+    act_wait = profile.wait_s("action") / max(profile.total_steps, 1)
+    split = plan_sm_split(limits.total_sms, profile.gen_latency_s or None, knobs.gen_sms, limits.act_wait_target_s,
+                          act_wait, limits.sm_granularity)
+    if split.generation == knobs.gen_sms:
+        return None
+    return Decision(profile.epoch, "gen_sms", knobs.gen_sms, split.generation,
+                    f"{split.reason}; training gets {split.training} of {limits.total_sms} SMs")
+
+
+def apply(knobs: Knobs, decisions: list[Decision]) -> Knobs:
+    """The knobs after ``decisions``."""
+    for d in decisions:
+        knobs = replace(knobs, **{d.knob: d.new})
+    return knobs

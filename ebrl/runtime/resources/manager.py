@@ -1,0 +1,114 @@
+"""ResourceManager: every epoch, a profile, the controller's decisions, and the actuators.
+
+A task under the run's TaskGroup. Every ``resources.epoch_s`` (loop time) it takes an
+:class:`~ebrl.runtime.resources.profiler.EpochProfile`, asks
+:func:`~ebrl.runtime.resources.controller.decide` (unless ``resources.adapt`` is false) and
+applies each decision where it acts:
+
+- ``lanes``: :meth:`SimPool.resize` (a thread pool starts or retires lane threads; shrinking
+  never interrupts a step);
+- ``placement``: the driver moves each env at its next episode end (the process pool rebuilds
+  it from ``env_fn`` in its new worker: no sample is lost, migrations are counted);
+- ``max_wait_s``: the generator's batch-fill wait, from its next batch;
+- ``gen_sms``: new green contexts for generation and training (:meth:`GpuStreams.resplit`).
+
+Every decision is logged (``resource_decision``, with its reason) and kept in
+``RunResult.decisions``; every profile in ``RunResult.profiles``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from ebrl.config import RunConfig, SimBackend
+from ebrl.runtime.resources.controller import Decision, Knobs, Limits, Memory, decide
+from ebrl.runtime.resources.gpu import GpuStreams, StreamMode
+from ebrl.runtime.resources.profiler import EpochProfile, LiveProfiler
+from ebrl.telemetry.logging import get_logger
+
+log = get_logger("ebrl.resources")
+
+
+def fixed_knobs(cfg: RunConfig) -> frozenset[str]:
+    """The knobs the user set explicitly: the controller leaves them alone."""
+    fixed = set()
+    if cfg.sim.num_threads is not None or cfg.sim.num_workers is not None:
+        fixed.add("lanes")
+    if cfg.generation.max_wait_s is not None:
+        fixed.add("max_wait_s")
+    return frozenset(fixed)
+
+
+class ResourceManager:
+    def __init__(self, cfg: RunConfig, profiler: LiveProfiler, pool, driver, generator, virtual: bool,
+                 streams: GpuStreams | None = None):
+        self.cfg, self.profiler, self.pool, self.driver, self.generator = cfg, profiler, pool, driver, generator
+        self.streams = streams if streams is not None and streams.mode is StreamMode.GREEN_CONTEXTS else None
+        self.profiles: list[EpochProfile] = []
+        self.decisions: list[Decision] = []
+        self.memory = Memory()
+        self.limits = Limits(num_units=cfg.num_envs // cfg.sim.vector_size, cpus=os.cpu_count() or 1,
+                             fixed=fixed_knobs(cfg), lane_wait_above=cfg.resources.lane_wait_above,
+                             imbalance_above=cfg.resources.imbalance_above,
+                             total_sms=self.streams.total_sms if self.streams else 0,
+                             sm_granularity=self.streams.granularity if self.streams else 8,
+                             act_wait_target_s=cfg.resources.act_wait_target_s)
+        self._resizable = pool.resizable and (pool.backend is SimBackend.THREAD or virtual)
+        # envs move between workers only one by one (vector envs stay where they are built)
+        self._movable = pool.backend is SimBackend.PROCESS and hasattr(pool, "migrate") and cfg.sim.vector_size == 1
+        self.knobs = self._current()
+
+    def _current(self) -> Knobs:
+        """The knobs as the pool and generator have them now (a failed migration leaves an env put)."""
+        pool = self.pool
+        placement = pool.placement if self._movable else None
+        return Knobs(backend=pool.backend.value, lanes=pool.size if self._resizable else None,
+                     workers=pool.size if pool.backend is SimBackend.PROCESS else None,
+                     placement=None if placement is None else tuple(int(w) for w in placement),
+                     max_wait_s=self.generator.max_wait_s,
+                     gen_sms=self.streams.split.generation if self.streams and self.streams.split else None)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.resources.epoch_s)
+            self.epoch()
+
+    def epoch(self) -> list[Decision]:
+        """Take this epoch's profile; decide and apply (with ``resources.adapt``)."""
+        profile = self.profiler.take()
+        self.profiles.append(profile)
+        self.knobs = self._current()
+        if not self.cfg.resources.adapt or self.driver.moves:  # placement changes still under way
+            return []
+        decisions = decide(profile, self.knobs, self.limits, self.memory)
+        for d in decisions:
+            self._apply(d)
+            self.decisions.append(d)
+            log.info("resource_decision", epoch=d.epoch, knob=d.knob, old=_short(d.old), new=_short(d.new),
+                     reason=d.reason)
+        return decisions
+
+    def finish(self) -> None:
+        """The run ended: its last, partial window is a profile too (short runs get at least one)."""
+        if self.profiler.clock() - self.profiler._last["t"] > 0:
+            self.profiles.append(self.profiler.take())
+
+    def _apply(self, d: Decision) -> None:
+        if d.knob == "lanes":
+            self.pool.resize(int(d.new))
+        elif d.knob == "placement":
+            self.driver.moves = {i: int(w) for i, (a, w) in enumerate(zip(d.old, d.new)) if a != w}
+        elif d.knob == "max_wait_s":
+            self.generator.max_wait_s = float(d.new)
+        elif d.knob == "gen_sms":
+            # between batches and updates would be safer; resplit waits for both streams first
+            self.streams.resplit(int(d.new))
+        else:  # a rule without an actuator is a bug
+            raise ValueError(f"no actuator for knob {d.knob!r}")
+
+
+def _short(value):
+    if isinstance(value, tuple) and len(value) > 8:
+        return f"{len(value)} entries"
+    return value

@@ -1,0 +1,218 @@
+"""The live profiler: what every stage did in the last epoch, from counters the stages keep anyway.
+
+Nothing here runs per env step. The stages keep running sums (the sim pool a row per env in
+:attr:`~ebrl.runtime.sim_types.StepRows.cost`, written where the step runs; the driver its
+waits per env; the generator and the learner their busy seconds), and :meth:`LiveProfiler.take`
+subtracts the previous snapshot. An :class:`EpochProfile` holds, for one window:
+
+- **sim**, per env: steps, wall seconds inside ``env.step`` and CPU seconds of the stepping
+  thread (lanes: ``thread_time``) or worker process (``process_time``). Their ratio,
+  :attr:`EpochProfile.busy`, tells a sleeping or GIL-releasing simulator (near 0) from a
+  GIL-bound one (near 1);
+- **waits**, per env, by cause: ``lane`` (submitted, waiting for a free lane, or in a worker
+  for its other envs to step), ``delivery`` (stepped, waiting for the event loop to take the
+  result: the round trip minus the step and the lane wait; long when the loop is busy),
+  ``action`` (ready, waiting for its action), ``barrier`` (the lockstep schedules: waiting for
+  the group's slowest member) and ``backpressure`` (parked on a full rollout queue);
+- **generation**: batches, rows, busy seconds, the rows' summed wait for their batch to start,
+  and the batch target and maximum wait in force;
+- **learner**: updates and busy seconds;
+- **cores**: utilisation of each core (psutil), and GPU SM and memory use (pynvml) where there is one.
+
+    >>> import ebrl
+    >>> from ebrl.testing import Latency, MockEnv, MockPolicy, NoopAlgo, run_virtual
+    >>> trainer = ebrl.Trainer(
+    ...     env_fn=lambda i: MockEnv(latency=Latency.constant(0.004)),
+    ...     policy=MockPolicy(act_dim=4, base_cost_s=0.001), algo=NoopAlgo(base_cost_s=0.002),
+    ...     config=ebrl.RunConfig(num_envs=8, segment_len=8, total_env_steps=4000,
+    ...                           sim={"num_threads": 2}, resources={"epoch_s": 0.5}))
+    >>> result = run_virtual(trainer)
+    >>> first = result.profiles[0]
+    >>> first["sim"]["lanes"], first["waits_share"]["lane"] > 0.5   # 8 sleeping envs on 2 lanes wait
+    (2, True)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ebrl.runtime.sim_types import CPU, QUEUE, STEPS, WALL
+
+WAIT_CAUSES = ("lane", "delivery", "action", "barrier", "backpressure")
+
+
+@dataclass
+class EpochProfile:
+    """One window of a run, as measured (see the module docstring). Sums are in seconds."""
+
+    epoch: int
+    t_start: float
+    t_end: float
+    backend: str
+    lanes: int  # thread lanes, worker processes, or virtual-time inline lanes
+    num_units: int
+    steps: np.ndarray  # [N] env steps in the window
+    wall_s: np.ndarray  # [N] seconds inside env.step
+    cpu_s: np.ndarray  # [N] CPU seconds of those steps
+    mean_step_s: np.ndarray  # [N] wall seconds per step since the start (NaN: no step yet)
+    waits: dict[str, np.ndarray]  # cause -> [N] seconds
+    gen_batches: int = 0
+    gen_rows: int = 0
+    gen_busy_s: float = 0.0
+    gen_wait_s: float = 0.0  # rows' summed wait for their batch to start
+    batch_target: int = 0
+    max_wait_s: float = 0.0
+    live_envs: int = 0
+    updates: int = 0
+    learner_busy_s: float = 0.0
+    placement: np.ndarray | None = None  # [N] env -> worker (process backend)
+    system: dict[str, float] = field(default_factory=dict)  # SystemSampler keys: cores, GPUs
+
+    @property
+    def window_s(self) -> float:
+        return max(self.t_end - self.t_start, 1e-9)
+
+    @property
+    def total_steps(self) -> int:
+        return int(self.steps.sum())
+
+    @property
+    def busy(self) -> float:
+        """CPU over wall time of the window's steps: ~0 for steps that wait, ~1 for GIL-bound ones."""
+        wall = float(self.wall_s.sum())
+        return min(1.0, float(self.cpu_s.sum()) / wall) if wall > 0 else 1.0
+
+    @property
+    def sim_s(self) -> float:
+        return float(self.wall_s.sum())
+
+    def wait_s(self, cause: str) -> float:
+        return float(self.waits[cause].sum())
+
+    @property
+    def lane_wait_share(self) -> float:
+        """The share of the sim round trip spent waiting for a lane (or worker)."""
+        lane = self.wait_s("lane")
+        total = lane + self.sim_s
+        return lane / total if total > 0 else 0.0
+
+    @property
+    def units_in_sim(self) -> float:
+        """Units stepping or waiting for a lane, on average over the window (Little's law)."""
+        return (self.sim_s + self.wait_s("lane")) / self.window_s / (self.steps.size // max(self.num_units, 1))
+
+    @property
+    def lanes_running(self) -> float:
+        """Lanes busy stepping, on average over the window."""
+        return self.sim_s / self.window_s / (self.steps.size // max(self.num_units, 1))
+
+    @property
+    def gen_busy(self) -> float:
+        return self.gen_busy_s / self.window_s
+
+    @property
+    def gen_latency_s(self) -> float:
+        return self.gen_busy_s / self.gen_batches if self.gen_batches else 0.0
+
+    @property
+    def gen_request_wait_s(self) -> float:
+        return self.gen_wait_s / self.gen_rows if self.gen_rows else 0.0
+
+    def worker_busy(self, workers: int) -> np.ndarray:
+        """Each worker's share of the window spent stepping its envs (process backend)."""
+        if self.placement is None:
+            return np.zeros(0)
+        return np.bincount(self.placement, weights=self.wall_s, minlength=workers) / self.window_s
+
+    def to_dict(self) -> dict[str, Any]:
+        env_time = self.window_s * max(self.steps.size, 1)
+        out = {
+            "epoch": self.epoch, "t_start": round(self.t_start, 4), "t_end": round(self.t_end, 4),
+            "sim": {"backend": self.backend, "lanes": self.lanes, "steps": self.total_steps,
+                    "steps_per_s": round(self.total_steps / self.window_s, 1),
+                    "step_wall_us": _per_step(self.wall_s.sum(), self.total_steps),
+                    "step_cpu_us": _per_step(self.cpu_s.sum(), self.total_steps),
+                    "busy": round(self.busy, 3), "lane_wait_share": round(self.lane_wait_share, 3),
+                    "units_in_sim": round(self.units_in_sim, 2), "lanes_running": round(self.lanes_running, 2),
+                    "mean_step_us": [None if np.isnan(c) else round(float(c) * 1e6, 1) for c in self.mean_step_s]},
+            # the share of all envs' time (envs x window) spent in each state
+            "waits_share": {c: round(self.wait_s(c) / env_time, 4) for c in WAIT_CAUSES},
+            "generation": {"batches": self.gen_batches, "mean_batch": round(self.gen_rows / self.gen_batches, 2)
+                           if self.gen_batches else 0.0, "busy": round(self.gen_busy, 3),
+                           "latency_us": round(self.gen_latency_s * 1e6, 1),
+                           "request_wait_us": round(self.gen_request_wait_s * 1e6, 1),
+                           "batch_target": self.batch_target, "max_wait_s": self.max_wait_s},
+            "learner": {"updates": self.updates, "busy": round(self.learner_busy_s / self.window_s, 3),
+                        "update_s": round(self.learner_busy_s / self.updates, 4) if self.updates else 0.0},
+            "system": {k: round(v, 1) for k, v in self.system.items()},
+        }
+        out["sim"]["share"] = round(self.sim_s / env_time, 4)
+        if self.placement is not None:
+            out["sim"]["placement"] = self.placement.tolist()
+            out["sim"]["worker_busy"] = [round(float(b), 3) for b in self.worker_busy(self.lanes)]
+        return out
+
+
+def _per_step(total: float, steps: int) -> float:
+    return round(float(total) / steps * 1e6, 1) if steps else 0.0
+
+
+class LiveProfiler:
+    """Takes an :class:`EpochProfile` from the run's counters; see the module docstring.
+
+    ``system`` is a :class:`~ebrl.telemetry.system.SystemSampler` (or None: no core or GPU
+    numbers, as under virtual time).
+    """
+
+    def __init__(self, pool, driver, generator, learner, stats, clock, system=None):
+        self.pool, self.driver, self.generator, self.learner, self.stats = pool, driver, generator, learner, stats
+        self.clock, self.system = clock, system
+        self.epoch = 0
+        self._last = self._snapshot()
+
+    def _snapshot(self) -> dict[str, Any]:
+        d, g = self.driver, self.generator
+        costs = self.pool.costs()
+        n = d.cfg.num_envs
+        if costs is None:
+            costs = np.zeros((n, 4))
+        batches = g.batch_sizes
+        return {
+            "t": self.clock(), "costs": costs,
+            "sim": d.wait_sim.copy(), "action": d.wait_action.copy(), "barrier": d.wait_barrier.copy(),
+            "backpressure": d.wait_blocked.copy(),
+            "gen_batches": sum(batches.values()), "gen_rows": sum(k * v for k, v in batches.items()),
+            "gen_busy": g.busy_s, "gen_wait": g.request_wait_s,
+            "updates": self.stats.updates, "learner_busy": self.learner.busy_s,
+        }
+
+    def take(self) -> EpochProfile:
+        """The profile of the window since the previous call (or since the profiler was made)."""
+        last, now = self._last, self._snapshot()
+        self._last = now
+        dc = now["costs"] - last["costs"]
+        steps, wall = dc[:, STEPS], dc[:, WALL]
+        roundtrip = now["sim"] - last["sim"]
+        total = now["costs"]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mean = np.where(total[:, STEPS] > 0, total[:, WALL] / total[:, STEPS], np.nan)
+        placement = getattr(self.pool, "placement", None)
+        profile = EpochProfile(
+            epoch=self.epoch, t_start=last["t"], t_end=now["t"], backend=self.pool.backend.value,
+            lanes=self.pool.size, num_units=self.driver.cfg.num_envs // self.driver.V,
+            steps=steps, wall_s=wall, cpu_s=dc[:, CPU], mean_step_s=mean,
+            waits={"lane": dc[:, QUEUE], "delivery": np.maximum(roundtrip - wall - dc[:, QUEUE], 0.0),
+                   **{c: now[c] - last[c] for c in ("action", "barrier", "backpressure")}},
+            gen_batches=now["gen_batches"] - last["gen_batches"], gen_rows=now["gen_rows"] - last["gen_rows"],
+            gen_busy_s=now["gen_busy"] - last["gen_busy"], gen_wait_s=now["gen_wait"] - last["gen_wait"],
+            batch_target=self.generator.batch_target, max_wait_s=self.generator.max_wait_s,
+            live_envs=self.generator.live, updates=now["updates"] - last["updates"],
+            learner_busy_s=now["learner_busy"] - last["learner_busy"],
+            placement=None if placement is None else np.asarray(placement),
+            system=self.system.sample() if self.system is not None else {},
+        )
+        self.epoch += 1
+        return profile

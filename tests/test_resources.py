@@ -1,0 +1,251 @@
+"""The resource manager: controller rules over synthetic profiles, and the loop in virtual time."""
+
+import numpy as np
+import pytest
+
+import ebrl
+from ebrl.runtime.resources.controller import (
+    Knobs,
+    Limits,
+    Memory,
+    decide,
+    generation_rule,
+    lanes_rule,
+    lpt_placement,
+    placement_rule,
+    spread,
+)
+from ebrl.runtime.resources.profiler import WAIT_CAUSES, EpochProfile
+from ebrl.testing import Latency, MockEnv, MockPolicy, NoopAlgo, run_virtual
+
+
+def profile(n=16, epoch=0, window=1.0, steps=100.0, wall=0.1, cpu=0.001, lane=0.0, action=0.0, lanes=2,
+            backend="thread", placement=None, mean_step=None, gen=None):
+    """A synthetic window: every env the same unless arrays are given."""
+    arr = lambda x: np.broadcast_to(np.asarray(x, float), (n,)).copy()  # noqa: E731
+    waits = {c: np.zeros(n) for c in WAIT_CAUSES}
+    waits["lane"], waits["action"] = arr(lane), arr(action)
+    p = EpochProfile(epoch=epoch, t_start=0.0, t_end=window, backend=backend, lanes=lanes, num_units=n,
+                     steps=arr(steps), wall_s=arr(wall), cpu_s=arr(cpu),
+                     mean_step_s=arr(wall) / arr(steps) if mean_step is None else arr(mean_step), waits=waits,
+                     placement=None if placement is None else np.asarray(placement))
+    for k, v in (gen or {}).items():
+        setattr(p, k, v)
+    return p
+
+
+# ---------------------------------------------------------------- lanes
+
+
+def test_lanes_grow_when_sleeping_envs_wait_for_a_lane_with_a_reason():
+    p = profile(wall=0.1, lane=0.8, cpu=0.001)
+    d = lanes_rule(p, Knobs("thread", lanes=2), Limits(num_units=16, cpus=2), Memory())
+    assert d.knob == "lanes" and d.old == 2 and d.new == 8  # bounded: 4x a step
+    assert "waited" in d.reason and "lane" in d.reason
+
+
+def test_lanes_grow_at_most_to_one_per_unit():
+    p = profile(n=4, wall=0.1, lane=0.8)
+    d = lanes_rule(p, Knobs("thread", lanes=3), Limits(num_units=4, cpus=2), Memory())
+    assert d.new == 4
+
+
+def test_lanes_do_not_grow_past_what_the_cores_can_step_for_a_busy_env():
+    # GIL-bound steps (CPU = wall): more lanes than cores only queue on the GIL
+    p = profile(wall=0.1, cpu=0.1, lane=0.8)
+    assert lanes_rule(p, Knobs("thread", lanes=2), Limits(num_units=16, cpus=2), Memory()) is None
+    # half-busy steps: up to cpus / busy = 4 lanes
+    p = profile(wall=0.1, cpu=0.05, lane=0.8)
+    assert lanes_rule(p, Knobs("thread", lanes=2), Limits(num_units=16, cpus=2), Memory()).new == 4
+
+
+def test_lanes_hold_without_lane_waits():
+    p = profile(wall=0.5, lane=0.0)  # 16 envs x 0.5 s stepping on 16 lanes: half of them busy
+    assert lanes_rule(p, Knobs("thread", lanes=16), Limits(num_units=16, cpus=2), Memory()) is None
+
+
+def test_lanes_shrink_only_after_two_idle_epochs_and_never_below_where_waits_were_seen():
+    limits, memory = Limits(num_units=16, cpus=2), Memory()
+    idle = profile(wall=0.05, lane=0.0)  # 0.8 lanes stepping on average of 16
+    assert lanes_rule(idle, Knobs("thread", lanes=16), limits, memory) is None  # first vote
+    d = lanes_rule(idle, Knobs("thread", lanes=16), limits, memory)
+    assert d is not None and d.new == 8  # halved at most
+    memory = Memory()
+    lanes_rule(profile(wall=0.1, lane=0.8), Knobs("thread", lanes=6), limits, memory)  # waits seen at 6
+    for _ in range(3):
+        d = lanes_rule(idle, Knobs("thread", lanes=8), limits, memory)
+    assert d is None  # 7 would be at most one above 6, the count that was too few: hold
+
+
+def test_fixed_lanes_are_never_changed():
+    p = profile(wall=0.1, lane=0.8)
+    limits = Limits(num_units=16, cpus=2, fixed=frozenset({"lanes"}))
+    assert decide(p, Knobs("thread", lanes=2), limits, Memory()) == []
+
+
+def test_a_window_with_too_few_steps_decides_nothing():
+    p = profile(steps=1.0, wall=0.1, lane=0.8)
+    assert decide(p, Knobs("thread", lanes=2), Limits(num_units=16, cpus=2), Memory()) == []
+
+
+def test_a_changed_knob_settles_for_a_window_before_it_changes_again():
+    memory, limits = Memory(), Limits(num_units=16, cpus=2)
+    assert decide(profile(epoch=0, lane=0.8), Knobs("thread", lanes=2), limits, memory)[0].new == 8
+    assert decide(profile(epoch=1, lane=0.8), Knobs("thread", lanes=8), limits, memory) == []
+    assert decide(profile(epoch=2, lane=0.8), Knobs("thread", lanes=8), limits, memory)[0].new == 16
+
+
+# ---------------------------------------------------------------- placement
+
+
+def test_lpt_balances_costs_and_keeps_envs_where_it_can():
+    costs = np.array([4.0, 1, 4, 1, 4, 1, 4, 1])
+    rr = np.arange(8) % 2  # every costly env on worker 0
+    assert spread(costs, rr, 2) == pytest.approx(16 / 10)
+    new = lpt_placement(costs, 2, current=rr)
+    assert spread(costs, new, 2) == pytest.approx(1.0)
+    assert (new == rr).sum() >= 4  # half of the envs stay
+
+
+def test_placement_moves_envs_off_a_busy_worker():
+    costs = np.array([0.004, 0.001] * 4)
+    wall = costs * 100  # every env 100 steps (a lockstep schedule): worker 0 busy 1.6 s, worker 1 0.4 s
+    p = profile(n=8, steps=100.0, wall=wall, mean_step=costs, backend="process", placement=np.arange(8) % 2,
+                window=2.0)
+    knobs = Knobs("process", workers=2, placement=tuple((np.arange(8) % 2).tolist()))
+    d = placement_rule(p, knobs, Limits(num_units=8, cpus=2), Memory())
+    assert d is not None and d.knob == "placement"
+    assert spread(costs, np.array(d.new), 2) < spread(costs, np.arange(8) % 2, 2)
+    assert "longest first" in d.reason
+
+
+def test_placement_holds_when_workers_are_equally_busy():
+    # async with both workers saturated: the cheap worker spins through its envs, no loss
+    costs = np.array([0.004, 0.001] * 4)
+    steps = np.where(np.arange(8) % 2 == 0, 50.0, 200.0)
+    p = profile(n=8, steps=steps, wall=costs * steps, mean_step=costs, backend="process",
+                placement=np.arange(8) % 2)
+    knobs = Knobs("process", workers=2, placement=tuple((np.arange(8) % 2).tolist()))
+    assert placement_rule(p, knobs, Limits(num_units=8, cpus=2), Memory()) is None
+
+
+# ---------------------------------------------------------------- generation
+
+
+def test_max_wait_halves_when_the_batch_fill_wait_holds_envs():
+    p = profile(action=0.5, gen={"gen_batches": 100, "gen_rows": 400, "gen_busy_s": 0.01, "gen_wait_s": 0.8})
+    d = generation_rule(p, Knobs("thread", max_wait_s=0.002), Limits(num_units=16, cpus=2), Memory())
+    assert d.new == pytest.approx(0.001) and "batch-fill" in d.reason
+    busy = profile(action=0.5, gen={"gen_batches": 100, "gen_rows": 400, "gen_busy_s": 0.9, "gen_wait_s": 0.8})
+    assert generation_rule(busy, Knobs("thread", max_wait_s=0.002), Limits(num_units=16, cpus=2), Memory()) is None
+
+
+# ---------------------------------------------------------------- the loop, in virtual time
+
+
+def _sleepers(**config):
+    return ebrl.Trainer(
+        env_fn=lambda i: MockEnv(latency=Latency.lognormal(0.001, 1.0)),
+        policy=MockPolicy(act_dim=4, base_cost_s=0.0003), algo=NoopAlgo(base_cost_s=0.005),
+        config=ebrl.RunConfig(**{"num_envs": 16, "segment_len": 16, "total_env_steps": 30_000, **config}))
+
+
+def test_sleeping_envs_converge_to_enough_lanes_within_three_epochs():
+    result = run_virtual(_sleepers())  # 2 lanes to start with (virtual time has no probe)
+    assert result.accounting_ok()
+    assert result.sim_size == 16
+    settled = [p["epoch"] for p in result.profiles if p["sim"]["lanes"] == 16][0]
+    assert settled <= 3
+    assert all(p["sim"]["lanes"] == 16 for p in result.profiles[settled:])
+    assert result.profiles[-2]["sim"]["lane_wait_share"] < 0.05
+    assert [d["knob"] for d in result.decisions] == ["lanes"] * len(result.decisions)
+    # lanes only grew, and the run beat the same run with the controller off
+    fixed = run_virtual(_sleepers(resources={"adapt": False}))
+    assert fixed.decisions == [] and fixed.sim_size == 2 and len(fixed.profiles) > 3
+    assert result.env_steps_per_s > 3 * fixed.env_steps_per_s
+
+
+def test_explicit_lanes_are_kept():
+    result = run_virtual(_sleepers(sim={"num_threads": 3}))
+    assert result.decisions == [] and result.sim_size == 3
+    assert all(p["sim"]["lanes"] == 3 for p in result.profiles)
+
+
+def test_profiles_account_for_every_step_and_the_time_of_every_env():
+    result = run_virtual(_sleepers(total_env_steps=6000))
+    assert sum(p["sim"]["steps"] for p in result.profiles) == result.env_steps
+    for p in result.profiles[1:-1]:
+        # every env is, at each moment, stepping or in one waiting state
+        share = p["sim"]["share"] + sum(p["waits_share"].values())
+        assert share == pytest.approx(1.0, abs=0.02)
+
+
+# ---------------------------------------------------------------- GPU: the SM split, and the streams' wiring
+
+
+def test_sm_split_grows_generation_when_envs_wait_for_actions_and_is_never_set_without_green_contexts():
+    from ebrl.runtime.resources.controller import sm_split_rule
+
+    limits = Limits(num_units=16, cpus=2, total_sms=132, sm_granularity=8, act_wait_target_s=0.002)
+    slow = profile(steps=100.0, action=0.5, gen={"gen_batches": 100, "gen_busy_s": 0.05})  # 5 ms per step
+    d = sm_split_rule(slow, Knobs("thread", gen_sms=32), limits, Memory())
+    assert d.knob == "gen_sms" and d.new == 64 and "grow generation" in d.reason  # at most doubled
+    fast = profile(steps=100.0, action=0.05, gen={"gen_batches": 100, "gen_busy_s": 0.01})  # 0.5 ms
+    assert sm_split_rule(fast, Knobs("thread", gen_sms=32), limits, Memory()).new == 24  # one granule less
+    assert sm_split_rule(slow, Knobs("thread", gen_sms=None), limits, Memory()) is None
+
+
+class FakeStreams:
+    """Records which stream each call ran on (the real GpuStreams needs CUDA)."""
+
+    def __init__(self):
+        import contextlib
+
+        self.calls, self.current = [], None
+
+        @contextlib.contextmanager
+        def on(name):
+            self.current = name
+            try:
+                yield
+            finally:
+                self.current = None
+
+        self.generation = lambda: on("generation")
+        self.training = lambda: on("training")
+
+    def publish(self):
+        self.calls.append(("publish", self.current))
+        return "event"
+
+    def wait_published(self, event):
+        self.calls.append(("wait", event))
+
+
+def test_policy_calls_run_on_the_generation_stream_and_new_weights_wait_for_the_training_event():
+    import asyncio
+
+    from ebrl.runtime.generation import Generator
+
+    streams = FakeStreams()
+
+    class Policy(MockPolicy):
+        def act(self, obs):
+            streams.calls.append(("act", streams.current))
+            return super().act(obs)
+
+        def load_state_dict(self, state):
+            streams.calls.append(("load", streams.current))
+
+    async def go():
+        gen = Generator(Policy(act_dim=2), batch_target=1, max_wait_s=0.0, live=1, streams=streams)
+        server = asyncio.create_task(gen.serve())
+        await gen.act(0, np.zeros(3, np.float32))
+        gen.publish({}, 1, event=streams.publish())
+        _, _, version = await gen.act(0, np.zeros(3, np.float32))
+        server.cancel()
+        return version
+
+    assert asyncio.run(go()) == 1
+    assert streams.calls == [("act", "generation"), ("publish", None), ("wait", "event"),
+                             ("load", "generation"), ("act", "generation")]
