@@ -158,8 +158,9 @@ class ResourceConfig:
     epoch_s: float = 1.0  # seconds (loop time) per profile window and controller decision
     # sim lanes grow while envs wait for a lane longer than this fraction of their sim time
     lane_wait_above: float = 0.1
-    # process placement is rebalanced when the busiest worker is busier than the idlest by this much
-    imbalance_above: float = 0.15
+    # envs are re-placed on worker processes when the idlest worker is busy this fraction less
+    # than the busiest (in the epoch's window)
+    imbalance_above: float = 0.1
     # GPU with green contexts: generation gets the fewest SMs that keep an env's mean wait for
     # an action under this
     act_wait_target_s: float = 0.002

@@ -129,15 +129,59 @@ def test_placement_holds_when_workers_are_equally_busy():
     assert placement_rule(p, knobs, Limits(num_units=8, cpus=2), Memory()) is None
 
 
+def test_a_placement_that_measures_slower_is_reverted_and_its_knob_frozen():
+    from ebrl.runtime.resources.controller import FROZEN_EPOCHS, postpone_trials
+
+    rr = tuple((np.arange(8) % 2).tolist())
+    costs = np.array([0.004, 0.001] * 4)
+    limits, memory = Limits(num_units=8, cpus=2), Memory()
+
+    def window(epoch, steps, placement):
+        return profile(n=8, epoch=epoch, steps=steps, wall=costs * steps, mean_step=costs, backend="process",
+                       placement=np.array(placement), window=2.0)
+
+    assert decide(window(0, 100.0, rr), Knobs("process", workers=2, placement=rr), limits, memory) == []  # start-up
+    [d] = decide(window(1, 100.0, rr), Knobs("process", workers=2, placement=rr), limits, memory)
+    assert d.knob == "placement"
+    postpone_trials(memory, 2)  # envs still moving at epoch 2: judged at 4, not 3
+    placed = Knobs("process", workers=2, placement=d.new)
+    assert decide(window(3, 100.0, d.new), placed, limits, memory) == []
+    [back] = decide(window(4, 80.0, d.new), placed, limits, memory)  # 20% fewer steps per second
+    assert back.knob == "placement" and back.new == rr and back.old == d.new and "reverted" in back.reason
+    for epoch in range(5, 4 + FROZEN_EPOCHS):  # the knob is left alone meanwhile
+        assert decide(window(epoch, 100.0, rr), Knobs("process", workers=2, placement=rr), limits, memory) == []
+
+
+def test_a_placement_that_holds_its_throughput_is_kept():
+    rr = tuple((np.arange(8) % 2).tolist())
+    costs = np.array([0.004, 0.001] * 4)
+    memory, limits = Memory(), Limits(num_units=8, cpus=2)
+    p = profile(n=8, epoch=1, steps=100.0, wall=costs * 100, mean_step=costs, backend="process",
+                placement=np.array(rr), window=2.0)
+    [d] = decide(p, Knobs("process", workers=2, placement=rr), limits, memory)
+    balanced = profile(n=8, epoch=3, steps=99.0, wall=costs * 99, mean_step=costs, backend="process",
+                       placement=np.array(d.new), window=2.0)
+    assert decide(balanced, Knobs("process", workers=2, placement=d.new), limits, memory) == []
+    assert memory.trials == {}
+
+
 # ---------------------------------------------------------------- generation
 
 
-def test_max_wait_halves_when_the_batch_fill_wait_holds_envs():
-    p = profile(action=0.5, gen={"gen_batches": 100, "gen_rows": 400, "gen_busy_s": 0.01, "gen_wait_s": 0.8})
-    d = generation_rule(p, Knobs("thread", max_wait_s=0.002), Limits(num_units=16, cpus=2), Memory())
+def test_max_wait_halves_when_batches_start_on_the_cap_while_the_generator_idles_and_doubles_when_it_is_busy():
+    limits = Limits(num_units=16, cpus=2)
+    capped = profile(gen={"gen_batches": 100, "gen_rows": 400, "gen_busy_s": 0.1, "gen_capped": 80})
+    d = generation_rule(capped, Knobs("thread", max_wait_s=0.002), limits, Memory())
     assert d.new == pytest.approx(0.001) and "batch-fill" in d.reason
-    busy = profile(action=0.5, gen={"gen_batches": 100, "gen_rows": 400, "gen_busy_s": 0.9, "gen_wait_s": 0.8})
-    assert generation_rule(busy, Knobs("thread", max_wait_s=0.002), Limits(num_units=16, cpus=2), Memory()) is None
+    # the same waits, but the batches ran full or when every env waited: the cap does not bind
+    uncapped = profile(gen={"gen_batches": 100, "gen_rows": 400, "gen_busy_s": 0.1, "gen_capped": 10})
+    assert generation_rule(uncapped, Knobs("thread", max_wait_s=0.002), limits, Memory()) is None
+    busy = profile(gen={"gen_batches": 1000, "gen_rows": 3000, "gen_busy_s": 0.9, "live_envs": 16})
+    d = generation_rule(busy, Knobs("thread", max_wait_s=0.002), limits, Memory())
+    assert d.new == pytest.approx(0.004) and "fewer policy calls" in d.reason
+    assert generation_rule(busy, Knobs("thread", max_wait_s=0.008), limits, Memory()) is None  # at the cap
+    fixed = Limits(num_units=16, cpus=2, fixed=frozenset({"max_wait_s"}))
+    assert generation_rule(capped, Knobs("thread", max_wait_s=0.002), fixed, Memory()) is None
 
 
 # ---------------------------------------------------------------- the loop, in virtual time
@@ -249,3 +293,29 @@ def test_policy_calls_run_on_the_generation_stream_and_new_weights_wait_for_the_
     assert asyncio.run(go()) == 1
     assert streams.calls == [("act", "generation"), ("publish", None), ("wait", "event"),
                              ("load", "generation"), ("act", "generation")]
+
+
+# ---------------------------------------------------------------- migrations, on real worker processes
+
+
+def test_measured_placement_migrates_envs_at_episode_ends_and_keeps_the_accounting_exact():
+    """Sync schedule, 8 sleeping envs on 2 workers, the 4 slow ones all on worker 0 round-robin:
+    worker 1 idles at every barrier, so the controller places by cost and envs move, each at an
+    episode end, rebuilt in its new worker. Every step is still counted once."""
+    slow = {0, 2, 4, 6}
+    trainer = ebrl.Trainer(
+        env_fn=lambda i: MockEnv(dim=3, episode_len=8, latency=Latency.constant(0.006 if i in slow else 0.0005)),
+        policy=MockPolicy(act_dim=3), algo=NoopAlgo(),
+        config=ebrl.RunConfig(num_envs=8, segment_len=8, total_env_steps=1600, schedule="sync",
+                              sim={"backend": "process", "num_workers": 2}, resources={"epoch_s": 0.25}))
+    result = ebrl.run_sync(trainer)
+    assert result.accounting_ok() and result.dropped == {}
+    placed = [d for d in result.decisions if d["knob"] == "placement"]
+    assert placed and placed[0]["old"] == [0, 1] * 4
+    new = np.array(placed[0]["new"])
+    assert sorted(np.bincount(new[list(slow)], minlength=2).tolist()) == [2, 2]  # two slow envs per worker
+    # a placement that measured slower is reverted (its own decision): every move is counted
+    moved = sum(a != b for d in placed for a, b in zip(d["old"], d["new"]))
+    assert result.migrations == moved > 0
+    assert result.profiles[-1]["sim"]["placement"] == placed[-1]["new"]
+    assert sum(result.steps_per_env) == result.env_steps

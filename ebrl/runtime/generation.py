@@ -79,6 +79,7 @@ class Generator:
         self.batch_sizes: Counter = Counter()
         self.max_request_wait_s = 0.0
         self.request_wait_s = 0.0  # summed over rows: how long each waited for its batch to start
+        self.capped_batches = 0  # batches started because the wait reached max_wait_s (not full, not all waiting)
         self.busy_s = 0.0  # time spent in policy calls
         self._on_batch = on_batch  # (env ids, version) as a batch forms: the rollout marks them in flight
         self._timeline = timeline  # records lane "generator", "batch" (arg: batch size) per policy call
@@ -155,16 +156,19 @@ class Generator:
                 while not self._pending:
                     self._wake.clear()
                     await self._wake.wait()
+                capped = self.max_wait_s <= self.batch_s_ewma  # max_wait_s, not the adaptive wait, binds
                 deadline = self._pending[0][3] + min(self.max_wait_s, self.batch_s_ewma)
                 while not self._due():
                     remaining = deadline - loop.time()
                     if remaining <= 0:
+                        self.capped_batches += capped
                         break
                     self._wake.clear()
                     try:
                         async with asyncio.timeout(remaining):
                             await self._wake.wait()
                     except TimeoutError:
+                        self.capped_batches += capped
                         break
                 if self._paused:
                     await self._unpaused.wait()

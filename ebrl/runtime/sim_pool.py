@@ -95,25 +95,32 @@ class StepProfile:
 WAITS_BELOW = 0.5  # a step busy less than this fraction of its time mostly waits: threads overlap it
 
 
+PROBE_ROUND_S = 0.05  # the probe's rounds take about this long each (10 steps at least)
+
+
 def measure_step_cost(env_fn: EnvFn, steps: int = 100, rounds: int = 3) -> StepProfile:
     """Wall and CPU seconds per random-action step of ``env_fn(0)`` (the round with the least
-    wall time of ``rounds``, after a warm-up), and whether the env says it releases the GIL."""
+    wall time of ``rounds``, after a 10-step warm-up), and whether the env says it releases the
+    GIL. A round is ``steps`` steps, fewer for a slow env (about ``PROBE_ROUND_S`` a round, at
+    least 10 steps): the controller refines the choice from live numbers, so the probe only has
+    to tell a step that computes from one that waits."""
     env = env_fn(0)
     try:
         env.reset(seed=0)
         env.action_space.seed(0)
         actions = [env.action_space.sample() for _ in range(steps)]
 
-        def one_round() -> tuple[float, float]:
+        def one_round(n: int) -> tuple[float, float]:
             t0, c0 = time.perf_counter(), time.process_time()
-            for a in actions:
+            for a in actions[:n]:
                 _, _, term, trunc, _ = env.step(a)
                 if term or trunc:
                     env.reset()
-            return (time.perf_counter() - t0) / steps, (time.process_time() - c0) / steps
+            return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
 
-        one_round()  # warm-up: first calls pay for caches and lazy imports
-        wall, cpu = min(one_round() for _ in range(rounds))
+        first, _ = one_round(min(10, steps))  # warm-up: first calls pay for caches and lazy imports
+        n = max(min(10, steps), min(steps, int(PROBE_ROUND_S / max(first, 1e-9))))
+        wall, cpu = min(one_round(n) for _ in range(rounds))
         releases_gil = bool(env.metadata.get("ebrl.releases_gil", False))
     finally:
         env.close()

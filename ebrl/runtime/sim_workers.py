@@ -69,6 +69,7 @@ from ebrl.runtime.sim_types import (
     reset_env,
     step_env,
 )
+from ebrl.runtime.threads import in_thread
 from ebrl.spaces import index, tree_map
 
 # message tags. Parent to worker: step ids, pickled requests, quit. Worker to parent: step ids,
@@ -342,9 +343,15 @@ class ProcessSimPool(SimPool):
         # one resource tracker for parent and workers: a worker forked before the parent's
         # tracker exists starts its own, which unlinks the shared memory when the worker exits
         resource_tracker.ensure_running()
-        for w in range(self._num_workers):
+
+        def spawn(w: int) -> None:
             self._workers.append(self._spawn(w, np.flatnonzero(self._placement == w).tolist()))
+
         try:
+            # a fork copies this process's page tables holding the GIL (~6 ms with torch loaded):
+            # one at a time, off the loop, so the caller's tasks run between them
+            for w in range(self._num_workers):
+                await in_thread(spawn, w, name="ebrl-sim-spawn")
             for worker in self._workers:  # they build their envs in parallel
                 msg = await self._first_message(worker)
                 if msg[0] == "error":

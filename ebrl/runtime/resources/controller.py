@@ -10,8 +10,8 @@ bounded steps, with hysteresis, and says why. Knobs the user set (``fixed``) are
   steps' CPU over wall time: lanes beyond that only queue on the GIL). Lanes shrink, by half at
   most, after two epochs in a row with fewer than half of them stepping and no lane waits, and
   never to a count at which waits were seen.
-- **Placement of envs on worker processes** (:func:`placement_rule`). When one worker is busier
-  than another by more than ``imbalance_above`` of the window, the envs are re-placed by
+- **Placement of envs on worker processes** (:func:`placement_rule`). When the idlest worker is
+  busy ``imbalance_above`` (a fraction) less than the busiest, the envs are re-placed by
   longest-processing-time first on their measured cost per step, if that balances the predicted
   load better; the new placement keeps as many envs where they are as it can. (Under ``async``
   with every worker saturated the measured busy times are even and nothing moves: a busy worker
@@ -20,9 +20,11 @@ bounded steps, with hysteresis, and says why. Knobs the user set (``fixed``) are
 - **SM split** (:func:`sm_split_rule`, GPU with green contexts): generation gets the fewest SMs
   that keep the mean env wait for an action under ``act_wait_target_s``
   (:func:`~ebrl.runtime.resources.gpu.plan_sm_split`), training the rest.
-- **Generation** (:func:`generation_rule`). When envs spend a large share of their time waiting
-  for actions and that wait is mostly the batch-fill wait (requests wait more than twice what a
-  batch takes, and the generator is idle more than half the time), the maximum wait is halved.
+- **Generation** (:func:`generation_rule`). The generator waits for a batch to fill about one
+  batch's duration, never longer than ``max_wait_s``. When most batches start only because that
+  cap ran out while the generator idles, the cap is halved; when the generator is busy over 80%
+  of the time with batches under half the live envs, it is doubled (to 8 ms at most): fuller
+  batches, fewer calls.
 
     >>> import numpy as np
     >>> from ebrl.runtime.resources.controller import Knobs, Limits, Memory, decide
@@ -70,7 +72,7 @@ class Limits:
     cpus: int
     fixed: frozenset[str] = frozenset()  # knob names the user set: never changed
     lane_wait_above: float = 0.1
-    imbalance_above: float = 0.15
+    imbalance_above: float = 0.1
     min_max_wait_s: float = 100e-6
     total_sms: int = 0  # the GPU's SMs (green contexts)
     sm_granularity: int = 8
@@ -92,25 +94,74 @@ class Decision:
 
 
 @dataclass
+class Trial:
+    """A change on probation: kept only if the env steps/s it runs at hold up."""
+
+    decision: Decision
+    rate_before: float  # env steps/s of the window that led to it
+    judge_at: int  # the first epoch whose window ran entirely with the change in force
+
+
+@dataclass
 class Memory:
-    """What the rules remember between epochs (hysteresis)."""
+    """What the rules remember between epochs (hysteresis, and the change on trial)."""
 
     shrink_votes: int = 0
     lanes_needed: int = 0  # the most lanes at which envs were still seen waiting for one
     settle_until: dict[str, int] = field(default_factory=dict)  # knob -> first epoch it may change again
+    trials: dict[str, Trial] = field(default_factory=dict)  # knob -> its latest change, until judged
+
+
+REVERT_BELOW = 0.95  # a change whose next full window runs below this fraction of the one before is undone
+FROZEN_EPOCHS = 10  # and its knob is left alone this long
+ON_TRIAL = ("placement", "max_wait_s", "gen_sms")  # lanes grow on a direct signal (lane waits), not on trial
 
 
 def decide(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> list[Decision]:
-    """Every rule's decision for this epoch (``memory`` is updated in place)."""
+    """Every rule's decision for this epoch (``memory`` is updated in place).
+
+    Each change of a knob in ``ON_TRIAL`` is then measured: on the first window that ran with
+    it entirely in force, if env steps/s fell below ``REVERT_BELOW`` of the window that led to
+    it, the change is undone (a decision of its own, with the two rates as its reason) and the
+    knob is left alone for ``FROZEN_EPOCHS``. The rules' models (balanced workers, fuller
+    batches) are guesses about this machine; the throughput is the measurement.
+    """
+    out = [d for d in (_judge(profile, knob, memory) for knob in list(memory.trials)) if d is not None]
     if profile.total_steps < MIN_STEPS_PER_UNIT * limits.num_units:
-        return []
-    out = []
+        return out
+    reverted = {d.knob for d in out}
     for rule in (lanes_rule, placement_rule, generation_rule, sm_split_rule):
         d = rule(profile, knobs, limits, memory)
-        if d is not None:
-            memory.settle_until[d.knob] = profile.epoch + 2  # judge a change on a window it ran through
-            out.append(d)
+        if d is None or d.knob in reverted:
+            continue
+        if d.knob in ON_TRIAL and profile.epoch == 0:
+            continue  # the first window is start-up (first update, first calls): no baseline to judge by
+        memory.settle_until[d.knob] = profile.epoch + 2  # judge a change on a window it ran through
+        if d.knob in ON_TRIAL:
+            memory.trials[d.knob] = Trial(d, profile.total_steps / profile.window_s, profile.epoch + 2)
+        out.append(d)
     return out
+
+
+def _judge(profile: EpochProfile, knob: str, memory: Memory) -> Decision | None:
+    trial = memory.trials[knob]
+    if profile.epoch < trial.judge_at:
+        return None
+    del memory.trials[knob]
+    rate = profile.total_steps / profile.window_s
+    if rate >= REVERT_BELOW * trial.rate_before:
+        return None
+    memory.settle_until[knob] = profile.epoch + FROZEN_EPOCHS
+    d = trial.decision
+    return Decision(profile.epoch, knob, d.new, d.old,
+                    f"reverted: env steps/s fell from {trial.rate_before:.0f} to {rate:.0f} with the change of epoch "
+                    f"{d.epoch} in force (below {REVERT_BELOW:.0%})")
+
+
+def postpone_trials(memory: Memory, epoch: int) -> None:
+    """A change still under way (envs waiting for their episode end to move): judge it later."""
+    for trial in memory.trials.values():
+        trial.judge_at = max(trial.judge_at, epoch + 2)
 
 
 def _settling(knob: str, profile: EpochProfile, memory: Memory) -> bool:
@@ -192,7 +243,7 @@ def placement_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: 
     w = knobs.workers
     current = np.asarray(knobs.placement)
     busy = np.bincount(current, weights=profile.wall_s, minlength=w) / profile.window_s
-    gap = float(busy.max() - busy.min())
+    gap = float((busy.max() - busy.min()) / busy.max()) if busy.max() > 0 else 0.0
     if gap <= limits.imbalance_above:
         return None
     costs = profile.mean_step_s
@@ -207,19 +258,27 @@ def placement_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: 
                     f"{after:.2f}x the mean; {moves} envs move at their next episode end")
 
 
+MAX_WAIT_CAP_S = 0.008  # generation.max_wait_s never grows past this
+
+
 def generation_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> Decision | None:
     wait = knobs.max_wait_s
     if wait is None or "max_wait_s" in limits.fixed or _settling("max_wait_s", profile, memory):
         return None
-    env_time = profile.window_s * max(profile.steps.size, 1)
-    action_share = profile.wait_s("action") / env_time
-    lat, req = profile.gen_latency_s, profile.gen_request_wait_s
-    if action_share > 0.3 and req > 2 * lat and profile.gen_busy < 0.5 and wait > limits.min_max_wait_s:
+    if not profile.gen_batches:
+        return None
+    capped = profile.gen_capped / profile.gen_batches
+    busy, mean = profile.gen_busy, profile.gen_rows / profile.gen_batches
+    if capped > 0.5 and busy < 0.5 and wait > limits.min_max_wait_s:
         new = max(limits.min_max_wait_s, wait / 2)
         return Decision(profile.epoch, "max_wait_s", wait, round(new, 6),
-                        f"envs spent {action_share:.0%} of their time waiting for actions; requests waited "
-                        f"{req * 1e6:.0f} us for batches that take {lat * 1e6:.0f} us, generator busy "
-                        f"{profile.gen_busy:.0%}: the batch-fill wait holds them")
+                        f"{capped:.0%} of batches started only when their wait reached max_wait_s while the "
+                        f"generator idled {1 - busy:.0%} of the time: the batch-fill wait holds envs back")
+    if busy > 0.8 and mean < 0.5 * max(profile.live_envs, 1) and wait < MAX_WAIT_CAP_S:
+        new = min(MAX_WAIT_CAP_S, wait * 2)
+        return Decision(profile.epoch, "max_wait_s", wait, round(new, 6),
+                        f"the generator was busy {busy:.0%} of the time with batches of {mean:.1f} of "
+                        f"{profile.live_envs} live envs: fuller batches take fewer policy calls")
     return None
 
 

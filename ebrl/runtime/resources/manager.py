@@ -22,7 +22,7 @@ import asyncio
 import os
 
 from ebrl.config import RunConfig, SimBackend
-from ebrl.runtime.resources.controller import Decision, Knobs, Limits, Memory, decide
+from ebrl.runtime.resources.controller import Decision, Knobs, Limits, Memory, decide, postpone_trials
 from ebrl.runtime.resources.gpu import GpuStreams, StreamMode
 from ebrl.runtime.resources.profiler import EpochProfile, LiveProfiler
 from ebrl.telemetry.logging import get_logger
@@ -79,7 +79,10 @@ class ResourceManager:
         profile = self.profiler.take()
         self.profiles.append(profile)
         self.knobs = self._current()
-        if not self.cfg.resources.adapt or self.driver.moves:  # placement changes still under way
+        if not self.cfg.resources.adapt:
+            return []
+        if self.driver.moves:  # envs still waiting for their episode end to move: nothing else changes
+            postpone_trials(self.memory, profile.epoch)
             return []
         decisions = decide(profile, self.knobs, self.limits, self.memory)
         for d in decisions:
@@ -98,7 +101,8 @@ class ResourceManager:
         if d.knob == "lanes":
             self.pool.resize(int(d.new))
         elif d.knob == "placement":
-            self.driver.moves = {i: int(w) for i, (a, w) in enumerate(zip(d.old, d.new)) if a != w}
+            now = self.pool.placement
+            self.driver.moves = {i: int(w) for i, w in enumerate(d.new) if now[i] != w}
         elif d.knob == "max_wait_s":
             self.generator.max_wait_s = float(d.new)
         elif d.knob == "gen_sms":

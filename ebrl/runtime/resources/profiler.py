@@ -15,7 +15,8 @@ subtracts the previous snapshot. An :class:`EpochProfile` holds, for one window:
   ``action`` (ready, waiting for its action), ``barrier`` (the lockstep schedules: waiting for
   the group's slowest member) and ``backpressure`` (parked on a full rollout queue);
 - **generation**: batches, rows, busy seconds, the rows' summed wait for their batch to start,
-  and the batch target and maximum wait in force;
+  the batches started because that wait reached ``max_wait_s``, and the batch target and
+  maximum wait in force;
 - **learner**: updates and busy seconds;
 - **cores**: utilisation of each core (psutil), and GPU SM and memory use (pynvml) where there is one.
 
@@ -63,6 +64,7 @@ class EpochProfile:
     gen_rows: int = 0
     gen_busy_s: float = 0.0
     gen_wait_s: float = 0.0  # rows' summed wait for their batch to start
+    gen_capped: int = 0  # batches started when their wait reached max_wait_s
     batch_target: int = 0
     max_wait_s: float = 0.0
     live_envs: int = 0
@@ -144,6 +146,7 @@ class EpochProfile:
                            if self.gen_batches else 0.0, "busy": round(self.gen_busy, 3),
                            "latency_us": round(self.gen_latency_s * 1e6, 1),
                            "request_wait_us": round(self.gen_request_wait_s * 1e6, 1),
+                           "capped_batches": self.gen_capped,
                            "batch_target": self.batch_target, "max_wait_s": self.max_wait_s},
             "learner": {"updates": self.updates, "busy": round(self.learner_busy_s / self.window_s, 3),
                         "update_s": round(self.learner_busy_s / self.updates, 4) if self.updates else 0.0},
@@ -185,7 +188,7 @@ class LiveProfiler:
             "sim": d.wait_sim.copy(), "action": d.wait_action.copy(), "barrier": d.wait_barrier.copy(),
             "backpressure": d.wait_blocked.copy(),
             "gen_batches": sum(batches.values()), "gen_rows": sum(k * v for k, v in batches.items()),
-            "gen_busy": g.busy_s, "gen_wait": g.request_wait_s,
+            "gen_busy": g.busy_s, "gen_wait": g.request_wait_s, "gen_capped": g.capped_batches,
             "updates": self.stats.updates, "learner_busy": self.learner.busy_s,
         }
 
@@ -208,6 +211,7 @@ class LiveProfiler:
                    **{c: now[c] - last[c] for c in ("action", "barrier", "backpressure")}},
             gen_batches=now["gen_batches"] - last["gen_batches"], gen_rows=now["gen_rows"] - last["gen_rows"],
             gen_busy_s=now["gen_busy"] - last["gen_busy"], gen_wait_s=now["gen_wait"] - last["gen_wait"],
+            gen_capped=now["gen_capped"] - last["gen_capped"],
             batch_target=self.generator.batch_target, max_wait_s=self.generator.max_wait_s,
             live_envs=self.generator.live, updates=now["updates"] - last["updates"],
             learner_busy_s=now["learner_busy"] - last["learner_busy"],
