@@ -160,8 +160,8 @@ def choose_backend(env_fn: EnvFn, cfg: SimConfig, num_envs: int = 1) -> tuple[Si
 async def probe_backend(env_fn: EnvFn, cfg: SimConfig, num_envs: int = 1) -> tuple[SimBackend, int | None]:
     """``cfg.backend`` (and thread lanes, see :func:`choose_backend`), with AUTO for plain envs
     resolved by :func:`choose_backend` in a forked child process (where fork is the start method;
-    else a private thread), so the probe (building ``env_fn(0)`` and a few hundred steps: about
-    0.7 s for an env with 1 ms steps) never blocks the event loop. The child and the thread
+    else a private thread), so the probe (building ``env_fn(0)`` and about 0.2 s of steps, see
+    :func:`measure_step_cost`) never blocks the event loop. The child and the thread
     waiting on it are joined before this returns (nothing outlives the run). Vector envs keep AUTO:
     :func:`make_sim_pool` gives them threads unprobed."""
     if cfg.backend is not SimBackend.AUTO or cfg.vector_size > 1:
