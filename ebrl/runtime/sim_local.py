@@ -102,27 +102,31 @@ class _LocalEnvs(SimPool):
     def _units(self, ids: np.ndarray) -> list[int]:
         return ids.tolist() if self.vector_size == 1 else (ids[:: self.vector_size] // self.vector_size).tolist()
 
-    def _step_unit(self, unit: int, queued_s: float = 0.0) -> float:
-        """Step one unit with the actions in its rows, write the results and the step's cost
-        (wall and stepping-thread CPU seconds, and ``queued_s`` it waited for a lane; under
-        virtual time the declared cost, all of it waiting) there; returns the declared cost."""
+    def _step_unit(self, unit: int, queued_s: float = 0.0, account: bool = True) -> float:
+        """Step one unit with the actions in its rows and write the results there; with
+        ``account``, also the step's cost (wall and stepping-thread CPU seconds, and ``queued_s``
+        it waited for a lane; under virtual time the declared cost, all of it waiting). Returns
+        the declared cost."""
         rows, env = self.rows, self.envs[unit]
-        t0, c0 = perf_counter(), thread_time()
+        if account:
+            t0, c0 = perf_counter(), thread_time()
         if self.vector_size == 1:
             out = step_env(env, _row(rows.act, unit))
             rows.write(unit, out)
             declared = out.cost_s
-            if self.virtual:
-                rows.add_cost(unit, declared, 0.0, queued_s)
-            else:
-                rows.add_cost(unit, perf_counter() - t0, thread_time() - c0, queued_s)
+        else:
+            ids = self._ids(unit)
+            vs = step_vector_env(env, rows.actions(ids))
+            rows.write_many(ids, vs.obs, vs.reward, vs.terminated, vs.truncated, vs.finite, vs.success, vs.final_obs)
+            declared = vs.cost_s
+        if not account:
             return declared
-        ids = self._ids(unit)
-        vs = step_vector_env(env, rows.actions(ids))
-        rows.write_many(ids, vs.obs, vs.reward, vs.terminated, vs.truncated, vs.finite, vs.success, vs.final_obs)
-        wall, cpu = (vs.cost_s, 0.0) if self.virtual else (perf_counter() - t0, thread_time() - c0)
-        rows.cost[ids] += (1.0, wall, cpu, queued_s)  # every row waited through the whole call
-        return vs.cost_s
+        wall, cpu = (declared, 0.0) if self.virtual else (perf_counter() - t0, thread_time() - c0)
+        if self.vector_size == 1:
+            rows.add_cost(unit, wall, cpu, queued_s)
+        else:
+            rows.cost[ids] += (1.0, wall, cpu, queued_s)  # every row waited through the whole call
+        return declared
 
     def _reset_unit(self, unit: int, seed: Any) -> tuple[Any, Any]:
         if self.vector_size == 1:
@@ -197,14 +201,20 @@ class InlineSimPool(_LocalEnvs):
         pending, self._pending = self._pending, []
         ids = pending[0] if len(pending) == 1 else np.concatenate(pending)
         errors: list[tuple[int, str]] = []
+        # inline steps are cheap by definition (< sim.inline_below_s): timing each would cost as
+        # much as a no-op step, so the batch is timed once and its time split evenly
+        t0, c0 = perf_counter(), thread_time()
         for unit in self._units(ids):
             try:
-                self._step_unit(unit)
+                self._step_unit(unit, account=False)
             except Exception as exc:
                 errors += self._errors(unit, exc)
         if errors:
             failed = {i for i, _ in errors}
             ids = np.array([i for i in ids.tolist() if i not in failed], np.int64)
+        if len(ids):
+            n = len(ids)
+            self.rows.cost[ids] += (1.0, (perf_counter() - t0) / n, (thread_time() - c0) / n, 0.0)
         self.on_block(self.rows.block(ids, errors))
 
     async def _virtual_step(self, unit: int) -> None:
@@ -250,7 +260,7 @@ class ThreadSimPool(_LocalEnvs):
         self._next_lane = 0
         self._lock = threading.Lock()
         self._done: list[int] = []  # units stepped since the last drain
-        self._t_submit = np.zeros(self.num_units)  # perf_counter when each unit's step was queued
+        self._t_submit = [0.0] * self.num_units  # perf_counter when each unit's step was queued
         self._failed: list[tuple[int, str]] = []
 
     async def start(self) -> None:
@@ -284,9 +294,9 @@ class ThreadSimPool(_LocalEnvs):
     def submit(self, ids: np.ndarray, actions: Any) -> None:
         self.rows.set_actions(ids, actions)
         put = self._requests.put
-        units = self._units(ids)
-        self._t_submit[units] = perf_counter()
-        for unit in units:
+        t, now = self._t_submit, perf_counter()
+        for unit in self._units(ids):
+            t[unit] = now
             put(unit)
 
     def _lane(self) -> None:
