@@ -104,7 +104,7 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
         if not virtual:  # a virtual run's hardware use means nothing, and its history stays deterministic
             metrics.system = SystemSampler()
         profiler = LiveProfiler(pool, driver, generator, learner, stats, loop.time,
-                                system=None if virtual else SystemSampler(nvml=False))
+                                system=None if virtual else SystemSampler())  # cores, and GPUs via pynvml
         manager = ResourceManager(cfg, profiler, pool, driver, generator, virtual, streams)
         async with asyncio.TaskGroup() as tg:
             helpers = [tg.create_task(generator.serve(), name="ebrl-generator"),
@@ -130,6 +130,8 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
             learner.close()  # with a learner process, this loads the trained state into trainer.policy/algo
         finally:
             metrics.close()  # flushes the files and joins the TensorBoard writer's thread
+            if manager is not None:
+                manager.profiler.close()
             torch.set_num_threads(old_threads)
     if progress is not None:
         progress(stats, learner)

@@ -147,8 +147,11 @@ class EpochProfile:
                            "latency_us": round(self.gen_latency_s * 1e6, 1),
                            "request_wait_us": round(self.gen_request_wait_s * 1e6, 1),
                            "capped_batches": self.gen_capped,
+                           # rows waiting for a batch, on average (Little's law)
+                           "queue_rows": round(self.gen_wait_s / self.window_s, 2),
                            "batch_target": self.batch_target, "max_wait_s": self.max_wait_s},
             "learner": {"updates": self.updates, "busy": round(self.learner_busy_s / self.window_s, 3),
+                        "idle": round(max(0.0, 1.0 - self.learner_busy_s / self.window_s), 3),
                         "update_s": round(self.learner_busy_s / self.updates, 4) if self.updates else 0.0},
             "system": {k: round(v, 1) for k, v in self.system.items()},
         }
@@ -191,6 +194,11 @@ class LiveProfiler:
             "gen_busy": g.busy_s, "gen_wait": g.request_wait_s, "gen_capped": g.capped_batches,
             "updates": self.stats.updates, "learner_busy": self.learner.busy_s,
         }
+
+    def close(self) -> None:
+        if self.system is not None:
+            self.system.close()  # NVML, where it was initialised
+            self.system = None
 
     def take(self) -> EpochProfile:
         """The profile of the window since the previous call (or since the profiler was made)."""
