@@ -164,6 +164,12 @@ class ResourceConfig:
     # GPU with green contexts: generation gets the fewest SMs that keep an env's mean wait for
     # an action under this
     act_wait_target_s: float = 0.002
+    # torch threads of the learner process; None: starts at torch_threads and the controller may
+    # add threads while training holds envs back and cores idle (kept only if faster)
+    learner_threads: int | None = None
+    # pin the event loop, the learner and the sim workers to separate cores (os.sched_setaffinity)
+    # when there are enough cores for it; kept only if it measures faster. False: never pin
+    affinity: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.adapt, bool):
@@ -172,6 +178,9 @@ class ResourceConfig:
         _check_float("resources.lane_wait_above", self.lane_wait_above, 0.0)
         _check_float("resources.imbalance_above", self.imbalance_above, 0.0)
         _check_float("resources.act_wait_target_s", self.act_wait_target_s, 0.0, strict=True)
+        _check_int("resources.learner_threads", self.learner_threads, 1, optional=True)
+        if not isinstance(self.affinity, bool):
+            raise ConfigError("resources.affinity", self.affinity, "must be true or false")
 
 
 @dataclass

@@ -319,3 +319,80 @@ def test_measured_placement_migrates_envs_at_episode_ends_and_keeps_the_accounti
     assert result.migrations == moved > 0
     assert result.profiles[-1]["sim"]["placement"] == placed[-1]["new"]
     assert sum(result.steps_per_env) == result.env_steps
+
+
+# ---------------------------------------------------------------- learner threads and CPU affinity
+
+
+def test_the_learner_gets_a_thread_more_when_training_holds_envs_back_and_cores_idle():
+    from ebrl.runtime.resources.controller import threads_rule
+
+    n = 16
+    waits = profile(n=n)
+    waits.waits["backpressure"] = np.full(n, 0.4)  # envs parked 40% of the window
+    waits.learner_busy_s, waits.system = 0.9, {"cpu_util_mean": 50.0}
+    d = threads_rule(waits, Knobs("process", learner_threads=1), Limits(num_units=n, cpus=4), Memory())
+    assert d.knob == "learner_threads" and (d.old, d.new) == (1, 2) and "queue space" in d.reason
+    waits.system = {"cpu_util_mean": 95.0}  # no idle core to give it
+    assert threads_rule(waits, Knobs("process", learner_threads=1), Limits(num_units=n, cpus=4), Memory()) is None
+    assert threads_rule(waits, Knobs("process", learner_threads=None), Limits(num_units=n, cpus=4), Memory()) is None
+
+
+def test_affinity_splits_the_cores_only_when_each_part_can_have_its_own():
+    from ebrl.runtime.resources.affinity import split_plan
+    from ebrl.runtime.resources.controller import affinity_rule
+
+    assert split_plan(8, 2) == {"loop": [0], "learner": [1], "workers": [2, 3, 4, 5, 6, 7]}
+    assert split_plan([2, 3, 5, 7], 2) == {"loop": [2], "learner": [3], "workers": [5, 7]}
+    assert split_plan(3, 2) is None and split_plan(2, 2) is None
+    p = profile()
+    d = affinity_rule(p, Knobs("process", workers=2, affinity="shared"), Limits(num_units=16, cpus=8), Memory())
+    assert (d.old, d.new) == ("shared", "split") and "event loop" in d.reason
+    assert affinity_rule(p, Knobs("process", workers=2, affinity="shared"), Limits(num_units=16, cpus=2), Memory()) is None
+    assert affinity_rule(p, Knobs("process", workers=2, affinity=None), Limits(num_units=16, cpus=8), Memory()) is None
+
+
+def test_pin_sets_every_thread_of_a_process():
+    import os
+    import threading
+
+    from ebrl.runtime.resources.affinity import pin, threads_of
+
+    calls, started, stop = [], threading.Event(), threading.Event()
+    t = threading.Thread(target=lambda: (started.set(), stop.wait()))
+    t.start()
+    started.wait()
+    try:
+        assert pin(os.getpid(), [0], setaffinity=lambda tid, cores: calls.append((tid, cores))) >= 2
+        assert {tid for tid, _ in calls} == set(threads_of(os.getpid())) and t.native_id in {c[0] for c in calls}
+        assert all(cores == {0} for _, cores in calls)
+    finally:
+        stop.set()
+        t.join()
+
+
+class ThreadsAlgo:
+    """Reports the learner process's torch threads as a metric."""
+
+    def update(self, policy, batch):
+        import torch
+
+        return {"threads": torch.get_num_threads()}
+
+
+def test_learner_threads_reach_the_learner_process_with_the_next_update():
+    from types import SimpleNamespace
+
+    import torch
+
+    from ebrl.runtime.learner import LearnerProcess
+
+    policy, algo = torch.nn.Linear(2, 2), ThreadsAlgo()
+    remote = LearnerProcess(policy, algo, torch_threads=1)
+    try:
+        batch = SimpleNamespace(lags=torch.zeros(1))
+        assert remote.update(batch)[0]["threads"] == 1
+        assert remote.update(batch, threads=2)[0]["threads"] == 2
+        assert remote.update(batch)[0]["threads"] == 2  # kept until changed again
+    finally:
+        remote.close(policy, SimpleNamespace(load_state_dict=lambda state: None))

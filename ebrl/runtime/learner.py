@@ -88,6 +88,8 @@ def _learner_main(conn, policy, algo, torch_threads: int | None) -> None:
         while True:
             msg = _recv(conn)
             if msg[0] == "update":
+                if len(msg) > 2 and msg[2] is not None:  # the resource controller's thread count
+                    torch.set_num_threads(msg[2])
                 try:
                     metrics, state, lags = update_once(policy, algo, msg[1])
                     _send(conn, ("ok", metrics, state, lags))
@@ -119,9 +121,10 @@ class LearnerProcess:
         self.process.start()
         child.close()
 
-    def update(self, batch: Batch):
-        """Blocking: called from the learner's thread, which waits in the pipe without the GIL."""
-        _send(self.conn, ("update", batch))
+    def update(self, batch: Batch, threads: int | None = None):
+        """Blocking: called from the learner's thread, which waits in the pipe without the GIL.
+        ``threads``: torch's intra-op threads in the learner process from this update on."""
+        _send(self.conn, ("update", batch, threads))
         msg = self._recv()
         if msg[0] == "error":
             raise LearnerError("algo.update failed in the learner process:\n" + msg[1])
@@ -179,6 +182,7 @@ class Learner:
         self.policy = policy
         self.algo = algo
         self.streams = streams  # GPU: updates go to the training stream (resources.gpu)
+        self.threads: int | None = None  # torch threads for the learner process (the controller's), None: as started
         self._event = None  # the CUDA event recorded after the latest update's weight snapshot
         self.rollout = rollout
         self.generator = generator
@@ -244,7 +248,8 @@ class Learner:
         t0, lt0 = time.perf_counter(), loop.time()
         virtual = is_virtual(loop)
         rollout, version = self.rollout, self.version
-        work = self.remote.update if self.remote is not None else self._update
+        threads = self.threads
+        work = (lambda b: self.remote.update(b, threads)) if self.remote is not None else self._update
         try:
             if virtual:
                 batch = collate(rollout, slots, version)

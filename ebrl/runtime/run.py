@@ -74,6 +74,7 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
                           offload=cfg.generation.offload, inline_below_s=cfg.generation.inline_below_s,
                           on_batch=rollout.mark_inflight, timeline=timeline)
     mode = learner_mode(cfg, trainer.policy, virtual)
+    learner_threads = cfg.resources.learner_threads or cfg.torch_threads  # the learner process's
     streams = gpu_streams(trainer.policy) if mode is LearnerMode.THREAD and not virtual else None
     checkpoint = None
     if cfg.checkpoint_every_s is not None:
@@ -94,7 +95,7 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
     try:
         if mode is LearnerMode.PROCESS:
             def start_learner() -> None:  # set by the thread: a cancel while it forks still closes it
-                learner.remote = LearnerProcess(trainer.policy, trainer.algo, cfg.torch_threads, cfg.sim.start_method)
+                learner.remote = LearnerProcess(trainer.policy, trainer.algo, learner_threads, cfg.sim.start_method)
 
             # forking copies this process's page tables (~8 ms with torch loaded): off the loop
             await in_thread(start_learner, name="ebrl-learner-start")
@@ -105,7 +106,8 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
             metrics.system = SystemSampler()
         profiler = LiveProfiler(pool, driver, generator, learner, stats, loop.time,
                                 system=None if virtual else SystemSampler())  # cores, and GPUs via pynvml
-        manager = ResourceManager(cfg, profiler, pool, driver, generator, virtual, streams)
+        manager = ResourceManager(cfg, profiler, pool, driver, generator, virtual, streams, learner,
+                                  learner_threads=learner_threads)
         async with asyncio.TaskGroup() as tg:
             helpers = [tg.create_task(generator.serve(), name="ebrl-generator"),
                        tg.create_task(manager.run(), name="ebrl-resources")]
@@ -131,7 +133,7 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
         finally:
             metrics.close()  # flushes the files and joins the TensorBoard writer's thread
             if manager is not None:
-                manager.profiler.close()
+                manager.close()
             torch.set_num_threads(old_threads)
     if progress is not None:
         progress(stats, learner)

@@ -338,6 +338,10 @@ class ProcessSimPool(SimPool):
         child.close()
         return _Worker(w, proc, parent)
 
+    def worker_pids(self) -> list[int]:
+        """The live workers' process ids (CPU affinity is set per process)."""
+        return [w.process.pid for w in self._workers if w.dead is None and w.process.pid is not None]
+
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         # one resource tracker for parent and workers: a worker forked before the parent's

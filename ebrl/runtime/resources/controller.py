@@ -20,6 +20,10 @@ bounded steps, with hysteresis, and says why. Knobs the user set (``fixed``) are
 - **SM split** (:func:`sm_split_rule`, GPU with green contexts): generation gets the fewest SMs
   that keep the mean env wait for an action under ``act_wait_target_s``
   (:func:`~ebrl.runtime.resources.gpu.plan_sm_split`), training the rest.
+- **Learner threads** (:func:`threads_rule`): one more torch thread for the learner process
+  while training holds envs back (backpressure) and cores idle.
+- **CPU affinity** (:func:`affinity_rule`): the event loop, the learner and the sim workers on
+  cores of their own, where there are at least ``workers + 2`` cores.
 - **Generation** (:func:`generation_rule`). The generator waits for a batch to fill about one
   batch's duration, never longer than ``max_wait_s``. When most batches start only because that
   cap ran out while the generator idles, the cap is halved; when the generator is busy over 80%
@@ -46,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from ebrl.runtime.resources.affinity import split_plan
 from ebrl.runtime.resources.gpu import plan_sm_split
 from ebrl.runtime.resources.profiler import EpochProfile
 
@@ -62,6 +67,8 @@ class Knobs:
     placement: tuple[int, ...] | None = None  # env -> worker (process backend)
     max_wait_s: float | None = None
     gen_sms: int | None = None  # generation's SMs (green contexts); None: no split to set
+    learner_threads: int | None = None  # torch threads of the learner process; None: not adjustable
+    affinity: str | None = None  # "shared" (every core for everyone) or "split"; None: not adjustable
 
 
 @dataclass(frozen=True)
@@ -114,7 +121,8 @@ class Memory:
 
 REVERT_BELOW = 0.95  # a change whose next full window runs below this fraction of the one before is undone
 FROZEN_EPOCHS = 10  # and its knob is left alone this long
-ON_TRIAL = ("placement", "max_wait_s", "gen_sms")  # lanes grow on a direct signal (lane waits), not on trial
+# lanes grow on a direct signal (lane waits), not on trial
+ON_TRIAL = ("placement", "max_wait_s", "gen_sms", "learner_threads", "affinity")
 
 
 def decide(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> list[Decision]:
@@ -130,7 +138,7 @@ def decide(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) 
     if profile.total_steps < MIN_STEPS_PER_UNIT * limits.num_units:
         return out
     reverted = {d.knob for d in out}
-    for rule in (lanes_rule, placement_rule, generation_rule, sm_split_rule):
+    for rule in (lanes_rule, placement_rule, generation_rule, sm_split_rule, threads_rule, affinity_rule):
         d = rule(profile, knobs, limits, memory)
         if d is None or d.knob in reverted:
             continue
@@ -294,6 +302,34 @@ def sm_split_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: M
         return None
     return Decision(profile.epoch, "gen_sms", knobs.gen_sms, split.generation,
                     f"{split.reason}; training gets {split.training} of {limits.total_sms} SMs")
+
+
+def threads_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> Decision | None:
+    """One more torch thread for the learner process when training holds envs back (they park
+    on a full queue) while cores idle."""
+    n = knobs.learner_threads
+    if n is None or "learner_threads" in limits.fixed or _settling("learner_threads", profile, memory):
+        return None
+    busy = profile.learner_busy_s / profile.window_s
+    held = profile.wait_s("backpressure") / (profile.window_s * max(profile.steps.size, 1))
+    idle = 100.0 - profile.system.get("cpu_util_mean", 100.0)
+    if busy > 0.7 and held > 0.1 and idle > 25.0 and n < limits.cpus:
+        return Decision(profile.epoch, "learner_threads", n, n + 1,
+                        f"the learner was busy {busy:.0%} of the window and envs waited {held:.0%} of their time "
+                        f"for queue space while the cores idled {idle:.0f}%")
+    return None
+
+
+def affinity_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> Decision | None:
+    """Separate cores for the event loop, the learner and the sim workers, where there are enough."""
+    if knobs.affinity != "shared" or "affinity" in limits.fixed or _settling("affinity", profile, memory):
+        return None
+    plan = split_plan(limits.cpus, knobs.workers or 0)
+    if plan is None:
+        return None
+    return Decision(profile.epoch, "affinity", "shared", "split",
+                    f"{limits.cpus} cores: the event loop on {plan['loop']}, the learner on {plan['learner']}, "
+                    f"the {knobs.workers} sim workers on {plan['workers'][0]}-{plan['workers'][-1]}")
 
 
 def apply(knobs: Knobs, decisions: list[Decision]) -> Knobs:

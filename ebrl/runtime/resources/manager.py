@@ -10,7 +10,11 @@ applies each decision where it acts:
 - ``placement``: the driver moves each env at its next episode end (the process pool rebuilds
   it from ``env_fn`` in its new worker: no sample is lost, migrations are counted);
 - ``max_wait_s``: the generator's batch-fill wait, from its next batch;
-- ``gen_sms``: new green contexts for generation and training (:meth:`GpuStreams.resplit`).
+- ``gen_sms``: new green contexts for generation and training (:meth:`GpuStreams.resplit`);
+- ``learner_threads``: torch threads of the learner process, sent with the next update;
+- ``affinity``: every thread of this process, the learner process and the workers pinned to
+  their cores (:mod:`~ebrl.runtime.resources.affinity`); this process gets all its cores back
+  when the run ends.
 
 Every decision is logged (``resource_decision``, with its reason) and kept in
 ``RunResult.decisions``; every profile in ``RunResult.profiles``.
@@ -22,6 +26,7 @@ import asyncio
 import os
 
 from ebrl.config import RunConfig, SimBackend
+from ebrl.runtime.resources import affinity
 from ebrl.runtime.resources.controller import Decision, Knobs, Limits, Memory, decide, postpone_trials
 from ebrl.runtime.resources.gpu import GpuStreams, StreamMode
 from ebrl.runtime.resources.profiler import EpochProfile, LiveProfiler
@@ -42,13 +47,21 @@ def fixed_knobs(cfg: RunConfig) -> frozenset[str]:
 
 class ResourceManager:
     def __init__(self, cfg: RunConfig, profiler: LiveProfiler, pool, driver, generator, virtual: bool,
-                 streams: GpuStreams | None = None):
+                 streams: GpuStreams | None = None, learner=None, learner_threads: int | None = None):
         self.cfg, self.profiler, self.pool, self.driver, self.generator = cfg, profiler, pool, driver, generator
+        self.learner = learner
+        remote = getattr(learner, "remote", None)
+        # the learner process's torch threads, when the controller may change them
+        self._threads = learner_threads if remote is not None and cfg.resources.learner_threads is None else None
+        self._affinity = ("shared" if remote is not None and pool.backend is SimBackend.PROCESS
+                          and cfg.resources.affinity and not virtual and affinity.available() else None)
+        self._cores = sorted(os.sched_getaffinity(0)) if self._affinity else []
         self.streams = streams if streams is not None and streams.mode is StreamMode.GREEN_CONTEXTS else None
         self.profiles: list[EpochProfile] = []
         self.decisions: list[Decision] = []
         self.memory = Memory()
-        self.limits = Limits(num_units=cfg.num_envs // cfg.sim.vector_size, cpus=os.cpu_count() or 1,
+        self.limits = Limits(num_units=cfg.num_envs // cfg.sim.vector_size,
+                             cpus=len(self._cores) if self._cores else os.cpu_count() or 1,
                              fixed=fixed_knobs(cfg), lane_wait_above=cfg.resources.lane_wait_above,
                              imbalance_above=cfg.resources.imbalance_above,
                              total_sms=self.streams.total_sms if self.streams else 0,
@@ -67,7 +80,8 @@ class ResourceManager:
                      workers=pool.size if pool.backend is SimBackend.PROCESS else None,
                      placement=None if placement is None else tuple(int(w) for w in placement),
                      max_wait_s=self.generator.max_wait_s,
-                     gen_sms=self.streams.split.generation if self.streams and self.streams.split else None)
+                     gen_sms=self.streams.split.generation if self.streams and self.streams.split else None,
+                     learner_threads=self._threads, affinity=self._affinity)
 
     async def run(self) -> None:
         while True:
@@ -92,6 +106,23 @@ class ResourceManager:
                      reason=d.reason)
         return decisions
 
+    def _set_affinity(self, mode: str) -> None:
+        plan = affinity.split_plan(self._cores, self.pool.size) if mode == "split" else None
+        if plan is None:  # back to sharing every core the run started with
+            plan = {"loop": self._cores, "learner": self._cores, "workers": self._cores}
+        affinity.pin(os.getpid(), plan["loop"])
+        affinity.pin(self.learner.remote.process.pid, plan["learner"])
+        for pid in self.pool.worker_pids():
+            affinity.pin(pid, plan["workers"])
+        self._affinity = mode
+
+    def close(self) -> None:
+        """Give this process back every core it started with (the children end with the run)."""
+        if self._affinity == "split":
+            affinity.pin(os.getpid(), self._cores)
+            self._affinity = "shared"
+        self.profiler.close()
+
     def finish(self) -> None:
         """The run ended: its last, partial window is a profile too (short runs get at least one)."""
         if self.profiler.clock() - self.profiler._last["t"] > 0:
@@ -105,6 +136,11 @@ class ResourceManager:
             self.driver.moves = {i: int(w) for i, w in enumerate(d.new) if now[i] != w}
         elif d.knob == "max_wait_s":
             self.generator.max_wait_s = float(d.new)
+        elif d.knob == "learner_threads":
+            self._threads = int(d.new)
+            self.learner.threads = self._threads  # sent with the next update
+        elif d.knob == "affinity":
+            self._set_affinity(d.new)
         elif d.knob == "gen_sms":
             # between batches and updates would be safer; resplit waits for both streams first
             self.streams.resplit(int(d.new))
