@@ -396,3 +396,21 @@ def test_learner_threads_reach_the_learner_process_with_the_next_update():
         assert remote.update(batch)[0]["threads"] == 2  # kept until changed again
     finally:
         remote.close(policy, SimpleNamespace(load_state_dict=lambda state: None))
+
+
+def test_a_timeline_does_not_change_the_profiles_waits():
+    """The barrier is its own cause in the profile whether or not a timeline observes the run
+    (the timeline's "act" spans the barrier; the profile's action wait does not)."""
+    from ebrl.runtime.profiler import Timeline
+
+    def run(timeline):
+        trainer = ebrl.Trainer(
+            env_fn=lambda i: MockEnv(latency=Latency.constant(0.010 if i == 0 else 0.001)),
+            policy=MockPolicy(act_dim=4, base_cost_s=0.0005), algo=NoopAlgo(base_cost_s=0.002),
+            config=ebrl.RunConfig(num_envs=4, segment_len=8, total_env_steps=2000, schedule="sync",
+                                  sim={"num_threads": 4}, resources={"epoch_s": 0.5}))
+        return run_virtual(trainer, timeline=timeline).profiles
+
+    plain, observed = run(None), run(Timeline())
+    assert plain[1]["waits_share"]["barrier"] > 0.3  # the fast envs wait for env 0
+    assert [p["waits_share"] for p in plain] == [p["waits_share"] for p in observed]

@@ -240,10 +240,12 @@ class Driver:
             if self.arrived[g] == len(self.group_ids[g]):
                 self.arrived[g] = 0
                 group = self.group_ids[g]
-                if self.timeline is None:  # the timeline counts the barrier as part of "act"
-                    now = self._loop.time()
-                    self.wait_barrier[group] += now - self.t_ready[group]
-                    self.t_ready[group] = now
+                # the time since each member came back was the barrier. t_ready stays at the
+                # arrival (the timeline's "act" spans the barrier too), so the action wait,
+                # measured from t_ready when the actions come, is credited it back now
+                barrier = self._loop.time() - self.t_ready[group]
+                self.wait_barrier[group] += barrier
+                self.wait_action[group] -= barrier
                 self._release(group)
 
     def _release(self, ids: np.ndarray) -> None:

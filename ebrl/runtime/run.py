@@ -69,20 +69,19 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
     pool = make_sim_pool(trainer.env_fn, cfg.num_envs, cfg.sim, backend, lanes)
     lockstep, lag = is_lockstep(cfg.schedule), effective_lag(cfg)
     rollout = RolloutQueue(cfg.num_envs, cfg.segment_len, cfg.segments_per_batch, lag, stats, lockstep, state)
-    generator = Generator(copy.deepcopy(trainer.policy), batch_target=generation_target(cfg),
-                          max_wait_s=_or(cfg.generation.max_wait_s, DEFAULT_MAX_WAIT_S), state=state,
-                          offload=cfg.generation.offload, inline_below_s=cfg.generation.inline_below_s,
-                          on_batch=rollout.mark_inflight, timeline=timeline)
     mode = learner_mode(cfg, trainer.policy, virtual)
     learner_threads = cfg.resources.learner_threads or cfg.torch_threads  # the learner process's
     streams = gpu_streams(trainer.policy) if mode is LearnerMode.THREAD and not virtual else None
+    generator = Generator(copy.deepcopy(trainer.policy), batch_target=generation_target(cfg),
+                          max_wait_s=_or(cfg.generation.max_wait_s, DEFAULT_MAX_WAIT_S), state=state,
+                          offload=cfg.generation.offload, inline_below_s=cfg.generation.inline_below_s,
+                          on_batch=rollout.mark_inflight, timeline=timeline, streams=streams)
     checkpoint = None
     if cfg.checkpoint_every_s is not None:
         checkpoint = Checkpointing(Path(cfg.log_dir) / "checkpoint.pt", cfg.checkpoint_every_s,
                                    type(trainer.policy).__name__, trainer.env_steps_done)
     # log_dir None: rows stay in memory (RunResult.history), nothing is written
     metrics = MetricsLog(cfg.log_dir)
-    generator.streams = streams
     learner = Learner(trainer.policy, trainer.algo, rollout, generator, stats, state,
                       pause_generation=lockstep or lag == 0, timeline=timeline, checkpoint=checkpoint,
                       metrics=metrics, streams=streams)
@@ -164,14 +163,20 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
     return result
 
 
+def policy_device(policy) -> torch.device | None:
+    """The device of a torch policy's first parameter; None for a policy without parameters."""
+    params = getattr(policy, "parameters", None)
+    first = next(iter(params()), None) if callable(params) else None
+    return None if first is None else first.device
+
+
 def gpu_streams(policy) -> GpuStreams | None:
     """Generation and training streams (green contexts where they work) for a policy on a CUDA
     device; None for one on the CPU."""
-    params = getattr(policy, "parameters", None)
-    first = next(iter(params()), None) if callable(params) else None
-    if first is None or first.device.type != "cuda":
+    device = policy_device(policy)
+    if device is None or device.type != "cuda":
         return None
-    streams = GpuStreams.create(device=first.device)
+    streams = GpuStreams.create(device=device)
     log.info("gpu_streams", **streams.describe())
     return streams
 
@@ -186,9 +191,8 @@ def learner_mode(cfg: RunConfig, policy, virtual: bool) -> LearnerMode:
         return LearnerMode.THREAD  # virtual time runs everything inline anyway
     if cfg.learner is not LearnerMode.AUTO:
         return cfg.learner
-    params = getattr(policy, "parameters", None)
-    first = next(iter(params()), None) if callable(params) else None
-    on_cpu = first is not None and first.device.type == "cpu"
+    device = policy_device(policy)
+    on_cpu = device is not None and device.type == "cpu"
     return LearnerMode.PROCESS if on_cpu and (os.cpu_count() or 1) >= 2 else LearnerMode.THREAD
 
 

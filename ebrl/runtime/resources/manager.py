@@ -125,7 +125,7 @@ class ResourceManager:
 
     def finish(self) -> None:
         """The run ended: its last, partial window is a profile too (short runs get at least one)."""
-        if self.profiler.clock() - self.profiler._last["t"] > 0:
+        if self.profiler.window_s > 0:
             self.profiles.append(self.profiler.take())
 
     def _apply(self, d: Decision) -> None:

@@ -195,6 +195,11 @@ class LiveProfiler:
             "updates": self.stats.updates, "learner_busy": self.learner.busy_s,
         }
 
+    @property
+    def window_s(self) -> float:
+        """Seconds since the last profile was taken (the window :meth:`take` would cover)."""
+        return self.clock() - self._last["t"]
+
     def close(self) -> None:
         if self.system is not None:
             self.system.close()  # NVML, where it was initialised
