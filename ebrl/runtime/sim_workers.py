@@ -325,7 +325,7 @@ class ProcessSimPool(SimPool):
                     times = worker.ps.cpu_times()
                     total = times.user + times.system
                 except (psutil.Error, ValueError):
-                    pass
+                    pass  # it ended between the check and the read: counts 0, like a dead one
             out.append(total)
         return out
 
