@@ -261,7 +261,7 @@ def test_resplit_only_in_green_mode():
 def test_real_torch_on_this_host_without_cuda():
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
-        pytest.skip("this host has CUDA")
+        pytest.skip("this host has CUDA: the CPU-fallback check needs a host without it (the fakes cover the rest)")
     s = GpuStreams.create()
     assert s.mode is StreamMode.CPU and s.fallback_reason == "CUDA is not available"
     with s.generation():
