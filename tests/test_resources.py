@@ -184,6 +184,86 @@ def test_max_wait_halves_when_batches_start_on_the_cap_while_the_generator_idles
     assert generation_rule(capped, Knobs("thread", max_wait_s=0.002), fixed, Memory()) is None
 
 
+def test_policy_calls_move_inline_when_the_generator_thread_waits_for_the_gil_and_back_when_they_grow():
+    from ebrl.runtime.resources.controller import offload_rule
+
+    limits = Limits(num_units=16, cpus=2)
+    # 100 batches of 100 us CPU that took 400 us each in the thread: they mostly waited
+    starved = profile(gen={"gen_batches": 100, "gen_rows": 800, "gen_busy_s": 0.04, "gen_cpu_s": 0.01,
+                           "offload": "thread"})
+    d = offload_rule(starved, Knobs("thread", offload="thread"), limits, Memory())
+    assert (d.old, d.new) == ("thread", "inline") and "GIL" in d.reason
+    # the same calls, not waiting: a thread lets the loop deliver meanwhile; keep it
+    fine = profile(gen={"gen_batches": 100, "gen_rows": 800, "gen_busy_s": 0.015, "gen_cpu_s": 0.01,
+                        "offload": "thread"})
+    assert offload_rule(fine, Knobs("thread", offload="thread"), limits, Memory()) is None
+    # inline calls of 2 ms CPU each stall the loop: back to the thread
+    heavy = profile(gen={"gen_batches": 100, "gen_rows": 800, "gen_busy_s": 0.2, "gen_cpu_s": 0.2,
+                         "offload": "inline"})
+    assert offload_rule(heavy, Knobs("thread", offload="inline"), limits, Memory()).new == "thread"
+    # a window that ran the other way (AUTO moved the calls meanwhile), or a user's choice: nothing
+    assert offload_rule(starved, Knobs("thread", offload="inline"), limits, Memory()) is None
+    fixed = Limits(num_units=16, cpus=2, fixed=frozenset({"offload"}))
+    assert offload_rule(starved, Knobs("thread", offload="thread"), fixed, Memory()) is None
+
+
+def test_batch_target_halves_only_for_an_idle_generator_thread_with_idle_cores_and_doubles_when_calls_are_full():
+    from ebrl.runtime.resources.controller import batch_target_rule
+
+    limits = Limits(num_units=16, cpus=2, num_envs=16)
+    # rows wait 500 us for batches that take 400 us, the thread busy 40%, half the cores idle
+    waiting = {"gen_batches": 1000, "gen_rows": 8000, "gen_busy_s": 0.4, "gen_wait_s": 4.0, "offload": "thread",
+               "loop_busy": 0.3, "system": {"cpu_util_mean": 50.0}}
+    d = batch_target_rule(profile(gen=waiting), Knobs("thread", batch_target=16), limits, Memory())
+    assert (d.old, d.new) == (16, 8) and "generator thread" in d.reason
+    # the cores are busy: more calls would take CPU from the sims
+    busy_cores = {**waiting, "system": {"cpu_util_mean": 90.0}}
+    assert batch_target_rule(profile(gen=busy_cores), Knobs("thread", batch_target=16), limits, Memory()) is None
+    # inline, the calls cost the loop that delivers every result: no smaller batches
+    inline = {**waiting, "offload": "inline"}
+    assert batch_target_rule(profile(gen=inline), Knobs("thread", batch_target=16), limits, Memory()) is None
+    # inline with the loop full and batches at the target: fuller batches
+    full = {**inline, "gen_rows": 4500, "loop_busy": 0.95}
+    d = batch_target_rule(profile(gen=full), Knobs("thread", batch_target=4), limits, Memory())
+    assert d.new == 8 and "fewer calls" in d.reason
+    assert batch_target_rule(profile(gen=full), Knobs("thread", batch_target=16), limits, Memory()) is None  # all
+    # no CPU clock (virtual time), or a user's target: nothing
+    virtual = {**waiting, "loop_busy": float("nan")}
+    assert batch_target_rule(profile(gen=virtual), Knobs("thread", batch_target=16), limits, Memory()) is None
+    fixed = Limits(num_units=16, cpus=2, fixed=frozenset({"batch_target"}))
+    assert batch_target_rule(profile(gen=waiting), Knobs("thread", batch_target=16), fixed, Memory()) is None
+
+
+def test_the_batch_target_waits_a_window_after_the_calls_move():
+    starved = profile(epoch=3, gen={"gen_batches": 1000, "gen_rows": 8000, "gen_busy_s": 0.4, "gen_cpu_s": 0.05,
+                                    "gen_wait_s": 4.0, "offload": "thread", "loop_busy": 0.3,
+                                    "system": {"cpu_util_mean": 50.0}})
+    knobs = Knobs("thread", offload="thread", batch_target=16)
+    decided = decide(starved, knobs, Limits(num_units=16, cpus=2, num_envs=16), Memory())
+    assert [d.knob for d in decided] == ["offload"]  # the target's window ran with the calls in the thread
+
+
+def test_worker_processes_multiply_when_their_steps_wait_and_halve_to_the_cores_when_they_compute():
+    from ebrl.runtime.resources.controller import workers_rule
+
+    limits = Limits(num_units=16, cpus=2)
+    placement = [0, 1] * 8
+    # each worker steps 8 envs x 0.12 s = 96% of the window, computing 1% of it (sleeping steps)
+    sleeping = profile(wall=0.12, cpu=0.0012, placement=placement)
+    d = workers_rule(sleeping, Knobs("process", workers=2, placement=tuple(placement)), limits, Memory())
+    assert (d.old, d.new) == (2, 8) and "wait" in d.reason  # bounded: 4x a step
+    # computing steps on more workers than cores: back to the cores
+    computing = profile(wall=0.03, cpu=0.03, placement=[0, 1, 2, 3, 4, 5, 6, 7] * 2)
+    d = workers_rule(computing, Knobs("process", workers=8, placement=tuple([0, 1, 2, 3, 4, 5, 6, 7] * 2)),
+                     limits, Memory())
+    assert d.new == 4  # halved at most
+    # workers with room, or a user's count: nothing
+    idle = profile(wall=0.05, cpu=0.0005, placement=placement)
+    assert workers_rule(idle, Knobs("process", workers=2, placement=tuple(placement)), limits, Memory()) is None
+    fixed = Limits(num_units=16, cpus=2, fixed=frozenset({"workers"}))
+    assert workers_rule(sleeping, Knobs("process", workers=2, placement=tuple(placement)), fixed, Memory()) is None
+
+
 # ---------------------------------------------------------------- the loop, in virtual time
 
 
@@ -211,7 +291,7 @@ def test_sleeping_envs_converge_to_enough_lanes_within_three_epochs():
 
 def test_explicit_lanes_are_kept():
     result = run_virtual(_sleepers(sim={"num_threads": 3}))
-    assert result.decisions == [] and result.sim_size == 3
+    assert "lanes" not in {d["knob"] for d in result.decisions} and result.sim_size == 3
     assert all(p["sim"]["lanes"] == 3 for p in result.profiles)
 
 
@@ -295,6 +375,38 @@ def test_policy_calls_run_on_the_generation_stream_and_new_weights_wait_for_the_
                              ("load", "generation"), ("act", "generation")]
 
 
+def test_the_generator_counts_the_cpu_time_of_its_calls_inline_and_in_its_thread():
+    import asyncio
+    import time
+
+    from ebrl.config import Offload
+    from ebrl.runtime.generation import Generator
+
+    class Spinning(MockPolicy):
+        def act(self, obs):
+            end = time.thread_time() + 0.002  # 2 ms of CPU in the calling thread
+            while time.thread_time() < end:
+                pass
+            return super().act(obs)
+
+    async def go(offload):
+        gen = Generator(Spinning(act_dim=2), batch_target=1, max_wait_s=0.0, live=1, offload=offload)
+        server = asyncio.create_task(gen.serve())
+        modes = [gen.offload_mode]
+        for _ in range(3):
+            await gen.act(0, np.zeros(3, np.float32))
+            modes.append(gen.offload_mode)
+        server.cancel()
+        return gen.cpu_s, modes
+
+    for offload in (Offload.INLINE, Offload.THREAD):
+        cpu, modes = asyncio.run(go(offload))
+        assert cpu >= 3 * 0.002 and set(modes) == {offload}
+    # AUTO: the first call in the thread, then inline until calls cost more than inline_below_s
+    _, modes = asyncio.run(go(Offload.AUTO))
+    assert modes[0] is Offload.THREAD and modes[-1] is Offload.THREAD and Offload.INLINE in modes
+
+
 # ---------------------------------------------------------------- migrations, on real worker processes
 
 
@@ -319,6 +431,60 @@ def test_measured_placement_migrates_envs_at_episode_ends_and_keeps_the_accounti
     assert result.migrations == moved > 0
     assert result.profiles[-1]["sim"]["placement"] == placed[-1]["new"]
     assert sum(result.steps_per_env) == result.env_steps
+
+
+def test_sleeping_envs_on_too_few_workers_get_more_and_move_there_with_every_step_counted():
+    """The issue's case: steps that sleep, put on worker processes (which step their envs one
+    after another). The controller forks more workers, off the loop, and moves envs there at
+    their episode ends; every step is counted once."""
+    trainer = ebrl.Trainer(
+        env_fn=lambda i: MockEnv(dim=3, episode_len=8, latency=Latency.constant(0.004)),
+        policy=MockPolicy(act_dim=3), algo=NoopAlgo(),
+        config=ebrl.RunConfig(num_envs=8, segment_len=8, total_env_steps=3000, sim={"backend": "process"},
+                              resources={"epoch_s": 0.25}))
+    result = ebrl.run_sync(trainer)
+    assert result.accounting_ok() and result.dropped == {}
+    grown = [d for d in result.decisions if d["knob"] == "workers"]
+    assert grown and grown[0]["new"] > grown[0]["old"] and "wait" in grown[0]["reason"]
+    assert result.sim_size == grown[-1]["new"] and result.migrations > 0
+    assert max(result.profiles[-1]["sim"]["placement"]) >= grown[0]["old"]  # envs run on the new workers
+    assert sum(result.steps_per_env) == result.env_steps
+
+
+def test_fewer_workers_retire_only_after_their_envs_have_moved_off():
+    from types import SimpleNamespace
+
+    from ebrl.config import Offload, SimBackend
+    from ebrl.runtime.resources.controller import Decision
+    from ebrl.runtime.resources.manager import ResourceManager
+
+    class Pool:
+        backend, resizable, size = SimBackend.PROCESS, False, 4
+        placement = np.array([0, 1, 2, 3] * 2)
+        resized = []
+
+        def migrate(self, *a):
+            raise AssertionError("the driver migrates, at episode ends")
+
+        def resize(self, n):
+            self.resized.append(n)
+            self.size = n
+
+    pool, driver = Pool(), SimpleNamespace(moves={})
+    gen = SimpleNamespace(max_wait_s=0.002, batch_target=8, offload_mode=Offload.INLINE)
+    cfg = ebrl.RunConfig(num_envs=8, sim={"backend": "process"})
+    profiler = SimpleNamespace(take=lambda: profile(n=8, placement=pool.placement), close=lambda: None)
+    mgr = ResourceManager(cfg, profiler, pool, driver, gen, virtual=False)
+    mgr.profiles.append(profile(n=8, mean_step=[4, 1, 1, 1, 1, 1, 1, 1], placement=pool.placement))
+    mgr._apply(Decision(3, "workers", 4, 2, "test"))
+    # every env on workers 2 and 3 moves, to 0 or 1 (others may move too: balanced by cost)
+    assert set(driver.moves) >= {2, 3, 6, 7} and set(driver.moves.values()) <= {0, 1}
+    mgr.epoch()
+    assert pool.resized == []  # envs still due to move: the workers keep them
+    pool.placement = np.array([0, 1, 0, 1] * 2)
+    driver.moves = {}
+    mgr.epoch()
+    assert pool.resized == [2]
 
 
 # ---------------------------------------------------------------- learner threads and CPU affinity

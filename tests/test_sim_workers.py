@@ -594,3 +594,44 @@ async def test_resize_adds_empty_workers_and_retires_only_empty_ones(tmp_path, s
     finally:
         pool.close()
     assert multiprocessing.active_children() == []
+
+
+async def test_grow_forks_workers_off_the_loop_that_envs_can_move_to(tmp_path, no_leaks):
+    pool = ProcessSimPool(PidEnvs(tmp_path), num_envs=3, num_workers=1)
+    col = await started(pool)
+    try:
+        ticks = 0
+
+        async def tick():  # the loop keeps running while the workers fork
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.ensure_future(tick())
+        await pool.grow(3)
+        ticker.cancel()
+        assert pool.size == 3 and len(pids(pool)) == 3 and ticks > 1
+        pid = pids(pool)
+        await pool.migrate(1, 1, seed=None)
+        await pool.migrate(2, 2, seed=None)
+        assert await step_all(pool, col, range(3)) == {0: pid[0], 1: pid[1], 2: pid[2]}
+        await pool.grow(2)  # no fewer: nothing to do
+        assert pool.size == 3
+    finally:
+        pool.close()
+    assert multiprocessing.active_children() == []
+
+
+async def test_a_grow_cancelled_mid_fork_leaves_no_process(tmp_path, no_leaks):
+    pool = ProcessSimPool(PidEnvs(tmp_path), num_envs=2, num_workers=1)
+    await started(pool)
+    try:
+        task = asyncio.ensure_future(pool.grow(4))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    finally:
+        pool.close()
+    assert multiprocessing.active_children() == []

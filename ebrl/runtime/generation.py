@@ -81,6 +81,7 @@ class Generator:
         self.request_wait_s = 0.0  # summed over rows: how long each waited for its batch to start
         self.capped_batches = 0  # batches started because the wait reached max_wait_s (not full, not all waiting)
         self.busy_s = 0.0  # time spent in policy calls
+        self.cpu_s = 0.0  # CPU time of the threads making them (wall over CPU: how long calls wait for the GIL)
         self._on_batch = on_batch  # (env ids, version) as a batch forms: the rollout marks them in flight
         self._timeline = timeline  # records lane "generator", "batch" (arg: batch size) per policy call
         self._pending: list[tuple[np.ndarray, Any, OnActions, float]] = []  # (ids, obs rows, callback, time)
@@ -212,11 +213,12 @@ class Generator:
                 if not virtual:
                     # CPU time, not wall: waiting for the GIL or a core under load is no reason to offload
                     cpu = time.thread_time() - cpu0
+                    self.cpu_s += cpu
                     self._cost_ewma = cpu if self._cost_ewma is None else 0.9 * self._cost_ewma + 0.1 * cpu
             else:
                 if self._executor is None:
                     self._executor = ThreadPoolExecutor(1, thread_name_prefix="ebrl-generator")
-                result = await loop.run_in_executor(self._executor, act, obs)
+                result = await loop.run_in_executor(self._executor, self._timed, act, obs)
                 spent = time.perf_counter() - t0
             if virtual and self._virtual_cost is not None:
                 spent = float(self._virtual_cost(rows))
@@ -236,6 +238,20 @@ class Generator:
             on_actions(ids, result, lo, hi, version)
             lo = hi
         self.request_wait_s += waited
+
+    def _timed(self, act, obs: Any) -> ActResult:
+        c0 = time.thread_time()  # in the generator thread: its own CPU time
+        try:
+            return act(obs)
+        finally:
+            self.cpu_s += time.thread_time() - c0
+
+    @property
+    def offload_mode(self) -> Offload:
+        """Where the next batch runs: ``INLINE`` or ``THREAD`` (``AUTO`` resolved as it stands)."""
+        if self.offload is Offload.AUTO:
+            return Offload.THREAD if not self._warmed else Offload.INLINE
+        return self.offload
 
     def _act_on_stream(self, obs: Any) -> ActResult:
         with self.streams.generation():  # the stream is per thread: entered where the call runs

@@ -288,6 +288,7 @@ class ProcessSimPool(SimPool):
         self.reply_hold_s = reply_hold_s
         self._workers: list[_Worker] = []
         self._retired: list[_Worker] = []  # told to quit by resize, joined at close
+        self._starting: list[_Worker] = []  # forked by grow(), not yet serving
         self._loop: asyncio.AbstractEventLoop | None = None
         self._rows: StepRows | None = None
         self._blocks: list[shared_memory.SharedMemory] = []
@@ -577,6 +578,27 @@ class ProcessSimPool(SimPool):
             self._watch(worker.conn.fileno(), self._on_readable, worker)
         self._num_workers = n
 
+    async def grow(self, n: int) -> None:
+        """:meth:`resize` up to ``n`` workers, forking each off the event loop (a fork copies this
+        process's page tables holding the GIL: milliseconds with torch loaded). A worker being
+        forked when the caller is cancelled, or the pool closed, is joined by :meth:`close`."""
+        self._check_open()
+
+        def spawn(w: int) -> _Worker:
+            worker = self._spawn(w, [], self._attach)
+            self._starting.append(worker)  # close() finds it there, whatever happens to the caller
+            return worker
+
+        for w in range(self._num_workers, int(n)):
+            worker = await in_thread(spawn, w, name="ebrl-sim-spawn")
+            if self._closed:  # closed while it forked: close() has joined the others
+                self._stop([worker])
+                return
+            self._starting.remove(worker)
+            self._workers.append(worker)
+            self._watch(worker.conn.fileno(), self._on_readable, worker)
+            self._num_workers = w + 1
+
     def _retire(self, worker: _Worker) -> None:
         self._flush_worker(worker)  # a drop not yet sent still closes its env
         with contextlib.suppress(Exception):
@@ -595,10 +617,19 @@ class ProcessSimPool(SimPool):
         for worker in self._workers:
             with contextlib.suppress(Exception):
                 self._loop.remove_reader(worker.conn.fileno())
+        self._stop(self._workers + self._retired + self._starting)
+        self._workers, self._retired, self._starting = [], [], []
+        _release(self._rows, self._blocks, unlink=True)
+        self._rows = None
+
+    @staticmethod
+    def _stop(workers: list[_Worker]) -> None:
+        """Tell ``workers`` to quit, then join them (5 s in all, then killed)."""
+        for worker in workers:
             with contextlib.suppress(Exception):
                 worker.conn.send_bytes(_QUIT)
         deadline = time.monotonic() + 5.0
-        for worker in self._workers + self._retired:
+        for worker in workers:
             worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
             if worker.process.is_alive():
                 worker.process.kill()
@@ -606,6 +637,3 @@ class ProcessSimPool(SimPool):
             worker.conn.close()
             for _, _, fut in worker.waiting:
                 fut.cancel()
-        self._workers, self._retired = [], []
-        _release(self._rows, self._blocks, unlink=True)
-        self._rows = None

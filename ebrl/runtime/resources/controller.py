@@ -53,6 +53,7 @@ import numpy as np
 from ebrl.runtime.resources.affinity import split_plan
 from ebrl.runtime.resources.gpu import plan_sm_split
 from ebrl.runtime.resources.profiler import EpochProfile
+from ebrl.runtime.sim_pool import WAITS_BELOW  # a step computing less of its wall time than this mostly waits
 
 MIN_STEPS_PER_UNIT = 4  # a window with fewer steps per unit says too little to act on
 
@@ -69,6 +70,8 @@ class Knobs:
     gen_sms: int | None = None  # generation's SMs (green contexts); None: no split to set
     learner_threads: int | None = None  # torch threads of the learner process; None: not adjustable
     affinity: str | None = None  # "shared" (every core for everyone) or "split"; None: not adjustable
+    offload: str | None = None  # where policy calls run: "inline" or "thread"; None: not adjustable
+    batch_target: int | None = None  # rows that start a batch at once; None: not adjustable
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,7 @@ class Limits:
 
     num_units: int
     cpus: int
+    num_envs: int = 0  # envs (rows); 0: one per unit
     fixed: frozenset[str] = frozenset()  # knob names the user set: never changed
     lane_wait_above: float = 0.1
     imbalance_above: float = 0.1
@@ -122,7 +126,7 @@ class Memory:
 REVERT_BELOW = 0.95  # a change whose next full window runs below this fraction of the one before is undone
 FROZEN_EPOCHS = 10  # and its knob is left alone this long
 # lanes grow on a direct signal (lane waits), not on trial
-ON_TRIAL = ("placement", "max_wait_s", "gen_sms", "learner_threads", "affinity")
+ON_TRIAL = ("placement", "workers", "offload", "max_wait_s", "batch_target", "gen_sms", "learner_threads", "affinity")
 
 
 def decide(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> list[Decision]:
@@ -138,7 +142,7 @@ def decide(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) 
     if profile.total_steps < MIN_STEPS_PER_UNIT * limits.num_units:
         return out
     reverted = {d.knob for d in out}
-    for rule in (lanes_rule, placement_rule, generation_rule, sm_split_rule, threads_rule, affinity_rule):
+    for rule in RULES:
         d = rule(profile, knobs, limits, memory)
         if d is None or d.knob in reverted:
             continue
@@ -246,7 +250,9 @@ def spread(costs: np.ndarray, placement: np.ndarray, workers: int) -> float:
 def placement_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> Decision | None:
     if knobs.placement is None or not knobs.workers or knobs.workers < 2 or "placement" in limits.fixed:
         return None
-    if _settling("placement", profile, memory) or np.isnan(profile.mean_step_s).any():
+    if _settling("placement", profile, memory) or _settling("workers", profile, memory):
+        return None
+    if np.isnan(profile.mean_step_s).any():
         return None
     w = knobs.workers
     current = np.asarray(knobs.placement)
@@ -273,6 +279,8 @@ def generation_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory:
     wait = knobs.max_wait_s
     if wait is None or "max_wait_s" in limits.fixed or _settling("max_wait_s", profile, memory):
         return None
+    if _settling("offload", profile, memory):  # the calls just moved: the window ran the old way
+        return None
     if not profile.gen_batches:
         return None
     capped = profile.gen_capped / profile.gen_batches
@@ -287,6 +295,105 @@ def generation_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory:
         return Decision(profile.epoch, "max_wait_s", wait, round(new, 6),
                         f"the generator was busy {busy:.0%} of the time with batches of {mean:.1f} of "
                         f"{profile.live_envs} live envs: fuller batches take fewer policy calls")
+    return None
+
+
+INLINE_UP_TO_S = 0.001  # a policy call of more CPU than this runs in a thread: inline it would stall the loop
+GIL_WAIT_ABOVE = 2.0  # thread calls this many times longer than their CPU time mostly wait for the GIL
+
+
+def offload_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> Decision | None:
+    """Policy calls inline on the event loop, or in the generator's thread.
+
+    A thread lets the loop deliver sim results while the policy runs, but a call in it must win
+    the GIL from the loop and from lane threads stepping Python envs: when its wall time is over
+    ``GIL_WAIT_ABOVE`` times its CPU time (it mostly waits) and it costs under ``INLINE_UP_TO_S``
+    of CPU, inline is cheaper. Back to the thread when inline calls cost more than that."""
+    mode = knobs.offload
+    if mode is None or "offload" in limits.fixed or _settling("offload", profile, memory):
+        return None
+    if not profile.gen_batches or profile.gen_cpu_s <= 0 or profile.offload != mode:
+        return None  # the window ran (partly) the other way: judge on one that did not
+    cpu, wall = profile.gen_cpu_per_batch_s, profile.gen_latency_s
+    if mode == "thread" and cpu < INLINE_UP_TO_S and wall > GIL_WAIT_ABOVE * cpu:
+        return Decision(profile.epoch, "offload", "thread", "inline",
+                        f"policy calls in the generator thread took {wall * 1e6:.0f} us for {cpu * 1e6:.0f} us "
+                        f"of CPU: they wait for the GIL; on the event loop they cost about their CPU time")
+    if mode == "inline" and cpu > INLINE_UP_TO_S:
+        return Decision(profile.epoch, "offload", "inline", "thread",
+                        f"policy calls cost {cpu * 1e3:.1f} ms of CPU each on the event loop (over "
+                        f"{INLINE_UP_TO_S * 1e3:.0f} ms): in a thread the loop delivers sim results meanwhile")
+    return None
+
+
+LOOP_FULL_ABOVE = 0.85  # the event loop busy over this share of the window is the bottleneck
+
+
+def batch_target_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> Decision | None:
+    """The rows that start a batch at once (without waiting for the adaptive wait to run out).
+
+    Halved when the policy runs in the generator thread, rows wait for their batch to start
+    over half a batch's latency, and both that thread (busy under half the time) and the cores
+    (a quarter idle) have room for more calls: the wait only holds envs back. Inline calls are
+    left at their target: there the calls cost the event loop, which also delivers every sim
+    result, and smaller batches measured no faster (``bench/suites/controller.py``, mixed and
+    long-tail workloads). Doubled, up to every env, when whatever makes the calls is full (the
+    generator thread over 80% busy, or the loop over ``LOOP_FULL_ABOVE`` inline) and batches
+    start at the target: fuller batches take fewer calls."""
+    target = knobs.batch_target
+    if target is None or "batch_target" in limits.fixed or _settling("batch_target", profile, memory):
+        return None
+    if _settling("offload", profile, memory):  # the calls just moved: the window ran the old way
+        return None
+    if not profile.gen_batches or np.isnan(profile.loop_busy):
+        return None
+    n = limits.num_envs or limits.num_units
+    inline = profile.offload == "inline"
+    caller = profile.loop_busy if inline else profile.gen_busy
+    who = "the event loop" if inline else "the generator thread"
+    mean = profile.gen_rows / profile.gen_batches
+    wait, latency = profile.gen_request_wait_s, profile.gen_latency_s
+    idle = 100.0 - profile.system.get("cpu_util_mean", 100.0)
+    if not inline and caller < 0.5 and idle > 25.0 and wait > 0.5 * latency and target > 1:
+        new = max(1, target // 2)
+        return Decision(profile.epoch, "batch_target", target, new,
+                        f"rows waited {wait * 1e6:.0f} us on average for their batch to start (a batch takes "
+                        f"{latency * 1e6:.0f} us) while the generator thread was busy {caller:.0%} of the time and "
+                        f"the cores idled {idle:.0f}%: a batch starts once {new} rows wait")
+    if caller > (LOOP_FULL_ABOVE if inline else 0.8) and target < n and mean <= 1.5 * target:
+        new = min(n, target * 2)
+        return Decision(profile.epoch, "batch_target", target, new,
+                        f"{who}, which makes the policy calls, was busy {caller:.0%} of the time with batches of "
+                        f"{mean:.1f} rows (the target {target}): fuller batches take fewer calls")
+    return None
+
+
+def workers_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> Decision | None:
+    """The number of sim worker processes (each steps its envs one after another).
+
+    Up to 4x, at most one per env, when the workers step over 90% of the time but their steps
+    mostly wait (worker CPU under half their wall time): more workers overlap the waits. Halved,
+    to no fewer than the cores, when there are more workers than cores and the steps compute:
+    extra workers only time-slice the cores. The envs are then placed on the new count by
+    measured cost (longest first) and move at their episode ends."""
+    w = knobs.workers
+    if w is None or knobs.placement is None or "workers" in limits.fixed or _settling("workers", profile, memory):
+        return None
+    if _settling("placement", profile, memory) or np.isnan(profile.mean_step_s).any():
+        return None
+    placement = np.asarray(knobs.placement)
+    busy = np.bincount(placement, weights=profile.wall_s, minlength=w) / profile.window_s
+    cpu = float(profile.cpu_s.sum()) / max(float(profile.wall_s.sum()), 1e-12)
+    if busy.mean() > 0.9 and cpu < WAITS_BELOW and w < limits.num_units:
+        new = min(limits.num_units, 4 * w)
+        return Decision(profile.epoch, "workers", w, new,
+                        f"the {w} workers stepped {busy.mean():.0%} of the window, their steps computing only "
+                        f"{cpu:.0%} of that time (they wait): {new} workers overlap the waits")
+    if w > limits.cpus and cpu >= WAITS_BELOW:
+        new = max(limits.cpus, math.ceil(w / 2))
+        return Decision(profile.epoch, "workers", w, new,
+                        f"{w} workers on {limits.cpus} cores, their steps computing {cpu:.0%} of their time: "
+                        f"{new} workers, the rest only time-slice the cores")
     return None
 
 
@@ -330,6 +437,10 @@ def affinity_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: M
     return Decision(profile.epoch, "affinity", "shared", "split",
                     f"{limits.cpus} cores: the event loop on {plan['loop']}, the learner on {plan['learner']}, "
                     f"the {knobs.workers} sim workers on {plan['workers'][0]}-{plan['workers'][-1]}")
+
+
+RULES = (lanes_rule, workers_rule, placement_rule, offload_rule, generation_rule, batch_target_rule, sm_split_rule,
+         threads_rule, affinity_rule)
 
 
 def apply(knobs: Knobs, decisions: list[Decision]) -> Knobs:

@@ -9,7 +9,12 @@ applies each decision where it acts:
   never interrupts a step);
 - ``placement``: the driver moves each env at its next episode end (the process pool rebuilds
   it from ``env_fn`` in its new worker: no sample is lost, migrations are counted);
-- ``max_wait_s``: the generator's batch-fill wait, from its next batch;
+- ``workers``: new worker processes are forked (off the loop) and envs placed on them by cost;
+  fewer: the envs on the workers past the new count move off at their episode ends, then those
+  workers retire;
+- ``max_wait_s``, ``batch_target``: the generator's batch-fill wait and the rows that start a
+  batch at once, from its next batch;
+- ``offload``: policy calls inline on the event loop or in the generator thread, from the next batch;
 - ``gen_sms``: new green contexts for generation and training (:meth:`GpuStreams.resplit`);
 - ``learner_threads``: torch threads of the learner process, sent with the next update;
 - ``affinity``: every thread of this process, the learner process and the workers pinned to
@@ -25,9 +30,11 @@ from __future__ import annotations
 import asyncio
 import os
 
-from ebrl.config import RunConfig, SimBackend
+import numpy as np
+
+from ebrl.config import Offload, RunConfig, SimBackend
 from ebrl.runtime.resources import affinity
-from ebrl.runtime.resources.controller import Decision, Knobs, Limits, Memory, decide, postpone_trials
+from ebrl.runtime.resources.controller import Decision, Knobs, Limits, Memory, decide, lpt_placement, postpone_trials
 from ebrl.runtime.resources.gpu import GpuStreams, StreamMode
 from ebrl.runtime.resources.profiler import EpochProfile, LiveProfiler
 from ebrl.telemetry.logging import get_logger
@@ -40,8 +47,14 @@ def fixed_knobs(cfg: RunConfig) -> frozenset[str]:
     fixed = set()
     if cfg.sim.num_threads is not None or cfg.sim.num_workers is not None:
         fixed.add("lanes")
+    if cfg.sim.num_workers is not None:
+        fixed.add("workers")
     if cfg.generation.max_wait_s is not None:
         fixed.add("max_wait_s")
+    if cfg.generation.batch_target is not None:
+        fixed.add("batch_target")
+    if cfg.generation.offload is not Offload.AUTO:
+        fixed.add("offload")
     return frozenset(fixed)
 
 
@@ -60,7 +73,10 @@ class ResourceManager:
         self.profiles: list[EpochProfile] = []
         self.decisions: list[Decision] = []
         self.memory = Memory()
-        self.limits = Limits(num_units=cfg.num_envs // cfg.sim.vector_size,
+        self.virtual = virtual
+        self._retire_to: int | None = None  # workers to keep once the envs moving off the rest have moved
+        self._grow_to: int | None = None  # workers to start (forks run off the loop, in run())
+        self.limits = Limits(num_units=cfg.num_envs // cfg.sim.vector_size, num_envs=cfg.num_envs,
                              cpus=len(self._cores) if self._cores else os.cpu_count() or 1,
                              fixed=fixed_knobs(cfg), lane_wait_above=cfg.resources.lane_wait_above,
                              imbalance_above=cfg.resources.imbalance_above,
@@ -81,12 +97,22 @@ class ResourceManager:
                      placement=None if placement is None else tuple(int(w) for w in placement),
                      max_wait_s=self.generator.max_wait_s,
                      gen_sms=self.streams.split.generation if self.streams and self.streams.split else None,
-                     learner_threads=self._threads, affinity=self._affinity)
+                     learner_threads=self._threads, affinity=self._affinity,
+                     offload=None if self.virtual else self.generator.offload_mode.value,
+                     batch_target=self.generator.batch_target)
 
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.resources.epoch_s)
             self.epoch()
+            if self._grow_to is not None:
+                await self._grow()
+
+    async def _grow(self) -> None:
+        """Start the workers a ``workers`` decision asked for, then move envs onto them by cost."""
+        n, self._grow_to = self._grow_to, None
+        await self.pool.grow(n)
+        self._place_on(n)
 
     def epoch(self) -> list[Decision]:
         """Take this epoch's profile; decide and apply (with ``resources.adapt``)."""
@@ -95,7 +121,9 @@ class ResourceManager:
         self.knobs = self._current()
         if not self.cfg.resources.adapt:
             return []
-        if self.driver.moves:  # envs still waiting for their episode end to move: nothing else changes
+        if self._retire_to is not None and not self.driver.moves:
+            self._retire()
+        if self.driver.moves or self._grow_to is not None:  # a change under way: nothing else changes
             postpone_trials(self.memory, profile.epoch)
             return []
         decisions = decide(profile, self.knobs, self.limits, self.memory)
@@ -105,6 +133,25 @@ class ResourceManager:
             log.info("resource_decision", epoch=d.epoch, knob=d.knob, old=_short(d.old), new=_short(d.new),
                      reason=d.reason)
         return decisions
+
+    def _retire(self) -> None:
+        """The envs have left the workers past ``_retire_to``: retire those workers (unless a
+        migration failed and left an env there, which keeps its worker)."""
+        n, self._retire_to = self._retire_to, None
+        left = np.flatnonzero(self.pool.placement >= n).tolist()
+        if left:
+            log.warning("workers_kept", workers=self.pool.size, wanted=n, envs_left=left)
+            return
+        self.pool.resize(n)
+
+    def _place_on(self, n: int) -> None:
+        """Place every env on workers ``0..n-1`` by measured cost per step (longest first),
+        keeping as many where they are as possible; they move at their episode ends."""
+        profile = self.profiles[-1]
+        costs = np.nan_to_num(profile.mean_step_s, nan=float(np.nanmean(profile.mean_step_s)))
+        now = self.pool.placement
+        new = lpt_placement(costs, n, np.minimum(now, n - 1))
+        self.driver.moves = {i: int(w) for i, w in enumerate(new.tolist()) if now[i] != w}
 
     def _set_affinity(self, mode: str) -> None:
         plan = affinity.split_plan(self._cores, self.pool.size) if mode == "split" else None
@@ -134,8 +181,20 @@ class ResourceManager:
         elif d.knob == "placement":
             now = self.pool.placement
             self.driver.moves = {i: int(w) for i, w in enumerate(d.new) if now[i] != w}
+        elif d.knob == "workers":
+            n = int(d.new)
+            if n > self.pool.size:
+                self._grow_to = n
+            else:
+                self._place_on(n)
+                self._retire_to = n
         elif d.knob == "max_wait_s":
             self.generator.max_wait_s = float(d.new)
+        elif d.knob == "batch_target":
+            self.generator.batch_target = int(d.new)
+            self.generator.poke()  # rows waiting now may already make a batch
+        elif d.knob == "offload":
+            self.generator.offload = Offload(d.new)
         elif d.knob == "learner_threads":
             self._threads = int(d.new)
             self.learner.threads = self._threads  # sent with the next update

@@ -14,10 +14,13 @@ subtracts the previous snapshot. An :class:`EpochProfile` holds, for one window:
   result: the round trip minus the step and the lane wait; long when the loop is busy),
   ``action`` (ready, waiting for its action), ``barrier`` (the lockstep schedules: waiting for
   the group's slowest member) and ``backpressure`` (parked on a full rollout queue);
-- **generation**: batches, rows, busy seconds, the rows' summed wait for their batch to start,
+- **generation**: batches, rows, busy seconds and the calling thread's CPU seconds (wall
+  well over CPU: the calls wait for the GIL), where the calls ran (inline or a thread), the rows' summed wait for their batch to start,
   the batches started because that wait reached ``max_wait_s``, and the batch target and
   maximum wait in force;
 - **learner**: updates and busy seconds;
+- **the event loop**: its thread's CPU time over the window (``loop_busy``; near 1: the loop,
+  which runs the driver, the sim pool's delivery and inline policy calls, is the bottleneck);
 - **cores**: utilisation of each core (psutil), and GPU SM and memory use (pynvml) where there is one.
 
     >>> import ebrl
@@ -35,6 +38,7 @@ subtracts the previous snapshot. An :class:`EpochProfile` holds, for one window:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +67,9 @@ class EpochProfile:
     gen_batches: int = 0
     gen_rows: int = 0
     gen_busy_s: float = 0.0
+    gen_cpu_s: float = 0.0  # CPU seconds of the threads making the policy calls
+    offload: str = ""  # where policy calls ran at the window's end: "inline" or "thread"
+    loop_busy: float = float("nan")  # the event loop thread's CPU time over the window (NaN: virtual time)
     gen_wait_s: float = 0.0  # rows' summed wait for their batch to start
     gen_capped: int = 0  # batches started when their wait reached max_wait_s
     batch_target: int = 0
@@ -120,6 +127,10 @@ class EpochProfile:
         return self.gen_busy_s / self.gen_batches if self.gen_batches else 0.0
 
     @property
+    def gen_cpu_per_batch_s(self) -> float:
+        return self.gen_cpu_s / self.gen_batches if self.gen_batches else 0.0
+
+    @property
     def gen_request_wait_s(self) -> float:
         return self.gen_wait_s / self.gen_rows if self.gen_rows else 0.0
 
@@ -145,6 +156,7 @@ class EpochProfile:
             "generation": {"batches": self.gen_batches, "mean_batch": round(self.gen_rows / self.gen_batches, 2)
                            if self.gen_batches else 0.0, "busy": round(self.gen_busy, 3),
                            "latency_us": round(self.gen_latency_s * 1e6, 1),
+                           "cpu_us": round(self.gen_cpu_per_batch_s * 1e6, 1), "offload": self.offload,
                            "request_wait_us": round(self.gen_request_wait_s * 1e6, 1),
                            "capped_batches": self.gen_capped,
                            # rows waiting for a batch, on average (Little's law)
@@ -154,6 +166,7 @@ class EpochProfile:
                         "idle": round(max(0.0, 1.0 - self.learner_busy_s / self.window_s), 3),
                         "update_s": round(self.learner_busy_s / self.updates, 4) if self.updates else 0.0},
             "system": {k: round(v, 1) for k, v in self.system.items()},
+            "loop_busy": None if np.isnan(self.loop_busy) else round(self.loop_busy, 3),
         }
         out["sim"]["share"] = round(self.sim_s / env_time, 4)
         if self.placement is not None:
@@ -187,11 +200,11 @@ class LiveProfiler:
             costs = np.zeros((n, 4))
         batches = g.batch_sizes
         return {
-            "t": self.clock(), "costs": costs,
+            "t": self.clock(), "costs": costs, "loop_cpu": time.thread_time(),  # taken on the loop thread
             "sim": d.wait_sim.copy(), "action": d.wait_action.copy(), "barrier": d.wait_barrier.copy(),
             "backpressure": d.wait_blocked.copy(),
             "gen_batches": sum(batches.values()), "gen_rows": sum(k * v for k, v in batches.items()),
-            "gen_busy": g.busy_s, "gen_wait": g.request_wait_s, "gen_capped": g.capped_batches,
+            "gen_busy": g.busy_s, "gen_cpu": g.cpu_s, "gen_wait": g.request_wait_s, "gen_capped": g.capped_batches,
             "updates": self.stats.updates, "learner_busy": self.learner.busy_s,
         }
 
@@ -223,13 +236,17 @@ class LiveProfiler:
             waits={"lane": dc[:, QUEUE], "delivery": np.maximum(roundtrip - wall - dc[:, QUEUE], 0.0),
                    **{c: now[c] - last[c] for c in ("action", "barrier", "backpressure")}},
             gen_batches=now["gen_batches"] - last["gen_batches"], gen_rows=now["gen_rows"] - last["gen_rows"],
-            gen_busy_s=now["gen_busy"] - last["gen_busy"], gen_wait_s=now["gen_wait"] - last["gen_wait"],
+            gen_busy_s=now["gen_busy"] - last["gen_busy"], gen_cpu_s=now["gen_cpu"] - last["gen_cpu"],
+            offload=self.generator.offload_mode.value, gen_wait_s=now["gen_wait"] - last["gen_wait"],
             gen_capped=now["gen_capped"] - last["gen_capped"],
             batch_target=self.generator.batch_target, max_wait_s=self.generator.max_wait_s,
             live_envs=self.generator.live, updates=now["updates"] - last["updates"],
             learner_busy_s=now["learner_busy"] - last["learner_busy"],
             placement=None if placement is None else np.asarray(placement),
             system=self.system.sample() if self.system is not None else {},
+            # under virtual time (no system sampler) CPU time says nothing about the simulated run
+            loop_busy=(now["loop_cpu"] - last["loop_cpu"]) / max(now["t"] - last["t"], 1e-9)
+            if self.system is not None else float("nan"),
         )
         self.epoch += 1
         return profile
