@@ -46,6 +46,7 @@ class SimBackend(enum.StrEnum):
     INLINE = "inline"  # on the event loop thread (cheap envs, virtual time)
     THREAD = "thread"  # a pool of lane threads (simulators that release the GIL)
     PROCESS = "process"  # worker processes hosting the envs (GIL-bound Python envs)
+    MIXED = "mixed"  # both: each env on lanes or in a worker, moved there by its measured step
 
 
 class Offload(enum.StrEnum):

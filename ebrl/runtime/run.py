@@ -66,7 +66,9 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
         torch.set_num_threads(cfg.torch_threads)
     stats = RunStats()
     state = RunState(budget=cfg.total_env_steps, active=cfg.num_envs)
-    pool = make_sim_pool(trainer.env_fn, cfg.num_envs, cfg.sim, backend, lanes)
+    # AUTO's choice is a start: the controller may move envs between lanes and workers
+    movable = cfg.sim.backend is SimBackend.AUTO and cfg.resources.adapt and not virtual
+    pool = make_sim_pool(trainer.env_fn, cfg.num_envs, cfg.sim, backend, lanes, movable=movable)
     lockstep, lag = is_lockstep(cfg.schedule), effective_lag(cfg)
     rollout = RolloutQueue(cfg.num_envs, cfg.segment_len, cfg.segments_per_batch, lag, stats, lockstep, state)
     mode = learner_mode(cfg, trainer.policy, virtual)

@@ -64,8 +64,11 @@ class _LocalEnvs(SimPool):
         self.vector_size = vector_size
         self.num_units = num_envs // vector_size
         self.rows: StepRows | None = None
-        self.envs: list[gym.Env] = []
+        self.envs: list[gym.Env | None] = []  # None: hosted elsewhere (a mixed pool's other part)
         self.virtual = False  # under virtual time a step's cost is the one it declares
+        # which units to build at start (None: all), and the spaces when it builds none
+        self.hosted: set[int] | None = None
+        self.spaces: tuple[gym.Space, gym.Space] | None = None
 
     async def _build_all(self) -> None:
         """Build every unit off the event loop (a private thread, joined here): 64 MuJoCo envs
@@ -78,8 +81,10 @@ class _LocalEnvs(SimPool):
         await in_thread(self._build_units, name="ebrl-sim-build")
 
     def _build_units(self) -> None:
-        self.envs = [self._build(u) for u in range(self.num_units)]
-        self.observation_space, self.action_space = single_spaces(self.envs[0])
+        hosted = self.hosted
+        self.envs = [self._build(u) if hosted is None or u in hosted else None for u in range(self.num_units)]
+        first = next((env for env in self.envs if env is not None), None)
+        self.observation_space, self.action_space = self.spaces if first is None else single_spaces(first)
         self.rows = StepRows(self.num_envs, self.observation_space, self.action_space)
 
     def _build(self, unit: int) -> gym.Env:
@@ -129,9 +134,7 @@ class _LocalEnvs(SimPool):
         return declared
 
     def _reset_unit(self, unit: int, seed: Any) -> tuple[Any, Any]:
-        if self.vector_size == 1:
-            return reset_env(self.envs[unit], seed)
-        return reset_vector_env(self.envs[unit], seed)
+        return self._reset_with(self.envs[unit], seed)
 
     def _rebuild_unit(self, unit: int) -> None:
         close_quietly(self.envs[unit])
@@ -140,9 +143,28 @@ class _LocalEnvs(SimPool):
     def _errors(self, unit: int, exc: BaseException) -> list[tuple[int, str]]:
         return [(i, describe(exc)) for i in self._ids(unit).tolist()]
 
+    def _adopt_unit(self, unit: int, seed: Any) -> tuple[Any, Any]:
+        """Build unit ``unit`` here (it was hosted elsewhere) and reset it; nothing is kept if either fails."""
+        env = self._build(unit)
+        try:
+            out = self._reset_with(env, seed)
+        except Exception as exc:
+            close_quietly(env)
+            raise EnvStepError(unit, "reset", describe(exc)) from exc
+        self.envs[unit] = env
+        return out
+
+    def _drop_unit(self, unit: int) -> None:
+        env, self.envs[unit] = self.envs[unit], None
+        close_quietly(env)
+
+    def _reset_with(self, env: gym.Env, seed: Any) -> tuple[Any, Any]:
+        return reset_env(env, seed) if self.vector_size == 1 else reset_vector_env(env, seed)
+
     def _close_envs(self) -> None:
         for env in self.envs:
-            close_quietly(env)
+            if env is not None:
+                close_quietly(env)
         self.envs = []
 
 
@@ -360,6 +382,15 @@ class ThreadSimPool(_LocalEnvs):
 
     async def rebuild(self, unit: int) -> None:
         await self._submit_call(unit, "env_fn", self._rebuild_unit, unit)
+
+    async def adopt(self, unit: int, seed: Any = None) -> tuple[Any, Any]:
+        """Build unit ``unit`` from ``env_fn`` in a lane and reset it (it moves here from a
+        mixed pool's workers); :class:`EnvStepError` (op ``env_fn`` or ``reset``) keeps nothing."""
+        return await self._submit_call(unit, "env_fn", self._adopt_unit, unit, seed)
+
+    async def drop(self, unit: int) -> None:
+        """Close unit ``unit`` and forget it (it moved elsewhere)."""
+        await self._submit_call(unit, "close", self._drop_unit, unit)
 
     def close(self) -> None:
         for _ in self._threads:

@@ -8,6 +8,8 @@ Three backends (:class:`~ebrl.config.SimBackend`), one file a role:
   thread hop; virtual time), ``ThreadSimPool`` on lane threads (simulators that release the GIL).
 - ``sim_workers.py``: ``ProcessSimPool`` hosts the envs in worker processes (GIL-bound Python
   envs, which is most gymnasium envs).
+- ``sim_mixed.py``: ``MixedSimPool`` holds both, each env on lanes or in a worker; the resource
+  controller moves envs between them by their measured steps (AUTO runs use it).
 - here: :func:`make_sim_pool` and the ``auto`` rule, which measures a step's wall and CPU time
   and picks a backend (and, for threads, the lanes).
 
@@ -45,6 +47,7 @@ from dataclasses import dataclass
 
 from ebrl.config import ConfigError, SimBackend, SimConfig
 from ebrl.runtime.sim_local import InlineSimPool, ThreadSimPool
+from ebrl.runtime.sim_mixed import MixedSimPool
 from ebrl.runtime.sim_types import (
     EnvFn,
     EnvStepError,
@@ -67,7 +70,7 @@ DEFAULT_LANES = 2  # thread lanes when neither the probe nor sim.num_threads say
 own = copy_tree  # the name this module gave it before the split
 
 __all__ = [
-    "EnvFn", "EnvStepError", "InlineSimPool", "ProcessSimPool", "SimPool", "StepOut", "ThreadSimPool",
+    "EnvFn", "EnvStepError", "InlineSimPool", "MixedSimPool", "ProcessSimPool", "SimPool", "StepOut", "ThreadSimPool",
     "StepProfile", "all_finite", "choose_backend", "close_quietly", "decide_backend", "decide_lanes", "make_sim_pool",
     "measure_step_cost",
     "own", "probe_backend", "reset_env", "single_spaces", "step_env",
@@ -210,9 +213,12 @@ def _probe_main(conn, env_fn: EnvFn, cfg: SimConfig, num_envs: int) -> None:
 
 
 def make_sim_pool(env_fn: EnvFn, num_envs: int, cfg: SimConfig, backend: SimBackend | None = None,
-                  lanes: int | None = None) -> SimPool:
+                  lanes: int | None = None, movable: bool = False) -> SimPool:
     """A pool for ``num_envs`` envs: ``num_envs // cfg.vector_size`` vector envs when that is > 1.
-    Thread lanes: ``lanes`` (the probe's), else ``cfg.num_threads``, else 2."""
+    Thread lanes: ``lanes`` (the probe's), else ``cfg.num_threads``, else 2. With ``movable``
+    (AUTO chose ``backend`` and the controller may move envs), thread or process envs go in a
+    :class:`~ebrl.runtime.sim_mixed.MixedSimPool`, starting on ``backend``: envs can then move
+    between lanes and workers. ``sim.backend="mixed"`` asks for that pool, starting on lanes."""
     backend = backend or cfg.backend
     lanes = lanes or cfg.num_threads or DEFAULT_LANES
     size = cfg.vector_size
@@ -227,6 +233,13 @@ def make_sim_pool(env_fn: EnvFn, num_envs: int, cfg: SimConfig, backend: SimBack
     elif backend is SimBackend.AUTO:
         backend, probed, _ = choose_backend(env_fn, cfg, num_envs)
         lanes = probed or lanes
+    if backend is SimBackend.MIXED or (movable and size == 1 and backend in (SimBackend.THREAD, SimBackend.PROCESS)):
+        if size > 1:
+            raise ConfigError("sim.backend", "mixed", f"vector envs (sim.vector_size={size}) step in this "
+                              "process: use 'thread', 'inline' or 'auto'")
+        start = SimBackend.PROCESS if backend is SimBackend.PROCESS else SimBackend.THREAD
+        return MixedSimPool(env_fn, num_envs, lanes, cfg.num_workers or os.cpu_count() or 1, start,
+                            cfg.start_method, reply_hold_s=cfg.reply_hold_s)
     if backend is SimBackend.INLINE:
         return InlineSimPool(env_fn, num_envs, num_lanes=lanes, vector_size=size)
     if backend is SimBackend.THREAD:

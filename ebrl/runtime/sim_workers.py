@@ -72,6 +72,8 @@ from ebrl.runtime.sim_types import (
 from ebrl.runtime.threads import in_thread
 from ebrl.spaces import index, tree_map
 
+NOWHERE = -1  # the placement of an env this pool does not host (a mixed pool's env on thread lanes)
+
 # message tags. Parent to worker: step ids, pickled requests, quit. Worker to parent: step ids,
 # pickled (step ids, errors), pickled request replies.
 _STEP, _ERRORS, _PICKLED, _QUIT = b"S", b"E", b"P", b"Q"
@@ -374,6 +376,29 @@ class ProcessSimPool(SimPool):
             self.close()
             raise
 
+    async def start_empty(self, obs_space: gym.Space, act_space: gym.Space) -> None:
+        """Start hosting no env and no worker yet (a mixed pool's workers, before any env moves
+        there): :meth:`grow` adds workers, :meth:`migrate` moves envs in (placement ``NOWHERE``
+        until then)."""
+        self._loop = asyncio.get_running_loop()
+        resource_tracker.ensure_running()
+        self.observation_space, self.action_space = obs_space, act_space
+        self._rows = StepRows(self.num_envs, obs_space, act_space, alloc=_shm_alloc(self._blocks))
+        self._attach = ([b.name for b in self._blocks], obs_space, act_space)
+        self._placement[:] = NOWHERE
+        self._num_workers = 0
+
+    async def evict(self, env_id: int) -> None:
+        """Close idle env ``env_id`` in its worker and host it no more (it moved out of the pool)."""
+        self._check_open()
+        env_id = int(env_id)
+        if self._busy[env_id] or env_id in self._moving:
+            raise ValueError(f"env {env_id} is stepping or migrating")
+        worker = self._workers[self._placement[env_id]]
+        self._placement[env_id] = NOWHERE
+        if worker.dead is None:
+            await self._request_to(worker, "drop", env_id, None)
+
     async def _first_message(self, worker: _Worker):
         ready = self._loop.create_future()
         self._watch(worker.conn.fileno(), lambda: ready.done() or ready.set_result(None))
@@ -534,8 +559,8 @@ class ProcessSimPool(SimPool):
             raise ValueError(f"env {env_id} is already on worker {worker}")
         if self._busy[env_id]:
             raise ValueError(f"env {env_id} is stepping: migrate it between steps")
-        source, target = self._workers[old], self._workers[worker]
-        if any(e == env_id for e, _, _ in source.waiting):
+        source, target = (None if old == NOWHERE else self._workers[old]), self._workers[worker]
+        if source is not None and any(e == env_id for e, _, _ in source.waiting):
             raise ValueError(f"env {env_id} has a reset or rebuild in flight")
         adopt = self._request_to(target, "adopt", env_id, seed)
         self._moving[env_id] = worker
@@ -551,7 +576,7 @@ class ProcessSimPool(SimPool):
             del self._moving[env_id]
         self._placement[env_id] = worker
         self.migrations += 1
-        if source.dead is None:
+        if source is not None and source.dead is None:
             self._request_to(source, "drop", env_id, None).add_done_callback(_ignore)
         return out
 

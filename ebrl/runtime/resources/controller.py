@@ -53,6 +53,7 @@ import numpy as np
 from ebrl.runtime.resources.affinity import split_plan
 from ebrl.runtime.resources.gpu import plan_sm_split
 from ebrl.runtime.resources.profiler import EpochProfile
+from ebrl.runtime.sim_mixed import LOCAL
 from ebrl.runtime.sim_pool import WAITS_BELOW  # a step computing less of its wall time than this mostly waits
 
 MIN_STEPS_PER_UNIT = 4  # a window with fewer steps per unit says too little to act on
@@ -71,6 +72,7 @@ class Knobs:
     learner_threads: int | None = None  # torch threads of the learner process; None: not adjustable
     affinity: str | None = None  # "shared" (every core for everyone) or "split"; None: not adjustable
     offload: str | None = None  # where policy calls run: "inline" or "thread"; None: not adjustable
+    mixed: bool = False  # a mixed pool: envs may move between lanes (placement LOCAL) and workers
     batch_target: int | None = None  # rows that start a batch at once; None: not adjustable
 
 
@@ -126,7 +128,7 @@ class Memory:
 REVERT_BELOW = 0.95  # a change whose next full window runs below this fraction of the one before is undone
 FROZEN_EPOCHS = 10  # and its knob is left alone this long
 # lanes grow on a direct signal (lane waits), not on trial
-ON_TRIAL = ("placement", "workers", "offload", "max_wait_s", "batch_target", "gen_sms", "learner_threads", "affinity")
+ON_TRIAL = ("backend", "placement", "workers", "offload", "max_wait_s", "batch_target", "gen_sms", "learner_threads", "affinity")
 
 
 def decide(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> list[Decision]:
@@ -142,10 +144,14 @@ def decide(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) 
     if profile.total_steps < MIN_STEPS_PER_UNIT * limits.num_units:
         return out
     reverted = {d.knob for d in out}
+    views = _views(profile, knobs, limits)
     for rule in RULES:
-        d = rule(profile, knobs, limits, memory)
+        p, k, lim, remap = views.get(rule, (profile, knobs, limits, None))
+        d = None if p is None else rule(p, k, lim, memory)
         if d is None or d.knob in reverted:
             continue
+        if remap is not None:
+            d = remap(d)
         if d.knob in ON_TRIAL and profile.epoch == 0:
             continue  # the first window is start-up (first update, first calls): no baseline to judge by
         memory.settle_until[d.knob] = profile.epoch + 2  # judge a change on a window it ran through
@@ -153,6 +159,31 @@ def decide(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) 
             memory.trials[d.knob] = Trial(d, profile.total_steps / profile.window_s, profile.epoch + 2)
         out.append(d)
     return out
+
+
+def _views(profile: EpochProfile, knobs: Knobs, limits: Limits) -> dict:
+    """What each rule sees of a mixed pool: the lanes rule its envs on the lanes, the worker
+    rules its envs in workers (a placement of those is mapped back onto every env); None: no
+    env there. Other pools and rules: everything (an empty dict)."""
+    if not knobs.mixed or knobs.placement is None:
+        return {}
+    place = np.asarray(knobs.placement)
+    local, proc = place == LOCAL, place != LOCAL
+    lanes = (profile.subset(local), knobs, replace(limits, num_units=int(local.sum())), None) if local.any() else None
+
+    def remap(d: Decision) -> Decision:
+        new = place.copy()
+        new[proc] = d.new
+        return replace(d, old=tuple(place.tolist()), new=tuple(new.tolist()))
+
+    workers = None
+    if proc.any() and knobs.workers:
+        view = (profile.subset(proc), replace(knobs, placement=tuple(place[proc].tolist())),
+                replace(limits, num_units=int(proc.sum())))
+        workers = (*view, None)
+        placed = (*view, remap)
+    none = (None, None, None, None)
+    return {lanes_rule: lanes or none, workers_rule: workers or none, placement_rule: placed if workers else none}
 
 
 def _judge(profile: EpochProfile, knob: str, memory: Memory) -> Decision | None:
@@ -250,7 +281,7 @@ def spread(costs: np.ndarray, placement: np.ndarray, workers: int) -> float:
 def placement_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> Decision | None:
     if knobs.placement is None or not knobs.workers or knobs.workers < 2 or "placement" in limits.fixed:
         return None
-    if _settling("placement", profile, memory) or _settling("workers", profile, memory):
+    if any(_settling(k, profile, memory) for k in ("placement", "workers", "backend")):
         return None
     if np.isnan(profile.mean_step_s).any():
         return None
@@ -379,7 +410,9 @@ def workers_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Me
     w = knobs.workers
     if w is None or knobs.placement is None or "workers" in limits.fixed or _settling("workers", profile, memory):
         return None
-    if _settling("placement", profile, memory) or np.isnan(profile.mean_step_s).any():
+    if _settling("placement", profile, memory) or _settling("backend", profile, memory):
+        return None
+    if np.isnan(profile.mean_step_s).any():
         return None
     placement = np.asarray(knobs.placement)
     busy = np.bincount(placement, weights=profile.wall_s, minlength=w) / profile.window_s
@@ -395,6 +428,61 @@ def workers_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Me
                         f"{w} workers on {limits.cpus} cores, their steps computing {cpu:.0%} of their time: "
                         f"{new} workers, the rest only time-slice the cores")
     return None
+
+
+PROCESS_STEP_CPU_S = 50e-6  # a lane step computing less than this is too cheap to be worth a worker's round trip
+LANE_BUSY_ABOVE = 0.25  # a lane step computing this share of its wall time (its GIL waits included) computes
+GIL_LOAD_ABOVE = 0.25  # and the lanes' steps must compute this many cores' worth for a move to matter
+
+
+def backend_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> Decision | None:
+    """A mixed pool's envs between thread lanes and worker processes, by their measured steps.
+
+    To the lanes: envs in a worker whose steps compute under ``WAITS_BELOW`` of their wall time
+    (a worker steps its envs one after another, so a step that waits holds the others up; on
+    lanes the waits overlap). To workers, with two cores or more: envs on the lanes whose steps
+    compute ``LANE_BUSY_ABOVE`` of their wall time and ``PROCESS_STEP_CPU_S`` or more each, when the lanes' steps together compute over
+    ``GIL_LOAD_ABOVE`` of a core: that CPU time holds the GIL the event loop and the other lanes
+    need. On the lanes a GIL-bound step's wall time includes its wait for the GIL, so the bar
+    for CPU over wall time is half the probe's (``LANE_BUSY_ABOVE``); a step that sleeps
+    measured under 5% there (``bench/suites/controller.py``, mixed workload). The envs moving to
+    workers go to the least-loaded ones (started if there are none: one per core, at most one
+    per env); they move at their next episode end."""
+    if not knobs.mixed or knobs.placement is None or "backend" in limits.fixed:
+        return None
+    if any(_settling(k, profile, memory) for k in ("backend", "placement", "workers")):
+        return None
+    place = np.asarray(knobs.placement)
+    local = place == LOCAL
+    seen = profile.steps >= MIN_STEPS_PER_UNIT
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cpu_step = np.where(seen, profile.cpu_s / profile.steps, 0.0)
+        busy = np.where(seen & (profile.wall_s > 0), profile.cpu_s / profile.wall_s, 1.0)
+    gil = float(profile.cpu_s[local].sum()) / profile.window_s
+    to_proc = (local & seen & (busy >= LANE_BUSY_ABOVE) & (cpu_step >= PROCESS_STEP_CPU_S) & (limits.cpus >= 2)
+               & (gil > GIL_LOAD_ABOVE))
+    to_lanes = ~local & seen & (busy < WAITS_BELOW)
+    if not to_proc.any() and not to_lanes.any():
+        return None
+    new = place.copy()
+    new[to_lanes] = LOCAL
+    stay = ~local & ~to_lanes
+    if to_proc.any():
+        w = knobs.workers or min(limits.cpus, int((stay | to_proc).sum()))
+        costs = np.nan_to_num(profile.mean_step_s, nan=0.0)
+        load = np.bincount(place[stay], weights=costs[stay], minlength=w)[:w].astype(float)  # int when empty
+        for i in sorted(np.flatnonzero(to_proc).tolist(), key=lambda i: -costs[i]):
+            new[i] = int(np.argmin(load))
+            load[new[i]] += costs[i]
+    parts = []
+    if to_proc.any():
+        parts.append(f"{int(to_proc.sum())} envs on the lanes compute {np.median(cpu_step[to_proc]) * 1e6:.0f} us "
+                     f"a step holding the GIL (the lanes' steps took {gil:.2f} cores): to worker processes")
+    if to_lanes.any():
+        parts.append(f"{int(to_lanes.sum())} envs in workers compute only {np.median(busy[to_lanes]):.0%} of their "
+                     f"step's time (they wait): to thread lanes")
+    return Decision(profile.epoch, "backend", tuple(place.tolist()), tuple(new.tolist()),
+                    "; ".join(parts) + "; they move at their next episode end")
 
 
 def sm_split_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> Decision | None:
@@ -439,7 +527,7 @@ def affinity_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: M
                     f"the {knobs.workers} sim workers on {plan['workers'][0]}-{plan['workers'][-1]}")
 
 
-RULES = (lanes_rule, workers_rule, placement_rule, offload_rule, generation_rule, batch_target_rule, sm_split_rule,
+RULES = (lanes_rule, backend_rule, workers_rule, placement_rule, offload_rule, generation_rule, batch_target_rule, sm_split_rule,
          threads_rule, affinity_rule)
 
 

@@ -7,6 +7,8 @@ applies each decision where it acts:
 
 - ``lanes``: :meth:`SimPool.resize` (a thread pool starts or retires lane threads; shrinking
   never interrupts a step);
+- ``backend`` (a mixed pool): envs between the thread lanes and worker processes, as
+  ``placement`` does it (workers are started first, and the lanes made one per env moved there);
 - ``placement``: the driver moves each env at its next episode end (the process pool rebuilds
   it from ``env_fn`` in its new worker: no sample is lost, migrations are counted);
 - ``workers``: new worker processes are forked (off the loop) and envs placed on them by cost;
@@ -37,6 +39,7 @@ from ebrl.runtime.resources import affinity
 from ebrl.runtime.resources.controller import Decision, Knobs, Limits, Memory, decide, lpt_placement, postpone_trials
 from ebrl.runtime.resources.gpu import GpuStreams, StreamMode
 from ebrl.runtime.resources.profiler import EpochProfile, LiveProfiler
+from ebrl.runtime.sim_mixed import LOCAL, MixedSimPool
 from ebrl.telemetry.logging import get_logger
 
 log = get_logger("ebrl.resources")
@@ -66,7 +69,8 @@ class ResourceManager:
         remote = getattr(learner, "remote", None)
         # the learner process's torch threads, when the controller may change them
         self._threads = learner_threads if remote is not None and cfg.resources.learner_threads is None else None
-        self._affinity = ("shared" if remote is not None and pool.backend is SimBackend.PROCESS
+        self.mixed = isinstance(pool, MixedSimPool)  # envs may move between lanes and workers
+        self._affinity = ("shared" if remote is not None and (pool.backend is SimBackend.PROCESS or self.mixed)
                           and cfg.resources.affinity and not virtual and affinity.available() else None)
         self._cores = sorted(os.sched_getaffinity(0)) if self._affinity else []
         self.streams = streams if streams is not None and streams.mode is StreamMode.GREEN_CONTEXTS else None
@@ -83,17 +87,26 @@ class ResourceManager:
                              total_sms=self.streams.total_sms if self.streams else 0,
                              sm_granularity=self.streams.granularity if self.streams else 8,
                              act_wait_target_s=cfg.resources.act_wait_target_s)
-        self._resizable = pool.resizable and (pool.backend is SimBackend.THREAD or virtual)
+        self._resizable = pool.resizable and (pool.backend is SimBackend.THREAD or virtual or self.mixed)
         # envs move between workers only one by one (vector envs stay where they are built)
-        self._movable = pool.backend is SimBackend.PROCESS and hasattr(pool, "migrate") and cfg.sim.vector_size == 1
+        self._movable = ((pool.backend is SimBackend.PROCESS or self.mixed) and hasattr(pool, "migrate")
+                         and cfg.sim.vector_size == 1)
+        self._resize_workers = pool.resize_workers if self.mixed else pool.resize
+        self._then_place: tuple[int, ...] | None = None  # a placement waiting for workers to start
         self.knobs = self._current()
+
+    @property
+    def _workers(self) -> int | None:
+        if self.mixed:
+            return self.pool.workers
+        return self.pool.size if self.pool.backend is SimBackend.PROCESS else None
 
     def _current(self) -> Knobs:
         """The knobs as the pool and generator have them now (a failed migration leaves an env put)."""
         pool = self.pool
         placement = pool.placement if self._movable else None
-        return Knobs(backend=pool.backend.value, lanes=pool.size if self._resizable else None,
-                     workers=pool.size if pool.backend is SimBackend.PROCESS else None,
+        lanes = (pool.lanes if self.mixed else pool.size) if self._resizable else None
+        return Knobs(backend=pool.backend.value, lanes=lanes, workers=self._workers, mixed=self.mixed,
                      placement=None if placement is None else tuple(int(w) for w in placement),
                      max_wait_s=self.generator.max_wait_s,
                      gen_sms=self.streams.split.generation if self.streams and self.streams.split else None,
@@ -109,10 +122,19 @@ class ResourceManager:
                 await self._grow()
 
     async def _grow(self) -> None:
-        """Start the workers a ``workers`` decision asked for, then move envs onto them by cost."""
+        """Start the workers a ``workers`` or ``backend`` decision asked for, then move envs
+        onto them (by cost, or where the ``backend`` decision placed them)."""
         n, self._grow_to = self._grow_to, None
         await self.pool.grow(n)
-        self._place_on(n)
+        if self._then_place is not None:
+            self._move_to(self._then_place)
+            self._then_place = None
+        else:
+            self._place_on(n)
+
+    def _move_to(self, placement) -> None:
+        now = self.pool.placement
+        self.driver.moves = {i: int(w) for i, w in enumerate(placement) if now[i] != w}
 
     def epoch(self) -> list[Decision]:
         """Take this epoch's profile; decide and apply (with ``resources.adapt``)."""
@@ -140,21 +162,23 @@ class ResourceManager:
         n, self._retire_to = self._retire_to, None
         left = np.flatnonzero(self.pool.placement >= n).tolist()
         if left:
-            log.warning("workers_kept", workers=self.pool.size, wanted=n, envs_left=left)
+            log.warning("workers_kept", workers=self._workers, wanted=n, envs_left=left)
             return
-        self.pool.resize(n)
+        self._resize_workers(n)
 
     def _place_on(self, n: int) -> None:
         """Place every env on workers ``0..n-1`` by measured cost per step (longest first),
         keeping as many where they are as possible; they move at their episode ends."""
         profile = self.profiles[-1]
-        costs = np.nan_to_num(profile.mean_step_s, nan=float(np.nanmean(profile.mean_step_s)))
         now = self.pool.placement
-        new = lpt_placement(costs, n, np.minimum(now, n - 1))
-        self.driver.moves = {i: int(w) for i, w in enumerate(new.tolist()) if now[i] != w}
+        on = now != LOCAL  # a mixed pool's envs on the lanes stay there
+        costs = np.nan_to_num(profile.mean_step_s[on], nan=float(np.nanmean(profile.mean_step_s)))
+        new = now.copy()
+        new[on] = lpt_placement(costs, n, np.minimum(now[on], n - 1))
+        self._move_to(new.tolist())
 
     def _set_affinity(self, mode: str) -> None:
-        plan = affinity.split_plan(self._cores, self.pool.size) if mode == "split" else None
+        plan = affinity.split_plan(self._cores, self._workers) if mode == "split" else None
         if plan is None:  # back to sharing every core the run started with
             plan = {"loop": self._cores, "learner": self._cores, "workers": self._cores}
         affinity.pin(os.getpid(), plan["loop"])
@@ -179,11 +203,19 @@ class ResourceManager:
         if d.knob == "lanes":
             self.pool.resize(int(d.new))
         elif d.knob == "placement":
-            now = self.pool.placement
-            self.driver.moves = {i: int(w) for i, w in enumerate(d.new) if now[i] != w}
+            self._move_to(d.new)
+        elif d.knob == "backend":  # envs between lanes and workers: start the workers first
+            need = max(d.new) + 1
+            local = sum(w == LOCAL for w in d.new)
+            if local > self.pool.lanes and "lanes" not in self.limits.fixed:
+                self.pool.resize(local)  # only envs whose steps wait go to the lanes: a lane each
+            if need > self.pool.workers:
+                self._grow_to, self._then_place = need, tuple(d.new)
+            else:
+                self._move_to(d.new)
         elif d.knob == "workers":
             n = int(d.new)
-            if n > self.pool.size:
+            if n > self._workers:
                 self._grow_to = n
             else:
                 self._place_on(n)

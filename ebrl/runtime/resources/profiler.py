@@ -39,7 +39,7 @@ subtracts the previous snapshot. An :class:`EpochProfile` holds, for one window:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -77,7 +77,8 @@ class EpochProfile:
     live_envs: int = 0
     updates: int = 0
     learner_busy_s: float = 0.0
-    placement: np.ndarray | None = None  # [N] env -> worker (process backend)
+    placement: np.ndarray | None = None  # [N] env -> worker (process backend; -1: a mixed pool's lanes)
+    workers: int = 0  # worker processes (process or mixed backend)
     system: dict[str, float] = field(default_factory=dict)  # SystemSampler keys: cores, GPUs
 
     @property
@@ -134,11 +135,19 @@ class EpochProfile:
     def gen_request_wait_s(self) -> float:
         return self.gen_wait_s / self.gen_rows if self.gen_rows else 0.0
 
+    def subset(self, mask: np.ndarray) -> EpochProfile:
+        """The window of the envs in ``mask`` only (a mixed pool's lanes, or its workers)."""
+        return replace(self, num_units=int(mask.sum()), steps=self.steps[mask], wall_s=self.wall_s[mask],
+                       cpu_s=self.cpu_s[mask], mean_step_s=self.mean_step_s[mask],
+                       waits={c: w[mask] for c, w in self.waits.items()},
+                       placement=None if self.placement is None else self.placement[mask])
+
     def worker_busy(self, workers: int) -> np.ndarray:
         """Each worker's share of the window spent stepping its envs (process backend)."""
         if self.placement is None:
             return np.zeros(0)
-        return np.bincount(self.placement, weights=self.wall_s, minlength=workers) / self.window_s
+        on = self.placement >= 0  # not the envs on a mixed pool's lanes
+        return np.bincount(self.placement[on], weights=self.wall_s[on], minlength=workers)[:workers] / self.window_s
 
     def to_dict(self) -> dict[str, Any]:
         env_time = self.window_s * max(self.steps.size, 1)
@@ -148,6 +157,7 @@ class EpochProfile:
                     "steps_per_s": round(self.total_steps / self.window_s, 1),
                     "step_wall_us": _per_step(self.wall_s.sum(), self.total_steps),
                     "step_cpu_us": _per_step(self.cpu_s.sum(), self.total_steps),
+                    "cpu_step_us": [_per_step(c, s) for c, s in zip(self.cpu_s.tolist(), self.steps.tolist())],
                     "busy": round(self.busy, 3), "lane_wait_share": round(self.lane_wait_share, 3),
                     "units_in_sim": round(self.units_in_sim, 2), "lanes_running": round(self.lanes_running, 2),
                     "mean_step_us": [None if np.isnan(c) else round(float(c) * 1e6, 1) for c in self.mean_step_s]},
@@ -169,9 +179,9 @@ class EpochProfile:
             "loop_busy": None if np.isnan(self.loop_busy) else round(self.loop_busy, 3),
         }
         out["sim"]["share"] = round(self.sim_s / env_time, 4)
-        if self.placement is not None:
+        if self.placement is not None:  # -1: on a mixed pool's lanes
             out["sim"]["placement"] = self.placement.tolist()
-            out["sim"]["worker_busy"] = [round(float(b), 3) for b in self.worker_busy(self.lanes)]
+            out["sim"]["worker_busy"] = [round(float(b), 3) for b in self.worker_busy(self.workers or self.lanes)]
         return out
 
 
@@ -228,10 +238,12 @@ class LiveProfiler:
         total = now["costs"]
         with np.errstate(invalid="ignore", divide="ignore"):
             mean = np.where(total[:, STEPS] > 0, total[:, WALL] / total[:, STEPS], np.nan)
-        placement = getattr(self.pool, "placement", None)
+        pool = self.pool
+        placement = getattr(pool, "placement", None)
+        workers = getattr(pool, "workers", pool.size if placement is not None else 0)
         profile = EpochProfile(
-            epoch=self.epoch, t_start=last["t"], t_end=now["t"], backend=self.pool.backend.value,
-            lanes=self.pool.size, num_units=self.driver.cfg.num_envs // self.driver.V,
+            epoch=self.epoch, t_start=last["t"], t_end=now["t"], backend=pool.backend.value,
+            lanes=getattr(pool, "lanes", pool.size), workers=workers, num_units=self.driver.cfg.num_envs // self.driver.V,
             steps=steps, wall_s=wall, cpu_s=dc[:, CPU], mean_step_s=mean,
             waits={"lane": dc[:, QUEUE], "delivery": np.maximum(roundtrip - wall - dc[:, QUEUE], 0.0),
                    **{c: now[c] - last[c] for c in ("action", "barrier", "backpressure")}},
