@@ -348,8 +348,9 @@ class ProcessSimPool(SimPool):
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         # one resource tracker for parent and workers: a worker forked before the parent's
-        # tracker exists starts its own, which unlinks the shared memory when the worker exits
-        resource_tracker.ensure_running()
+        # tracker exists starts its own, which unlinks the shared memory when the worker exits.
+        # Starting it forks: off the loop
+        await in_thread(resource_tracker.ensure_running, name="ebrl-sim-tracker")
 
         def spawn(w: int) -> None:
             self._workers.append(self._spawn(w, np.flatnonzero(self._placement == w).tolist()))
@@ -365,9 +366,7 @@ class ProcessSimPool(SimPool):
                     raise EnvStepError(msg[1], "env_fn", f"in worker {worker.index}: {msg[2]}")
                 if self.observation_space is None:
                     self.observation_space, self.action_space = msg[1], msg[2]
-            self._rows = StepRows(self.num_envs, self.observation_space, self.action_space,
-                                  alloc=_shm_alloc(self._blocks))
-            self._attach = ([b.name for b in self._blocks], self.observation_space, self.action_space)
+            self._make_rows()
             attach = pickle.dumps(self._attach)
             for worker in self._workers:
                 worker.conn.send_bytes(attach)
@@ -379,14 +378,18 @@ class ProcessSimPool(SimPool):
     async def start_empty(self, obs_space: gym.Space, act_space: gym.Space) -> None:
         """Start hosting no env and no worker yet (a mixed pool's workers, before any env moves
         there): :meth:`grow` adds workers, :meth:`migrate` moves envs in (placement ``NOWHERE``
-        until then)."""
+        until then). The shared memory is made by the first :meth:`grow`: a run whose envs never
+        move here starts no resource tracker and maps nothing."""
         self._loop = asyncio.get_running_loop()
-        resource_tracker.ensure_running()
         self.observation_space, self.action_space = obs_space, act_space
-        self._rows = StepRows(self.num_envs, obs_space, act_space, alloc=_shm_alloc(self._blocks))
-        self._attach = ([b.name for b in self._blocks], obs_space, act_space)
         self._placement[:] = NOWHERE
         self._num_workers = 0
+
+    def _make_rows(self) -> None:
+        resource_tracker.ensure_running()  # before the first worker's fork (see start()); a no-op once running
+        self._rows = StepRows(self.num_envs, self.observation_space, self.action_space,
+                              alloc=_shm_alloc(self._blocks))
+        self._attach = ([b.name for b in self._blocks], self.observation_space, self.action_space)
 
     async def evict(self, env_id: int) -> None:
         """Close idle env ``env_id`` in its worker and host it no more (it moved out of the pool)."""
@@ -607,6 +610,8 @@ class ProcessSimPool(SimPool):
         """:meth:`resize` up to ``n`` workers, forking each off the event loop (a fork copies this
         process's page tables holding the GIL: milliseconds with torch loaded). A worker being
         forked when the caller is cancelled, or the pool closed, is joined by :meth:`close`."""
+        if self._rows is None and self._loop is not None and not self._closed:  # started empty
+            await in_thread(self._make_rows, name="ebrl-sim-shm")  # starting the tracker forks
         self._check_open()
 
         def spawn(w: int) -> _Worker:
