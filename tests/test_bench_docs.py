@@ -28,8 +28,11 @@ def test_every_committed_report_has_rounds_medians_spread_and_a_stamp():
             "step-cost"} <= set(reports)
     for name, rep in reports.items():
         meta = rep["meta"]
-        assert not meta["quick"] and meta["rounds"] >= 3, name
         assert {"cpus", "cpu_model", "versions", "commit", "date", "command"} <= set(meta), name
+        if meta.get("skipped"):  # a suite that could not measure here (gpu-split without CUDA) says why
+            assert "skipped" in meta["skipped"] and "SKIPPED" in meta["description"], name
+            continue
+        assert not meta["quick"] and meta["rounds"] >= 3, name
         for runners in rep["summary"].values():
             for figs in runners.values():
                 s = figs["steps_per_s"]
