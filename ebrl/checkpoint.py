@@ -23,6 +23,8 @@ scripts::
 from __future__ import annotations
 
 import os
+import pickle
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -58,17 +60,41 @@ def write_checkpoint(path: str | os.PathLike, policy_state: dict, algo_state: di
         tmp.unlink(missing_ok=True)
 
 
+def load_safely(path: str | os.PathLike, allow: tuple = ()) -> Any:
+    """``torch.load`` of ``path`` with ``weights_only=True``: tensors, containers, numbers and
+    strings, plus the types in ``allow``, and nothing that runs code while it loads (a pickled
+    ``os.system`` call is refused, not run). A checkpoint holds only those: the policy's and
+    the optimiser's tensors, PPO's scalars and its RNG state as a tensor.
+
+    Raises ``ValueError`` naming the file and what is wrong with it (objects a checkpoint never
+    holds, or a truncated or corrupt file)."""
+    try:
+        with torch.serialization.safe_globals(list(allow)):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        # torch's message is a page long; the line that matters names the refused global
+        refused = [ln.strip() for ln in str(exc).splitlines() if "global" in ln.lower()]
+        if refused:
+            raise ValueError(f"{path} holds objects a checkpoint never does and was not loaded ({refused[0]})") from None
+        first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+        raise ValueError(f"{path} is not a readable checkpoint (truncated or corrupt: {first})") from None
+    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, KeyError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ValueError(f"{path} is not a readable checkpoint (truncated or corrupt: {first})") from None
+
+
 def load_checkpoint(path: str | os.PathLike, trainer) -> dict[str, Any]:
     """Load a checkpoint into ``trainer.policy`` and ``trainer.algo``; returns its ``meta``.
 
     ``trainer.env_steps_done`` becomes the checkpoint's ``env_steps``, so checkpoints the
     continued run writes count from there. A checkpoint of another policy class or shape
-    raises ``ValueError`` naming both.
+    raises ``ValueError`` naming both; so does a file that is not a checkpoint, a truncated one,
+    or one holding anything but states (loaded with :func:`load_safely`: nothing in the file runs).
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    data = torch.load(path, map_location="cpu", weights_only=False)  # our own file: states and numpy RNG state
+    data = load_safely(path)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"{path} is not an EBRL checkpoint (format {FORMAT})")
     ours = type(trainer.policy).__name__

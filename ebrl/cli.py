@@ -44,7 +44,14 @@ DEMO: dict[str, Any] = {
 def build_spec(config: str | None, overrides: list[str]) -> dict[str, Any]:
     spec = copy.deepcopy(DEMO)
     if config is not None:
-        loaded = load_file(config)
+        try:
+            loaded = load_file(config)
+        except ConfigError:
+            raise
+        except Exception as exc:  # the file's own syntax (tomllib, PyYAML), or it cannot be read
+            raise ConfigError("config", str(config), f"cannot read it: {type(exc).__name__}: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError("config", str(config), f"must hold a table of settings, not {type(loaded).__name__}")
         unknown = sorted(set(loaded) - set(DEMO))
         if unknown:
             raise ConfigError(unknown[0], loaded[unknown[0]], f"unknown key; allowed: {', '.join(DEMO)}")
@@ -112,14 +119,19 @@ def build_trainer(spec: dict[str, Any]):
     def env_fn(i: int):
         return make_vector(name, size, **env_kwargs) if size > 1 else make(name, **env_kwargs)
 
-    probe = env_fn(0)
+    try:
+        probe = env_fn(0)
+    except ValueError as exc:  # an unknown name (its close matches named), or env_kwargs it refuses
+        raise ConfigError("env", name, str(exc)) from None
+    except TypeError as exc:  # a keyword the env does not take
+        raise ConfigError("env_kwargs", env_kwargs, str(exc)) from None
     try:
         policy = build_policy(*single_spaces(probe), spec["policy"])
     finally:
         probe.close()
     try:
         algo = PPO(**spec["ppo"])
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:  # an unknown key, or a value PPOConfig refuses
         raise ConfigError("ppo", spec["ppo"], str(exc)) from None
     return ebrl.Trainer(env_fn=env_fn, policy=policy, algo=algo, config=run_cfg)
 
@@ -240,6 +252,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ebrl", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--debug", action="store_true", help="show the traceback of a bad-input error")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train from a TOML/YAML config (default: the HalfCheetah demo)")
     train.add_argument("config", nargs="?", help="TOML or YAML file; omit for the demo")
@@ -265,7 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.fn(args)
-    except ConfigError as exc:
+    except ConfigError as exc:  # every bad input ends here: one line, exit code 2
+        if args.debug:
+            raise
         print(f"ebrl: bad configuration: {exc}", file=sys.stderr)
         return 2
     except (KeyboardInterrupt, asyncio.CancelledError):

@@ -175,3 +175,29 @@ def test_periodic_checkpoints_hold_the_latest_weights_and_algo_state(tmp_path, l
     assert 0 < other.env_steps_done == meta["env_steps"] <= res.env_steps  # steps simulated when it was written
     with pytest.raises(ConfigError, match="checkpoint_every_s.*needs log_dir"):
         ebrl.RunConfig(checkpoint_every_s=10.0)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--set", "env=mujoco/HalfCheetah-v9"], "unknown env 'mujoco/HalfCheetah-v9'; did you mean"),
+    (["--set", "env=mock/3", "--set", "ppo.lr=-1"], "ppo="),
+    (["--set", "env=mock/3", "--set", "ppo.learning_rate=0.1"], "learning_rate"),
+])
+def test_bad_input_to_train_is_one_line_and_exit_code_2(tmp_path, capsys, args, says):
+    assert main(["train", "--quiet", "--log-dir", str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_bad_config_files_and_suite_names_are_one_line_and_debug_shows_the_traceback(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("run = [unclosed\n")
+    assert main(["train", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "config=" in err and "cannot read it" in err and err.count("\n") == 1
+    assert main(["train", str(tmp_path / "missing.toml")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert main(["bench", "overhed"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown benchmark suite; did you mean overhead?" in err and err.count("\n") == 1
+    with pytest.raises(ConfigError, match="unknown benchmark suite"):
+        main(["--debug", "bench", "overhed"])

@@ -18,6 +18,8 @@ from types import ModuleType
 
 from ebrl.benchmark.figures import summarize_rows
 from ebrl.benchmark.report import REPO, machine_stamp, print_report, results_markdown
+from ebrl.config import ConfigError
+from ebrl.envs import did_you_mean
 
 REPO_BENCH = REPO / "bench" / "suites"
 
@@ -35,8 +37,9 @@ def load_suite(name: str, suites_dir: str | Path | None = None) -> ModuleType:
 
     path = _dir(suites_dir) / f"{name.replace('-', '_')}.py"
     if not path.is_file():
-        known = ", ".join(list_suites(suites_dir))
-        raise ValueError(f"unknown benchmark suite {name!r}; known: {known}")
+        known = list_suites(suites_dir)
+        raise ConfigError("suite", name, f"unknown benchmark suite{did_you_mean(name, known)} (known: "
+                          f"{', '.join(known)})")
     spec = importlib.util.spec_from_file_location(f"ebrl_bench_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

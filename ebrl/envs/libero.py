@@ -48,6 +48,13 @@ INSTALL = ("pip install 'ebrl[libero]' (robosuite 1.4) in an environment of its 
            "itself, which is not on PyPI: git clone https://github.com/Lifelong-Robot-Learning/LIBERO "
            "&& pip install -e LIBERO")
 _REQUIRED = ("bddl_files", "init_files", "assets")
+try:  # what a pickled numeric numpy array refers to (numpy 2 moved the module)
+    from numpy._core.multiarray import _reconstruct
+except ImportError:  # numpy 1
+    from numpy.core.multiarray import _reconstruct
+NUMPY_ARRAY_GLOBALS = (_reconstruct, np.ndarray, np.dtype, *{type(np.dtype(t)) for t in (
+    np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
+    np.float16, np.float32, np.float64)})
 _config_dir: Path | None = None
 
 
@@ -165,10 +172,11 @@ def make_libero(task: str, *, assets: str | os.PathLike | None = None, image_siz
     for path in (bddl, init_file):
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing: the asset root {root} is incomplete")
-    import torch
+    from ebrl.checkpoint import load_safely
 
-    # torch >= 2.6 loads weights only by default; LIBERO's init files are pickled numpy arrays
-    init_states = np.asarray(torch.load(init_file, weights_only=False))
+    # LIBERO's init files are torch-saved numpy arrays: allow exactly what an array needs to
+    # load (a downloaded file's pickle never runs code here)
+    init_states = np.asarray(load_safely(init_file, allow=NUMPY_ARRAY_GLOBALS))
     steps = MAX_STEPS[suite] if max_episode_steps is None else max_episode_steps
     # robosuite refuses to step past its horizon (1000 by default), settle steps included
     kwargs.setdefault("horizon", max(1000, steps + settle_steps + 1))
