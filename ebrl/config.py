@@ -188,12 +188,16 @@ class ResourceConfig:
 class FaultConfig:
     """How env failures and bad values are handled."""
 
-    max_env_failures: int = 10  # more failures than this within the window stop the run
+    max_env_failures: int = 10  # more failures (raised or timed out) than this within the window stop the run
     failure_window_s: float = 60.0
     nonfinite: NonFinite = NonFinite.RAISE
+    # a step longer than this is abandoned and its env replaced (thread lanes: a new lane; worker
+    # processes: the worker is killed and respawned); None: wait for ever
+    step_timeout_s: float | None = 60.0
 
     def __post_init__(self) -> None:
         _check_int("faults.max_env_failures", self.max_env_failures, 0)
+        _check_float("faults.step_timeout_s", self.step_timeout_s, 0.0, strict=True, optional=True)
         _check_float("faults.failure_window_s", self.failure_window_s, 0.0, strict=True)
         self.nonfinite = _coerce_enum("faults.nonfinite", self.nonfinite, NonFinite)
 

@@ -179,7 +179,7 @@ async def test_dict_observations_travel_through_shared_memory_unpickled(monkeypa
     pool = ProcessSimPool(DictEnv, num_envs=4, num_workers=2)
     col = await started(pool)
     try:
-        assert len(pool._blocks) == 2 * 2 + 2 + 3  # obs and final_obs per key, act per key, reward, flags, cost
+        assert len(pool._blocks) == 2 * 2 + 2 + 4  # obs and final_obs per key, act per key, reward, flags, cost, started
         for i in range(4):
             await pool.reset(i)
         calls = []
@@ -280,23 +280,33 @@ async def test_an_unsupported_space_raises_type_error_and_leaves_no_process():
     assert multiprocessing.active_children() == [] and pool._blocks == []
 
 
-async def test_a_dead_worker_fails_its_envs_in_a_block_and_its_requests():
+async def test_a_dead_worker_fails_its_envs_is_respawned_and_its_envs_come_back_when_rebuilt():
+    from ebrl.runtime.sim_types import fault_reason
+
     pool = ProcessSimPool(lambda i: MockEnv(latency=Latency.constant(1.0 if i == 0 else 0.0)), num_envs=4,
                           num_workers=2)
     col = await started(pool)
     try:
-        pool.submit(np.array([0, 2]), np.zeros((2, 4), np.float32))
+        await pool.reset(2)
+        pool.submit(np.array([0]), np.zeros((1, 4), np.float32))  # env 0 steps for 1 s; env 2 is idle
         await asyncio.sleep(0.1)
-        os.kill(pool._workers[0].process.pid, signal.SIGKILL)
-        blocks = await col.wait([0, 2])
-        assert sorted(e for b in blocks for e in b.errors) == [(0, "worker 0 died (exit code -9)"),
-                                                               (2, "worker 0 died (exit code -9)")]
-        with pytest.raises(RuntimeError, match="env 2: worker 0 died"):
-            await pool.reset(2)
-        pool.submit(np.array([1, 2]), np.zeros((2, 4), np.float32))  # worker 1 still steps
+        dead = pool._workers[0].process.pid
+        os.kill(dead, signal.SIGKILL)
+        blocks = await col.wait([0])
+        errors = [e for b in blocks for e in b.errors]
+        assert errors == [(0, "worker 0 died (killed by SIGKILL) and was respawned")]
+        assert fault_reason(errors[0][1]) == "worker_died"
+        assert pool.respawns == 1 and pool._workers[0].process.pid != dead
+        # env 2 was idle on it: its next step fails the same way, at once, until it is rebuilt
+        pool.submit(np.array([1, 2]), np.zeros((2, 4), np.float32))
         blocks = await col.wait([1, 2])
-        assert [i for b in blocks for i in b.ids] == [1] and [e for b in blocks for e in b.errors] == [
-            (2, "worker 0 died (exit code -9)")]
+        assert [i for b in blocks for i in b.ids] == [1]
+        assert [fault_reason(e[1]) for b in blocks for e in b.errors] == ["worker_died"]
+        await pool.rebuild(2)  # built anew in the respawned worker
+        await pool.reset(2)
+        pool.submit(np.array([2]), np.zeros((1, 4), np.float32))
+        blocks = await col.wait([2])
+        assert [i for b in blocks for i in b.ids] == [2] and not any(b.errors for b in blocks)
     finally:
         pool.close()
     assert multiprocessing.active_children() == []
@@ -311,7 +321,7 @@ async def test_close_leaves_no_process_and_unlinks_shared_memory():
     pool.submit(np.arange(3), np.zeros((3, 4), np.float32))
     await col.wait(range(3))
     names = [b.name for b in pool._blocks]
-    assert len(names) == 6  # obs, final_obs, act, reward, flags, cost
+    assert len(names) == 7  # obs, final_obs, act, reward, flags, cost, started
     pool.close()
     pool.close()
     assert multiprocessing.active_children() == []
@@ -548,16 +558,17 @@ async def test_a_dead_worker_fails_the_envs_placed_on_it(tmp_path, no_leaks):
         await asyncio.sleep(0.1)  # env 2 is inside its step
         os.kill(pid[0], signal.SIGKILL)
         blocks = await col.wait([2])
-        assert [e for b in blocks for e in b.errors] == [(2, "worker 0 died (exit code -9)")]
-        assert pool.worker_cpu_s()[0] == 0.0
-        with pytest.raises(RuntimeError, match="env 2: worker 0 died"):
-            await pool.reset(2)
-        with pytest.raises(RuntimeError, match="env 1: worker 0 died"):
-            await pool.migrate(1, 0, seed=None)
+        assert [e for b in blocks for e in b.errors] == [(2, "worker 0 died (killed by SIGKILL) and was respawned")]
+        new = pids(pool)[0]
+        assert new != pid[0] and pool.respawns == 1
+        with pytest.raises(EnvStepError, match="env 2 failed in reset: .*not built in this worker"):
+            await pool.reset(2)  # the respawned worker hosts nothing until the env is rebuilt or moved
         assert await step_all(pool, col, [0, 1, 3]) == {0: pid[1], 1: pid[1], 3: pid[1]}
-        _, info = await pool.migrate(2, 1, seed=None)  # an env can be moved off a dead worker
+        _, info = await pool.migrate(2, 1, seed=None)  # an env can be moved off its respawned worker
         assert info["pid"] == pid[1] and pool.placement.tolist() == [1, 1, 1, 1]
         assert await step_all(pool, col, range(4)) == dict.fromkeys(range(4), pid[1])
+        _, info = await pool.migrate(1, 0, seed=None)  # and onto it
+        assert info["pid"] == new
     finally:
         pool.close()
     assert multiprocessing.active_children() == []

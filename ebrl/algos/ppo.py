@@ -135,9 +135,16 @@ class PPO:
 
     def state_dict(self) -> dict:
         """Optimiser state, reward-scaling statistics and the minibatch RNG."""
-        return {"optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+        # a state loaded but not yet applied (no update since: e.g. handed back by the learner
+        # process) is still the optimiser's state
+        return {"optimizer": self.optimizer.state_dict() if self.optimizer is not None else self._pending_optimizer_state,
                 "reward_rms": (self.reward_rms.mean, self.reward_rms.var, self.reward_rms.count),
                 "rng": self._gen.get_state()}
+
+    def reset_optimizer(self) -> None:
+        """A fresh optimiser at the next update (after an update undone for NaN/inf: its moments may hold them)."""
+        self.optimizer = None
+        self._pending_optimizer_state = None
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`; the optimiser state applies to the next policy updated."""
@@ -252,6 +259,7 @@ class PPO:
         loss_fn = self.loss_fn or self.loss
         sums: dict[str, Tensor | float] = {}
         count = 0
+        nonfinite = False
         for _ in range(c.update_epochs):
             perm = torch.randperm(n, generator=self._gen).to(device)
             for start in range(0, n, c.minibatch_size):
@@ -261,6 +269,9 @@ class PPO:
                     a = mb["advantages"]
                     mb["advantages"] = (a - a.mean()) / (a.std() + 1e-8)
                 loss, metrics = loss_fn(policy, mb)
+                if not bool(torch.isfinite(loss)):  # never step on NaN/inf: the rest of the update is skipped
+                    nonfinite = True
+                    break
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 if math.isfinite(c.max_grad_norm):
@@ -269,11 +280,17 @@ class PPO:
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + (v.detach() if isinstance(v, Tensor) else v)
                 count += 1
+            if nonfinite:
+                break
 
         # Explained variance of the behaviour values w.r.t. the GAE returns (as CleanRL).
         var_ret = flat["returns"].var(unbiased=False)
         ev = 1.0 - (flat["returns"] - flat["values"]).var(unbiased=False) / var_ret
-        out = {k: float(v) / count for k, v in sums.items()}
+        out = {k: float(v) / count for k, v in sums.items()} if count else dict.fromkeys(
+            ["policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac"], math.nan)
+        # the runtime reads this: a loss that was NaN/inf stopped the update (faults.nonfinite)
+        out["nonfinite_loss"] = float(nonfinite)
+        out["minibatches"] = float(count)
         out.update(base, explained_variance=float(ev) if float(var_ret) > 0 else math.nan,
                    reward_scale=math.sqrt(self.reward_rms.var + 1e-8) if c.scale_rewards else 1.0)
         return out

@@ -21,7 +21,7 @@ from pathlib import Path
 from ebrl.benchmark.report import fmt_ratio, fmt_spread, results_markdown
 
 ORDER = ("overhead", "longtail", "heterogeneous", "mujoco-state", "startup", "mujoco-pixels", "vector-gpu", "controller",
-         "gpu-split", "step-cost")
+         "gpu-split", "soak", "step-cost")
 
 
 def load_reports(bench_dir: Path) -> dict[str, dict]:

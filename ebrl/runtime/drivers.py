@@ -34,10 +34,10 @@ from ebrl.config import NonFinite, RunConfig, Schedule
 from ebrl.policies.base import ActResult
 from ebrl.runtime.generation import Generator
 from ebrl.runtime.rollout import RolloutQueue
-from ebrl.runtime.sim_types import Block, EnvStepError, SimPool
+from ebrl.runtime.sim_types import Block, EnvStepError, NonFiniteReset, SimPool
 from ebrl.runtime.state import RunState
 from ebrl.runtime.stats import RunStats
-from ebrl.spaces import batch_of_one, index, stack, tree_map, write
+from ebrl.spaces import all_finite, batch_of_one, finite_rows, index, stack, tree_map, write
 from ebrl.telemetry.logging import get_logger
 
 if TYPE_CHECKING:
@@ -93,6 +93,7 @@ class Driver:
         self.ep_success = np.full(n, -1, np.int8)  # -1 until the env reports a success flag
         self.resets = np.zeros(n, np.int64)
         self.failure_times: deque[float] = deque()
+        self.timeouts = 0  # steps abandoned past faults.step_timeout_s
         # placement changes the controller asked for: env -> worker, done at the env's next episode end
         self.moves: dict[int, int] = {}
         self.migrations = 0
@@ -123,12 +124,19 @@ class Driver:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 units = range(self.cfg.num_envs // self.V)
-                await asyncio.gather(*(self._reset_unit(u) for u in units))
+                await asyncio.gather(*(self._first_reset(u) for u in units))
                 now = self._loop.time()
                 self.t_ready[:] = now
                 for ids in self.group_ids:
                     self._release(ids)
-                await self._done
+                watchdog = None
+                if self.cfg.faults.step_timeout_s is not None:
+                    watchdog = tg.create_task(self._watch_steps(self.cfg.faults.step_timeout_s), name="ebrl-watchdog")
+                try:
+                    await self._done
+                finally:
+                    if watchdog is not None:
+                        watchdog.cancel()
         except BaseExceptionGroup as group:  # one failure (an env's, or a callback's): raise it as itself
             real = [e for e in group.exceptions if not isinstance(e, asyncio.CancelledError)]
             if len(real) == 1:
@@ -200,7 +208,7 @@ class Driver:
         start its next episode there, and let it go on. A failed move leaves it where it was."""
         try:
             obs, _ = await self.pool.migrate(env_id, worker, seed=self._seed(env_id))
-            self.rollout.set_obs(np.array([env_id]), batch_of_one(obs))
+            self.rollout.set_obs(np.array([env_id]), batch_of_one(self._checked_reset(env_id, obs)))
             self.migrations += 1
             log.info("env_migrated", env=env_id, worker=worker)
         except EnvStepError as exc:
@@ -297,7 +305,12 @@ class Driver:
                     self.timeline.record(self.lanes[i], "act", self.t_ready[i], now)
             self.wait_action[ids] += now - self.t_ready[ids]
             self.t_sub[ids] = now
-            self.pool.submit(ids, rows(result.env_actions))
+            env_actions = rows(result.env_actions)
+            if not all_finite(env_actions):
+                ids, env_actions = self._on_nonfinite_actions(ids, env_actions, version)
+                if not len(ids):
+                    return
+            self.pool.submit(ids, env_actions)
         except BaseException as exc:
             self._fail(exc)
 
@@ -351,6 +364,49 @@ class Driver:
             self._spawn(self._reset_rows(unit, ids))
         return held
 
+    def _on_nonfinite_actions(self, ids: np.ndarray, actions: Any, version: int) -> tuple[np.ndarray, Any]:
+        """NaN/inf in the policy's actions: raise, or hold those envs back (their open segments
+        dropped, their claimed steps given back, a new episode begun) and return the rest."""
+        bad = ~finite_rows(actions, len(ids))
+        if self.lockstep or self.V > 1:  # a group or a vector env steps whole, or not at all
+            bad[:] = True
+        which = ids[bad].tolist()
+        what = f"the policy (weights version {version}) produced NaN/inf actions for envs {which}"
+        if self.cfg.faults.nonfinite is NonFinite.RAISE:
+            raise NonFiniteError(what + "; set faults.nonfinite='drop' to drop those segments instead")
+        log.warning("nonfinite_actions_dropped", envs=which, version=version)
+        self.state.release(len(which))  # the claimed steps never happen
+        units: dict[int, list[int]] = {}
+        for i in which:
+            self.rollout.drop_open(i, "nonfinite")
+            units.setdefault(i // self.V, []).append(i)
+        for unit, env_ids in units.items():
+            self._spawn(self._reset_rows(unit, env_ids))
+        keep = ~bad
+        return ids[keep], index(actions, np.flatnonzero(keep))
+
+    def _checked_reset(self, unit: int, obs: Any) -> Any:
+        """A reset's observation, if finite; else NonFiniteError (``raise``) or an EnvStepError
+        (``drop``: the env is then rebuilt and reset again, as for any failed reset)."""
+        if all_finite(obs):
+            return obs
+        if self.cfg.faults.nonfinite is NonFinite.RAISE:
+            raise NonFiniteError(f"env {unit}'s reset observation has NaN/inf; set faults.nonfinite='drop' to "
+                                 "rebuild such envs instead")
+        log.warning("nonfinite_reset", unit=unit)
+        raise EnvStepError(unit, "reset", NonFiniteReset("the reset observation has NaN/inf"))
+
+    async def _watch_steps(self, limit: float) -> None:
+        """Every quarter of the timeout (a second at most), the pool gives up the steps that
+        started longer than ``limit`` ago: they come back as ``timeout`` errors, recovered as
+        any failed step (the env rebuilt from ``env_fn``)."""
+        period = min(1.0, limit / 4)
+        while True:
+            await asyncio.sleep(period)
+            for unit in self.pool.abandon_late(limit):
+                self.timeouts += 1
+                log.warning("step_timed_out", unit=unit, limit_s=limit)
+
     def _on_errors(self, errors: list[tuple[int, str]], now: float) -> None:
         units = sorted({i // self.V for i, _ in errors})
         detail = dict(errors)
@@ -369,17 +425,19 @@ class Driver:
             return
         self._tg.create_task(coro)
 
-    async def _recover(self, unit: int, exc: EnvStepError) -> None:
+    async def _recover(self, unit: int, exc: EnvStepError, arrive: bool = True) -> None:
         """Drop the failed unit's open segments, rebuild it from env_fn, reset it, release it."""
         ids = self._unit_ids(unit)
         while True:
             self.stats.env_failures += 1
-            dropped = sum(self.rollout.drop_open(i, "env_error") for i in ids.tolist())
+            reason = exc.reason  # env_error, timeout or worker_died
+            dropped = sum(self.rollout.drop_open(i, reason) for i in ids.tolist())
             log.warning("env_failed", env=int(ids[0]) if len(ids) == 1 else f"{ids[0]}-{ids[-1]}",
                         step=int(self.rollout.steps_per_env[ids[0]]), op=exc.op, error=exc.detail,
-                        dropped_steps=dropped)
+                        reason=reason, dropped_steps=dropped)
             now = self._loop.time()
-            self.failure_times.append(now)
+            if reason != "worker_died":  # the env's own fault, not a lost process's: these count
+                self.failure_times.append(now)
             while self.failure_times and now - self.failure_times[0] > self.cfg.faults.failure_window_s:
                 self.failure_times.popleft()
             if len(self.failure_times) > self.cfg.faults.max_env_failures:
@@ -393,7 +451,19 @@ class Driver:
             except EnvStepError as again:
                 exc = again
         self.t_ready[ids] = self._loop.time()
-        self._arrive(ids)
+        if arrive:
+            self._arrive(ids)
+
+    async def _first_reset(self, unit: int) -> None:
+        """The run's first reset of a unit. A NaN/inf observation (``nonfinite='drop'``) is
+        recovered like a failed reset later on; any other failure here stops the run (an env
+        that cannot start is a setup error, not a fault to retry)."""
+        try:
+            await self._reset_unit(unit)
+        except EnvStepError as exc:
+            if exc.reason != "nonfinite":
+                raise
+            await self._recover(unit, exc, arrive=False)  # run() releases every env after the first resets
 
     # ---------------------------------------------------------------- resets
 
@@ -411,19 +481,25 @@ class Driver:
         ids = self._unit_ids(unit)
         if self.V == 1:
             obs, _ = await self.pool.reset(unit, seed=self._seed(unit))
-            self.rollout.set_obs(ids, batch_of_one(obs))
+            self.rollout.set_obs(ids, batch_of_one(self._checked_reset(unit, obs)))
         else:
             obs, _ = await self.pool.reset(unit, [self._seed(i) for i in ids.tolist()])
-            self.rollout.set_obs(ids, stack([obs[r] for r in range(self.V)]))
+            self.rollout.set_obs(ids, self._checked_reset(unit, stack([obs[r] for r in range(self.V)])))
 
     async def _reset_rows(self, unit: int, env_ids: list[int]) -> None:
-        """Reset some envs of a unit after dropped NaN steps, then let the unit go on."""
-        if self.V == 1:
-            obs, _ = await self.pool.reset(unit, seed=self._seed(unit))
-            self.rollout.set_obs(np.array(env_ids), batch_of_one(obs))
-        else:
-            got, _ = await self.pool.reset(unit, {i - unit * self.V: self._seed(i) for i in env_ids})
-            self.rollout.set_obs(np.array(env_ids), stack([got[i - unit * self.V] for i in env_ids]))
+        """Reset some envs of a unit after dropped NaN steps or actions, then let the unit go on
+        (a failed reset, or one with NaN/inf, rebuilds the unit as a failed step does)."""
+        try:
+            if self.V == 1:
+                obs, _ = await self.pool.reset(unit, seed=self._seed(unit))
+                self.rollout.set_obs(np.array(env_ids), batch_of_one(self._checked_reset(unit, obs)))
+            else:
+                got, _ = await self.pool.reset(unit, {i - unit * self.V: self._seed(i) for i in env_ids})
+                obs = self._checked_reset(unit, stack([got[i - unit * self.V] for i in env_ids]))
+                self.rollout.set_obs(np.array(env_ids), obs)
+        except EnvStepError as exc:
+            await self._recover(unit, exc)
+            return
         ids = self._unit_ids(unit)
         self.t_ready[ids] = self._loop.time()
         self._arrive(ids)

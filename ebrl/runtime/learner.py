@@ -34,6 +34,8 @@ import torch
 
 from ebrl.algos.batch import Batch
 from ebrl.checkpoint import algo_state, write_checkpoint
+from ebrl.config import NonFinite
+from ebrl.runtime.drivers import NonFiniteError
 from ebrl.runtime.generation import Generator
 from ebrl.runtime.rollout import RolloutQueue, collate
 from ebrl.runtime.state import RunState
@@ -48,6 +50,8 @@ if TYPE_CHECKING:
     from ebrl.runtime.resources.gpu import GpuStreams
 
 log = get_logger("ebrl.learner")
+CLOSE_WAIT_S = 1.0  # how long close() waits for the update in flight (see sim_local)
+ANSWER_WAIT_S = 2.0  # and for the learner process's trained state (a child still warming up takes ~1 s)
 
 
 def snapshot(state: dict) -> dict:
@@ -60,6 +64,21 @@ def update_once(policy, algo, batch: Batch):
     lags = batch.lags.numpy()
     metrics = algo.update(policy, batch) or {}
     return {k: float(v) for k, v in metrics.items()}, snapshot(policy.state_dict()), lags
+
+
+def nonfinite_weights(state: dict) -> list[str]:
+    """The names of a state dict's floating-point tensors holding NaN or inf."""
+    return [k for k, v in state.items()
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())]
+
+
+def restore(policy, algo, state: dict) -> None:
+    """Undo an update: the weights as published last, and a fresh optimiser (its moments may
+    hold the NaN) where the algorithm can reset one."""
+    policy.load_state_dict(state)
+    reset = getattr(algo, "reset_optimizer", None)
+    if callable(reset):
+        reset()
 
 
 def _send(conn, msg) -> None:
@@ -97,6 +116,9 @@ def _learner_main(conn, policy, algo, torch_threads: int | None) -> None:
                     _send(conn, ("error", "".join(traceback.format_exception(exc))))
             elif msg[0] == "algo_state":  # for a checkpoint
                 _send(conn, ("algo_state", algo_state(algo)))
+            elif msg[0] == "restore":  # a skipped update (NaN/inf): back to the last published weights
+                restore(policy, algo, msg[1])
+                _send(conn, ("restored",))
             else:  # "close": hand the trained state back
                 _send(conn, ("final", policy.state_dict(), algo_state(algo)))
                 return
@@ -131,6 +153,11 @@ class LearnerProcess:
         _, metrics, state, lags = msg
         return metrics, state, lags
 
+    def restore(self, state: dict) -> None:
+        """Blocking, like :meth:`update`: :func:`restore` in the learner process."""
+        _send(self.conn, ("restore", state))
+        self._recv()
+
     def algo_state(self) -> dict | None:
         """Blocking, like :meth:`update`: the algorithm's state, for a checkpoint."""
         _send(self.conn, ("algo_state",))
@@ -139,18 +166,27 @@ class LearnerProcess:
     def _recv(self):
         try:
             return _recv(self.conn)
-        except EOFError:
-            raise LearnerError(f"learner process died (exit code {self.process.exitcode})") from None
+        except (EOFError, OSError):
+            self.process.join(1.0)
+            code = self.process.exitcode
+            how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+            raise LearnerError(f"the learner process died ({how})") from None
 
     def close(self, policy, algo) -> None:
-        """Load the trained state into the caller's ``policy`` and ``algo``; end the process."""
+        """Load the trained state into the caller's ``policy`` and ``algo``; end the process
+        (waiting ``ANSWER_WAIT_S`` at most for its answer: a hung or dead learner is killed)."""
         try:
             if self.process.is_alive():
                 _send(self.conn, ("close",))
+                if not self.conn.poll(ANSWER_WAIT_S):
+                    log.warning("learner_process_unanswered", wait_s=ANSWER_WAIT_S)
+                    return
                 _, policy_state, algo_state = self._recv()
                 policy.load_state_dict(policy_state)
                 if algo_state is not None:
                     algo.load_state_dict(algo_state)
+        except (LearnerError, BrokenPipeError, OSError) as exc:
+            log.warning("learner_process_lost", error=str(exc))  # the run's own error says more
         finally:
             self.process.join(timeout=5.0)
             if self.process.is_alive():
@@ -171,16 +207,19 @@ class Checkpointing:
     last: float = -math.inf
 
     def due(self, now: float) -> bool:
-        return now - self.last >= self.every_s
+        return math.isfinite(self.every_s) and now - self.last >= self.every_s
 
 
 class Learner:
     def __init__(self, policy, algo, rollout: RolloutQueue, generator: Generator, stats: RunStats,
                  state: RunState, *, pause_generation: bool, remote: LearnerProcess | None = None,
                  timeline: Timeline | None = None, checkpoint: Checkpointing | None = None,
-                 metrics: MetricsLog | None = None, streams: GpuStreams | None = None):
+                 metrics: MetricsLog | None = None, streams: GpuStreams | None = None,
+                 nonfinite: NonFinite = NonFinite.RAISE):
         self.policy = policy
         self.algo = algo
+        self.nonfinite = nonfinite  # faults.nonfinite: a NaN/inf loss or weights raise, or skip the update
+        self._published = snapshot(policy.state_dict())  # what an update that went NaN is undone to
         self.streams = streams  # GPU: updates go to the training stream (resources.gpu)
         self.threads: int | None = None  # torch threads for the learner process (the controller's), None: as started
         self._event = None  # the CUDA event recorded after the latest update's weight snapshot
@@ -231,10 +270,23 @@ class Learner:
             self.close()
 
     def close(self) -> None:
-        """Join the learner's thread (after the update in flight) and its process, if any."""
+        """Join the learner's thread (after the update in flight, ``CLOSE_WAIT_S`` at most: then
+        a learner process is killed, which ends the thread's wait on it) and its process, if any."""
         if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
-            self._executor = None
+            executor, self._executor = self._executor, None
+            executor.shutdown(wait=False, cancel_futures=True)
+            threads = list(getattr(executor, "_threads", ()))  # the one thread it started, if it did
+            deadline = time.monotonic() + CLOSE_WAIT_S
+            for t in threads:
+                t.join(max(0.0, deadline - time.monotonic()))
+            if any(t.is_alive() for t in threads):
+                if self.remote is not None:
+                    log.warning("learner_update_abandoned", wait_s=CLOSE_WAIT_S)
+                    self.remote.process.kill()  # the thread's pipe read ends with it
+                    for t in threads:
+                        t.join(1.0)
+                else:
+                    log.warning("learner_thread_left_running", wait_s=CLOSE_WAIT_S)
         if self.remote is not None:
             remote, self.remote = self.remote, None
             remote.close(self.policy, self.algo)
@@ -263,6 +315,10 @@ class Learner:
                     self._executor = ThreadPoolExecutor(1, thread_name_prefix="ebrl-learner")
                 metrics, state, lags = await loop.run_in_executor(
                     self._executor, lambda: work(collate(rollout, slots, version)))
+        except LearnerError:
+            if self.checkpoint is not None:  # what the generator acts with: the last published weights
+                await self._write_checkpoint(self._published, algo=False)
+            raise
         finally:
             rollout.release(slots)
         lt1 = loop.time()
@@ -271,6 +327,12 @@ class Learner:
         self.busy_s += spent
         if self._timeline is not None:
             self._timeline.record("learner", "update", lt0, lt1, n)
+        if await self._skip_if_nonfinite(metrics, state, n, loop):
+            if self.pause_generation:
+                self.generator.resume()
+            self.untrained_in_hand = 0
+            return
+        self._published = state
         self.version += 1
         self.generator.publish(state, self.version, self._event)
         if self.pause_generation:
@@ -286,6 +348,30 @@ class Learner:
         self.metrics.record(self._row(metrics, lags, spent, lt1))
         if self.checkpoint is not None and self.checkpoint.due(loop.time()):
             await self._write_checkpoint(state)
+
+    async def _skip_if_nonfinite(self, metrics: dict[str, float], state: dict, n: int, loop) -> bool:
+        """An update whose loss or new weights hold NaN/inf: raise (``faults.nonfinite='raise'``),
+        or undo it (the training copy back to the last published weights, a fresh optimiser),
+        publish nothing, and count its ``n`` steps as dropped (``nonfinite_update``)."""
+        bad = nonfinite_weights(state)
+        if not bad and not metrics.get("nonfinite_loss"):
+            return False
+        what = (f"update {self.version + 1} produced NaN/inf weights in {', '.join(bad[:4])}" if bad else
+                f"update {self.version + 1}'s loss was NaN/inf (after {int(metrics.get('minibatches', 0))} "
+                "minibatch steps)")
+        if self.nonfinite is NonFinite.RAISE:
+            raise NonFiniteError(what + "; nothing was published. Set faults.nonfinite='drop' to skip such "
+                                 "updates instead")
+        log.warning("update_skipped", reason=what, steps=n)
+        if self.remote is not None and not is_virtual(loop):
+            await loop.run_in_executor(self._executor, self.remote.restore, self._published)
+        elif self.remote is not None:
+            self.remote.restore(self._published)
+        else:
+            restore(self.policy, self.algo, self._published)
+        self.stats.skipped_updates += 1
+        self.stats.drop("nonfinite_update", n)
+        return True
 
     def _row(self, metrics: dict[str, float], lags: np.ndarray, update_s: float, now: float) -> dict[str, Any]:
         """The update's row: counters, rates since the previous row and overall, the batch's
@@ -310,16 +396,19 @@ class Learner:
         row.update((k, v) for k, v in metrics.items() if k not in row)
         return row
 
-    async def _write_checkpoint(self, policy_state: dict) -> None:
-        """The weights just trained and the algorithm's state, written off the loop."""
+    async def _write_checkpoint(self, policy_state: dict, algo: bool = True) -> None:
+        """The weights just trained and the algorithm's state (``algo``: else none, as when the
+        learner process died with it), written off the loop."""
         cp, loop = self.checkpoint, asyncio.get_running_loop()
         cp.last = loop.time()
         meta = {"env_steps": cp.base_env_steps + self.stats.simulated, "trained": self.stats.trained,
                 "updates": self.version, "periodic": True}
 
         def work() -> None:  # the learner's thread: idle between updates, so the algo is not mid-update
-            algo = self.remote.algo_state() if self.remote is not None else algo_state(self.algo)
-            write_checkpoint(cp.path, policy_state, algo, cp.policy_class, **meta)
+            state = None
+            if algo:
+                state = self.remote.algo_state() if self.remote is not None else algo_state(self.algo)
+            write_checkpoint(cp.path, policy_state, state, cp.policy_class, **meta)
 
         if is_virtual(loop):  # everything runs inline under virtual time
             work()

@@ -232,8 +232,9 @@ class RolloutQueue:
         return bool(((self.inflight >= 0) & (self.inflight <= limit)).any())
 
     def due(self) -> bool:
-        """An update is due: ``S`` segments closed, every env parked on a full queue, or the end."""
-        return self.finished or len(self.closed) >= self.S or self.state.all_parked
+        """An update is due: ``S`` segments closed, every env parked on a full queue, the end,
+        or a stop (the learner then ends without waiting for more)."""
+        return self.finished or len(self.closed) >= self.S or self.state.all_parked or self.state.stopping
 
     async def wait_due(self) -> None:
         while not self.due():
@@ -242,12 +243,15 @@ class RolloutQueue:
 
     async def take(self, update: int) -> list[int] | None:
         """Slots for update ``update`` (see module docstring), sorted by env and age; ``None`` once
-        finished and empty. Give them back with :meth:`release` after :func:`collate`."""
+        finished and empty, or on a stop while the update waits for steps in flight. Give them
+        back with :meth:`release` after :func:`collate`."""
         await self.wait_due()
         limit = update - self.max_lag  # transitions of versions <= limit are due now
         self._stale_limit = limit
         try:
             while not self.finished and self._stale_inflight(limit):
+                if self.state.stopping:  # a stop: those steps may never come back (a hung env)
+                    return None
                 self._changed.clear()
                 await self._changed.wait()
         finally:

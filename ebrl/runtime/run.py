@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import math
 import os
 import time
 from collections.abc import Callable
@@ -79,14 +80,14 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
                           offload=cfg.generation.offload, inline_below_s=cfg.generation.inline_below_s,
                           on_batch=rollout.mark_inflight, timeline=timeline, streams=streams)
     checkpoint = None
-    if cfg.checkpoint_every_s is not None:
-        checkpoint = Checkpointing(Path(cfg.log_dir) / "checkpoint.pt", cfg.checkpoint_every_s,
+    if cfg.log_dir is not None:  # periodic checkpoints if asked for; always one if the learner process dies
+        checkpoint = Checkpointing(Path(cfg.log_dir) / "checkpoint.pt", _or(cfg.checkpoint_every_s, math.inf),
                                    type(trainer.policy).__name__, trainer.env_steps_done)
     # log_dir None: rows stay in memory (RunResult.history), nothing is written
     metrics = MetricsLog(cfg.log_dir)
     learner = Learner(trainer.policy, trainer.algo, rollout, generator, stats, state,
                       pause_generation=lockstep or lag == 0, timeline=timeline, checkpoint=checkpoint,
-                      metrics=metrics, streams=streams)
+                      metrics=metrics, streams=streams, nonfinite=cfg.faults.nonfinite)
     driver = Driver(cfg, pool, generator, rollout, stats, state, timeline)
     manager: ResourceManager | None = None
     log.info("run_start", schedule=cfg.schedule.value, num_envs=cfg.num_envs, sim_backend=pool.backend.value,
@@ -115,7 +116,7 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
             if progress is not None:
                 helpers.append(tg.create_task(_report(progress, stats, learner, cfg.log_every_s)))
             if stop is not None:
-                helpers.append(tg.create_task(_watch_stop(stop, state)))
+                helpers.append(tg.create_task(_watch_stop(stop, state, rollout)))
             learn = tg.create_task(learner.run(), name="ebrl-learner")
             drive = tg.create_task(driver.run(), name="ebrl-driver")
             await learn
@@ -145,6 +146,8 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
                        in_flight=rollout.pending_steps() + learner.untrained_in_hand,
                        version=learner.version, steps_per_env=rollout.steps_per_env.tolist(),
                        history=learner.history)
+    result.timeouts = driver.timeouts
+    result.respawns = getattr(pool, "respawns", 0)
     result.sim_backend = pool.backend.value
     result.sim_size = pool.size
     result.learner_mode = mode.value
@@ -198,10 +201,11 @@ def learner_mode(cfg: RunConfig, policy, virtual: bool) -> LearnerMode:
     return LearnerMode.PROCESS if on_cpu and (os.cpu_count() or 1) >= 2 else LearnerMode.THREAD
 
 
-async def _watch_stop(stop: asyncio.Event, state: RunState) -> None:
+async def _watch_stop(stop: asyncio.Event, state: RunState, rollout: RolloutQueue) -> None:
     await stop.wait()
     log.info("stop_requested")
     state.stop()
+    rollout.poke()  # a learner waiting for data wakes, and ends after the update in flight
 
 
 async def _report(progress: Progress, stats: RunStats, learner: Learner, every_s: float) -> None:

@@ -31,6 +31,7 @@ Both also host vector envs (:mod:`ebrl.runtime.vector_envs`), one unit per vecto
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 from time import perf_counter, thread_time
@@ -45,6 +46,7 @@ from ebrl.runtime.sim_types import (
     EnvStepError,
     SimPool,
     StepRows,
+    TimedOut,
     close_quietly,
     describe,
     reset_env,
@@ -54,6 +56,10 @@ from ebrl.runtime.sim_types import (
 from ebrl.runtime.threads import in_thread
 from ebrl.runtime.vector_envs import check_vector_env, reset_vector_env, step_vector_env
 from ebrl.runtime.virtual_time import is_virtual
+from ebrl.telemetry.logging import get_logger
+
+log = get_logger("ebrl.sim")
+CLOSE_WAIT_S = 1.0  # close() waits this long for lanes in a step (with the workers and the learner: a stop ends within 5 s)
 
 
 class _LocalEnvs(SimPool):
@@ -117,12 +123,13 @@ class _LocalEnvs(SimPool):
             t0, c0 = perf_counter(), thread_time()
         if self.vector_size == 1:
             out = step_env(env, _row(rows.act, unit))
-            rows.write(unit, out)
+            self._commit(unit, rows.write, unit, out)
             declared = out.cost_s
         else:
             ids = self._ids(unit)
             vs = step_vector_env(env, rows.actions(ids))
-            rows.write_many(ids, vs.obs, vs.reward, vs.terminated, vs.truncated, vs.finite, vs.success, vs.final_obs)
+            self._commit(unit, rows.write_many, ids, vs.obs, vs.reward, vs.terminated, vs.truncated, vs.finite,
+                         vs.success, vs.final_obs)
             declared = vs.cost_s
         if not account:
             return declared
@@ -133,11 +140,16 @@ class _LocalEnvs(SimPool):
             rows.cost[ids] += (1.0, wall, cpu, queued_s)  # every row waited through the whole call
         return declared
 
+    def _commit(self, unit: int, write, *args) -> None:
+        """Store a finished step in the rows (the thread pool checks, first, that it was not abandoned)."""
+        write(*args)
+
     def _reset_unit(self, unit: int, seed: Any) -> tuple[Any, Any]:
         return self._reset_with(self.envs[unit], seed)
 
     def _rebuild_unit(self, unit: int) -> None:
-        close_quietly(self.envs[unit])
+        if self.envs[unit] is not None:  # None: left to a lane that hung in it (never touched again)
+            close_quietly(self.envs[unit])
         self.envs[unit] = self._build(unit)
 
     def _errors(self, unit: int, exc: BaseException) -> list[tuple[int, str]]:
@@ -284,6 +296,12 @@ class ThreadSimPool(_LocalEnvs):
         self._done: list[int] = []  # units stepped since the last drain
         self._t_submit = [0.0] * self.num_units  # perf_counter when each unit's step was queued
         self._failed: list[tuple[int, str]] = []
+        # step timeouts: the lane stepping each unit, and a count that abandoning the step bumps
+        # (the lane, if it ever returns, then sees its step is no longer wanted and exits)
+        self._stepping: dict[int, threading.Thread] = {}
+        self._gen = [0] * self.num_units
+        self._tls = threading.local()
+        self.hung: list[threading.Thread] = []  # lanes abandoned in a step, replaced by new ones
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -306,12 +324,52 @@ class ThreadSimPool(_LocalEnvs):
         self._threads = [t for t in self._threads if t.is_alive()]
         self._target = n
         for _ in range(n - len(self._threads)):
-            t = threading.Thread(target=self._lane, name=f"ebrl-sim-{self._next_lane}", daemon=True)
-            self._next_lane += 1
-            t.start()
-            self._threads.append(t)
+            self._start_lane()
         for _ in range(len(self._threads) - n):
             self._requests.put(None)  # a lane exits after the step it is running
+
+    def _start_lane(self) -> None:
+        t = threading.Thread(target=self._lane, name=f"ebrl-sim-{self._next_lane}", daemon=True)
+        self._next_lane += 1
+        t.start()
+        self._threads.append(t)
+
+    def abandon_late(self, limit_s: float) -> list[int]:
+        """Give up each unit whose step started over ``limit_s`` ago: a new lane takes the stuck
+        lane's place, the env is left to it (never touched again) and the step comes back as a
+        :class:`~ebrl.runtime.sim_types.TimedOut` error, after which the driver rebuilds the unit."""
+        if self.rows is None:
+            return []
+        now, started, v = perf_counter(), self.rows.started, self.vector_size
+        late = [u for u in list(self._stepping) if started[u * v] > 0 and now - started[u * v] > limit_s]
+        return [u for u in late if self._abandon(u)]
+
+    def _abandon(self, unit: int) -> bool:
+        with self._lock:
+            lane = self._stepping.pop(unit, None)
+            if lane is None:  # it finished meanwhile
+                return False
+            self._gen[unit] += 1
+            self.envs[unit] = None
+            self.rows.started[self._ids(unit)] = 0.0
+            wake = not self._done and not self._failed
+            self._failed += [(i, TimedOut("the step ran past faults.step_timeout_s and was abandoned"))
+                             for i in self._ids(unit).tolist()]
+        with contextlib.suppress(ValueError):
+            self._threads.remove(lane)
+        self.hung.append(lane)
+        self._start_lane()
+        if wake:
+            self._loop.call_soon(self._drain)
+        return True
+
+    def _commit(self, unit: int, write, *args) -> None:
+        with self._lock:
+            if self._gen[unit] != self._tls.gen:
+                raise _Abandoned
+            write(*args)
+            self._stepping.pop(unit, None)
+            self.rows.started[unit * self.vector_size] = 0.0
 
     def submit(self, ids: np.ndarray, actions: Any) -> None:
         self.rows.set_actions(ids, actions)
@@ -322,16 +380,27 @@ class ThreadSimPool(_LocalEnvs):
             put(unit)
 
     def _lane(self) -> None:
+        me = threading.current_thread()
         while (item := self._requests.get()) is not None:
             if isinstance(item, tuple):  # a rare op (reset, rebuild) with its future
                 self._call(*item)
                 continue
+            # no lock: only a step that has run for the whole timeout is ever abandoned
+            self._stepping[item] = me
+            self._tls.gen = gen = self._gen[item]
+            self.rows.started[item * self.vector_size] = perf_counter()
             try:
                 self._step_unit(item, perf_counter() - self._t_submit[item])
                 failed = None
+            except _Abandoned:
+                return  # it hung past the timeout: another lane has taken this one's place
             except Exception as exc:
                 failed = self._errors(item, exc)
             with self._lock:
+                if self._gen[item] != gen:
+                    return  # abandoned, then it raised
+                self._stepping.pop(item, None)
+                self.rows.started[item * self.vector_size] = 0.0
                 wake = not self._done and not self._failed
                 if failed is None:
                     self._done.append(item)
@@ -393,12 +462,27 @@ class ThreadSimPool(_LocalEnvs):
         await self._submit_call(unit, "close", self._drop_unit, unit)
 
     def close(self) -> None:
+        """Stop the lanes, waiting ``CLOSE_WAIT_S`` at most for the steps they are running. A lane
+        still in a step then (a simulator hung in C code) is left behind, reported, with its env."""
         for _ in self._threads:
             self._requests.put(None)
+        deadline = perf_counter() + CLOSE_WAIT_S
         for t in self._threads:
-            t.join()
-        self._threads = []
+            t.join(max(0.0, deadline - perf_counter()))
+        stuck = [t for t in self._threads + self.hung if t.is_alive()]
+        if stuck:
+            log.warning("sim_lanes_left_hung", lanes=[t.name for t in stuck],
+                        hint="a step that never returned (a simulator hung in C code); the threads are daemons")
+        with self._lock:
+            for u in self._stepping:  # their envs stay with the hung lanes, whose results are not wanted
+                self.envs[u] = None
+                self._gen[u] += 1
+        self._threads, self.hung = [], stuck
         self._close_envs()
+
+
+class _Abandoned(Exception):
+    """Raised in a lane whose step was abandoned, before it could touch the rows."""
 
 
 def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:

@@ -102,6 +102,10 @@ class MixedSimPool(SimPool):
         return self.processes.placement  # NOWHERE there is LOCAL here
 
     @property
+    def respawns(self) -> int:
+        return self.processes.respawns
+
+    @property
     def migrations(self) -> int:
         return self.processes.migrations + self._moved_out
 
@@ -160,6 +164,9 @@ class MixedSimPool(SimPool):
             await self.processes.evict(env_id)
             return out
         return await self.processes.migrate(env_id, worker, seed)  # between workers
+
+    def abandon_late(self, limit_s: float) -> list[int]:
+        return self.threads.abandon_late(limit_s) + self.processes.abandon_late(limit_s)
 
     def resize(self, n: int) -> None:
         """Thread lanes."""

@@ -140,6 +140,9 @@ class StepRows:
         # the wait for a lane or for the worker's other envs). Only the env's stepper writes its
         # row; the profiler reads snapshots.
         self.cost = make((num_envs, 4), np.dtype(np.float64))
+        # perf_counter (CLOCK_MONOTONIC: one clock for every process) when the env's running step
+        # started, 0 when it is not stepping: what step timeouts are measured from
+        self.started = make((num_envs,), np.dtype(np.float64))
         # a flat view for per-step adds: a memoryview item costs a third of a NumPy scalar's
         self._cost_flat = memoryview(self.cost).cast("B").cast("d")
 
@@ -201,7 +204,31 @@ class StepRows:
         if self._cost_flat is not None:
             self._cost_flat.release()  # a live export would keep a shared-memory block from closing
         self._cost_flat = None
-        self.obs = self.final_obs = self.act = self.reward = self.flags = self.cost = None
+        self.obs = self.final_obs = self.act = self.reward = self.flags = self.cost = self.started = None
+
+
+class Fault(str):
+    """A step error's detail (the ``str`` a :class:`Block` carries) that says why the step was
+    lost when the env itself did not raise: ``reason`` is the drop reason the driver counts."""
+
+    reason = "env_error"
+
+
+class WorkerDied(Fault):
+    reason = "worker_died"  # the env's worker process ended (a signal, OOM, or killed for a hung mate)
+
+
+class TimedOut(Fault):
+    reason = "timeout"  # the step ran past faults.step_timeout_s and was abandoned
+
+
+class NonFiniteReset(Fault):
+    reason = "nonfinite"  # a reset observation with NaN/inf (faults.nonfinite='drop'): rebuilt like a failure
+
+
+def fault_reason(detail: str) -> str:
+    """The drop reason of a step error's detail: ``env_error`` unless a pool said otherwise."""
+    return getattr(detail, "reason", "env_error")
 
 
 class EnvStepError(RuntimeError):
@@ -210,6 +237,10 @@ class EnvStepError(RuntimeError):
     def __init__(self, env_id: int, op: str, detail: str):
         super().__init__(f"env {env_id} failed in {op}: {detail}")
         self.env_id, self.op, self.detail = env_id, op, detail
+
+    @property
+    def reason(self) -> str:
+        return fault_reason(self.detail)
 
 
 def reset_env(env: gym.Env, seed: int | None = None) -> tuple[Any, dict]:
@@ -227,6 +258,7 @@ def step_env(env: gym.Env, action: Any) -> StepOut:
     if terminated or truncated:
         final_obs, final_info = obs, info
         obs, info = reset_env(env)
+        finite = finite and all_finite(obs)  # the next episode's first observation comes back with this step
         return StepOut(obs, reward, bool(terminated), bool(truncated), info, final_obs, final_info, cost, finite)
     return StepOut(obs, reward, False, False, info, None, None, cost, finite)
 
@@ -303,6 +335,13 @@ class SimPool(ABC):
 
     def resize(self, n: int) -> None:
         raise ValueError(f"the {self.backend.value} sim backend has a fixed size ({self.size})")
+
+    def abandon_late(self, limit_s: float) -> list[int]:
+        """Give up the steps that started more than ``limit_s`` ago (``faults.step_timeout_s``):
+        each comes back as a :class:`TimedOut` error and the driver rebuilds its unit. Returns
+        the units given up. A step still waiting for a lane or for its worker-mates is not late.
+        The inline backend gives up nothing: a hung inline step holds the event loop itself."""
+        return []
 
     def costs(self) -> np.ndarray | None:
         """A copy of the pool's per-env step costs (``[num_envs, 4]``: steps, wall, CPU and queue

@@ -64,6 +64,8 @@ from ebrl.runtime.sim_types import (
     EnvStepError,
     SimPool,
     StepRows,
+    TimedOut,
+    WorkerDied,
     close_quietly,
     describe,
     reset_env,
@@ -71,6 +73,10 @@ from ebrl.runtime.sim_types import (
 )
 from ebrl.runtime.threads import in_thread
 from ebrl.spaces import index, tree_map
+from ebrl.telemetry.logging import get_logger
+
+log = get_logger("ebrl.sim")
+CLOSE_WAIT_S = 1.0  # close() waits this long for the workers to quit, then kills them (see sim_local)
 
 NOWHERE = -1  # the placement of an env this pool does not host (a mixed pool's env on thread lanes)
 
@@ -181,12 +187,14 @@ def _step_message(conn, envs, rows: StepRows, cost: list, ids: list[int], hold_s
             send()  # (a): a known-slow env (slow outright, or next to its message-mates) must not hold the finished ones
         stepped, total = stepped + 1, total + expect
         c0, t0 = cpu(), time.perf_counter()
+        rows.started[i] = t0  # the parent's step timeout counts from here
         try:
             rows.write(i, step_env(envs[i], tree_map(lambda a: a.copy(), index(rows.act, i))))
             done.append(i)
         except Exception as exc:
             errors.append((i, describe(exc)))
         t1 = time.perf_counter()
+        rows.started[i] = 0.0
         rows.add_cost(i, t1 - t0, cpu() - c0, t0 - arrived)  # before the reply: the parent reads it after
         c = cost[i]
         cost[i] = t1 - t0 if c is None else c + _ALPHA * (t1 - t0 - c)
@@ -220,9 +228,13 @@ def _serve(envs: dict[int, gym.Env], env_fn: EnvFn, requests: list[tuple[str, in
                     cost[i] = None
                 replies.append((i, True, None))
                 continue
-            if op == "rebuild":
-                close_quietly(envs[i])
+            if op == "rebuild":  # the env may be missing: its worker was respawned, or a build failed
+                old = envs.pop(i, None)
+                if old is not None:
+                    close_quietly(old)
                 envs[i] = env_fn(i)
+            if op == "reset" and i not in envs:
+                raise LookupError(f"env {i} is not built in this worker (it was respawned): rebuild the env")
             replies.append((i, True, reset_env(envs[i], seed=arg) if op == "reset" else None))
         except _AdoptError as exc:
             replies.append((i, False, (exc.op, exc.detail)))
@@ -265,6 +277,7 @@ class _Worker:
         self.requests: list[tuple[str, int, Any]] = []  # pickled requests, not yet sent
         self.waiting: deque[tuple[int, str, asyncio.Future]] = deque()  # sent requests, in order
         self.dead: str | None = None  # why it is gone
+        self.killed = False  # killed for a hung step (its death is on the way)
         self.ps: psutil.Process | None = None  # for cpu_times, made on first use
 
 
@@ -298,6 +311,9 @@ class ProcessSimPool(SimPool):
         self._busy = np.zeros(num_envs, bool)  # steps in flight, to report if a worker dies
         self._placement = np.arange(num_envs, dtype=np.int64) % self._num_workers  # env -> worker
         self._moving: dict[int, int] = {}  # envs being migrated -> their target worker
+        self._lost: set[int] = set()  # envs whose worker died while they were idle, not yet rebuilt
+        self._timed_out: set[int] = set()  # envs whose worker was killed for their hung step
+        self.respawns = 0  # workers replaced after dying
         self.migrations = 0  # completed migrations
         self._flush_scheduled = False
         self._closed = False
@@ -438,6 +454,13 @@ class ProcessSimPool(SimPool):
             raise ValueError(f"envs {ids[self._busy[ids]].tolist()} are still stepping")
         if self._moving and not self._moving.keys().isdisjoint(ids.tolist()):
             raise ValueError(f"envs {sorted(self._moving.keys() & set(ids.tolist()))} are migrating")
+        if self._lost:  # envs whose worker died: their step fails at once, like the others'
+            lost = np.isin(ids, np.fromiter(self._lost, np.int64, len(self._lost)))
+            if lost.any():
+                self._loop.call_soon(self._report_lost, ids[lost].tolist())
+                ids, actions = ids[~lost], index(actions, np.flatnonzero(~lost))
+                if not len(ids):
+                    return
         self._rows.set_actions(ids, actions)  # the envs are idle: nobody reads their slots now
         self._busy[ids] = True
         owner = self._placement[ids]
@@ -496,24 +519,73 @@ class ProcessSimPool(SimPool):
     def _fail_steps(self, worker: _Worker, ids: np.ndarray) -> None:
         worker.steps = []
         self._busy[ids] = False
-        errors = [(int(i), worker.dead) for i in ids]
+        errors = [(int(i), self._fault(int(i), worker.dead)) for i in ids]
         self.on_block(self._rows.block(np.zeros(0, np.int64), errors))
 
+    def _fault(self, env_id: int, why: str):
+        if env_id in self._timed_out:
+            self._timed_out.discard(env_id)
+            return TimedOut(f"the step ran past faults.step_timeout_s; {why} (killed for it) and was respawned")
+        return WorkerDied(why + (" and was respawned" if not self._closed else ""))
+
     def _fail_worker(self, worker: _Worker) -> None:
+        """A worker's pipe closed: it died (a signal, OOM) or was killed for a hung step. Its
+        requests fail, its steps in flight come back as errors (``worker_died``, or ``timeout``
+        for the hung one), and a new worker takes its place, hosting no env: each env is built
+        there again when the driver rebuilds it. The envs it hosted that were not stepping fail
+        their next step the same way."""
         if worker.dead is not None:
             return
         with contextlib.suppress(Exception):
             self._loop.remove_reader(worker.conn.fileno())
         worker.process.join(0.5)  # to learn its exit code; it closed its pipe, so it is exiting
-        worker.dead = f"worker {worker.index} died (exit code {worker.process.exitcode})"
-        for env_id, _, fut in worker.waiting:
+        code = worker.process.exitcode
+        how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+        worker.dead = f"worker {worker.index} died ({how})"
+        for env_id, op, fut in worker.waiting:
             if not fut.done():
-                fut.set_exception(RuntimeError(f"env {env_id}: {worker.dead}"))
+                fut.set_exception(EnvStepError(env_id, op, WorkerDied(worker.dead)))
         worker.waiting.clear()  # sent or not: every request's future is in waiting
         worker.requests = []
-        in_flight = np.flatnonzero(self._busy & (self._placement == worker.index))
+        hosted = self._placement == worker.index
+        in_flight = np.flatnonzero(self._busy & hosted)
+        self._lost.update(np.flatnonzero(~self._busy & hosted).tolist())
+        if not self._closed and self._workers[worker.index] is worker:
+            self._respawn(worker)
         if len(in_flight):
             self._fail_steps(worker, in_flight)
+
+    def _respawn(self, dead: _Worker) -> None:
+        # forked on the loop (a few ms): a fault's path, not a step's
+        new = self._spawn(dead.index, [], self._attach)
+        self._workers[dead.index] = new
+        self._watch(new.conn.fileno(), self._on_readable, new)
+        self._retired.append(dead)  # joined at close
+        self.respawns += 1
+        log.warning("sim_worker_respawned", worker=dead.index, reason=dead.dead)
+
+    def _report_lost(self, ids: list[int]) -> None:
+        self.on_block(self._rows.block(np.zeros(0, np.int64),
+                                       [(i, WorkerDied("the env's worker died; it was not rebuilt yet")) for i in ids]))
+
+    def abandon_late(self, limit_s: float) -> list[int]:
+        """Kill (SIGKILL) each worker whose running step started over ``limit_s`` ago; it is
+        respawned, the late step comes back as a ``timeout`` error, the worker's other steps in
+        flight as ``worker_died``."""
+        if self._rows is None:
+            return []
+        started = self._rows.started
+        late = np.flatnonzero(self._busy & (started > 0) & (time.perf_counter() - started > limit_s))
+        out = []
+        for env_id in late.tolist():
+            worker = self._workers[self._placement[env_id]]
+            if worker.dead is not None or worker.killed:
+                continue
+            worker.killed = True
+            self._timed_out.add(env_id)
+            worker.process.kill()  # its pipe closes: _on_readable sees it and respawns the worker
+            out.append(env_id)
+        return out
 
     def _request(self, op: str, env_id: int, arg: Any) -> asyncio.Future:
         self._check_open()
@@ -535,6 +607,7 @@ class ProcessSimPool(SimPool):
 
     async def rebuild(self, env_id: int) -> None:
         await self._request("rebuild", env_id, None)
+        self._lost.discard(int(env_id))  # built anew in its (perhaps respawned) worker
 
     async def migrate(self, env_id: int, worker: int, seed: int | None = None) -> tuple[Any, dict]:
         """Move idle env ``env_id`` to ``worker``, where it is built anew from ``env_fn`` and
@@ -578,6 +651,7 @@ class ProcessSimPool(SimPool):
         finally:
             del self._moving[env_id]
         self._placement[env_id] = worker
+        self._lost.discard(env_id)
         self.migrations += 1
         if source is not None and source.dead is None:
             self._request_to(source, "drop", env_id, None).add_done_callback(_ignore)
@@ -654,11 +728,12 @@ class ProcessSimPool(SimPool):
 
     @staticmethod
     def _stop(workers: list[_Worker]) -> None:
-        """Tell ``workers`` to quit, then join them (5 s in all, then killed)."""
+        """Tell ``workers`` to quit, then join them (``CLOSE_WAIT_S`` in all, then killed: a
+        worker hung in a step never reads the message)."""
         for worker in workers:
             with contextlib.suppress(Exception):
                 worker.conn.send_bytes(_QUIT)
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + CLOSE_WAIT_S
         for worker in workers:
             worker.process.join(timeout=max(0.0, deadline - time.monotonic()))
             if worker.process.is_alive():

@@ -21,6 +21,7 @@ class RunStats:
     dropped: Counter = field(default_factory=Counter)  # reason -> transitions
     env_failures: int = 0  # env.step or reset calls that raised
     updates: int = 0
+    skipped_updates: int = 0  # updates undone for a NaN/inf loss or weights (faults.nonfinite='drop')
     learner_wakeups: int = 0  # times the rollout queue woke the learner (a segment closed, a driver blocked, ...)
     lag: Counter = field(default_factory=Counter)  # policy lag -> trained transitions
     gen_batches: Counter = field(default_factory=Counter)  # batch size -> count
@@ -91,6 +92,9 @@ class RunResult:
     profiles: list[dict[str, Any]] = field(default_factory=list)
     decisions: list[dict[str, Any]] = field(default_factory=list)
     migrations: int = 0
+    skipped_updates: int = 0  # undone for a NaN/inf loss or weights; their steps are dropped (nonfinite_update)
+    timeouts: int = 0  # steps abandoned past faults.step_timeout_s
+    respawns: int = 0  # sim worker processes replaced after dying (or being killed for a hung step)
 
     def accounting_ok(self) -> bool:
         return self.env_steps == self.trained + sum(self.dropped.values()) + self.in_flight_at_stop
@@ -129,4 +133,5 @@ def summarize(stats: RunStats, *, schedule: str, wall_s: float, in_flight: int, 
         metrics=dict(stats.last_metrics),
         history=history,
         learner_wakeups=stats.learner_wakeups,
+        skipped_updates=stats.skipped_updates,
     )

@@ -1,0 +1,131 @@
+"""Faults survived, on real event loops: hung steps time out, dead workers are respawned, a
+dead learner stops the run with one clear error, and a stop or cancel ends run() promptly."""
+
+import asyncio
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import pytest
+from conftest import ebrl_threads
+
+import ebrl
+from ebrl.runtime.learner import LearnerError
+from ebrl.testing import Latency, MockEnv, MockPolicy, NoopAlgo
+
+RELEASE = threading.Event()  # set at a test's end: a step hung on it returns
+
+
+HUNG = multiprocessing.Event()  # set once env 3 has hung (in any process): its rebuilt copy does not
+
+
+class HangsOnce(MockEnv):
+    """Env ``bad`` hangs (until RELEASE, or an hour) at its step ``at``, once in the run."""
+
+    def __init__(self, env_id, bad=3, at=50):
+        super().__init__(dim=3, episode_len=20, latency=Latency.constant(0.0005))
+        self.env_id, self.bad, self.at, self.n = env_id, bad, at, 0
+
+    def step(self, action):
+        self.n += 1
+        if self.env_id == self.bad and self.n == self.at and not HUNG.is_set():
+            HUNG.set()
+            RELEASE.wait(3600)
+        return super().step(action)
+
+
+def _trainer(backend, steps=2000, timeout=0.5, **run):
+    cfg = ebrl.RunConfig(**{"num_envs": 8, "segment_len": 16, "total_env_steps": steps,
+                            "sim": {"backend": backend, "num_threads": 4, "num_workers": 2} if backend == "thread"
+                            else {"backend": backend, "num_workers": 2},
+                            "faults": {"step_timeout_s": timeout}, **run})
+    return ebrl.Trainer(HangsOnce, MockPolicy(act_dim=3), NoopAlgo(), cfg)
+
+
+@pytest.fixture
+def release():
+    RELEASE.clear()
+    HUNG.clear()
+    yield
+    RELEASE.set()
+    deadline = time.monotonic() + 5
+    while any(n.startswith("ebrl-sim") for n in ebrl_threads()) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the abandoned lane returns and exits
+
+
+@pytest.mark.parametrize("backend", ["thread", "process"])
+def test_a_hung_step_is_abandoned_its_env_replaced_and_the_run_goes_on(backend, release):
+    res = ebrl.run_sync(_trainer(backend))
+    assert res.accounting_ok() and res.env_steps == 2000
+    assert res.timeouts == 1 and res.env_failures >= 1  # env 3, rebuilt; its open segment dropped as timeout
+    assert set(res.dropped) <= {"timeout", "worker_died"}  # a killed worker's other steps in flight
+    assert res.respawns == (1 if backend == "process" else 0)
+    assert multiprocessing.active_children() == []
+
+
+async def _kill_mid_run(trainer, name: str, after_s: float):
+    """``run(trainer)``, with the first child process named ``name...`` SIGKILLed after ``after_s``."""
+    task = asyncio.ensure_future(ebrl.run(trainer))
+    await asyncio.sleep(after_s)
+    victim = next(p for p in multiprocessing.active_children() if p.name.startswith(name))
+    os.kill(victim.pid, signal.SIGKILL)
+    return await task
+
+
+def test_a_killed_worker_is_respawned_and_its_envs_rebuilt(no_leaks):
+    cfg = ebrl.RunConfig(num_envs=8, segment_len=16, total_env_steps=6000,
+                         sim={"backend": "process", "num_workers": 2}, resources={"adapt": False})
+    trainer = ebrl.Trainer(lambda i: MockEnv(dim=3, episode_len=20, latency=Latency.constant(0.001)),
+                           MockPolicy(act_dim=3), NoopAlgo(), cfg)
+
+    res = asyncio.run(_kill_mid_run(trainer, "ebrl-sim-worker", after_s=0.5))
+    assert res.accounting_ok() and res.env_steps == 6000
+    assert res.respawns == 1 and set(res.dropped) <= {"worker_died"} and res.timeouts == 0
+
+
+def test_a_dead_learner_process_stops_the_run_naming_the_signal_and_checkpoints(tmp_path, no_leaks):
+    from ebrl.checkpoint import load_checkpoint
+
+    cfg = ebrl.RunConfig(num_envs=4, segment_len=16, total_env_steps=10**7, learner="process",
+                         log_dir=str(tmp_path), checkpoint_every_s=3600.0,
+                         sim={"backend": "thread", "num_threads": 2})
+    from ebrl.algos import PPO
+    from ebrl.policies import MLPPolicy
+
+    env = MockEnv(dim=3, episode_len=20)
+    make = lambda seed: MLPPolicy.from_spaces(env.observation_space, env.action_space, seed=seed)  # noqa: E731
+    trainer = ebrl.Trainer(lambda i: MockEnv(dim=3, episode_len=20), make(0), PPO(), cfg)
+
+    with pytest.raises(LearnerError, match=r"the learner process died \(killed by SIGKILL\)"):
+        asyncio.run(_kill_mid_run(trainer, "ebrl-learner", after_s=1.5))
+    fresh = ebrl.Trainer(lambda i: MockEnv(dim=3), make(1), PPO())
+    assert load_checkpoint(tmp_path / "checkpoint.pt", fresh)["updates"] >= 0
+
+
+@pytest.mark.parametrize("backend", ["thread", "process"])
+def test_a_stop_or_a_cancel_ends_the_run_promptly_even_with_a_step_hung_and_no_timeout(backend, release):
+    async def stopped():
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(ebrl.run(_trainer(backend, steps=10**7, timeout=None), stop=stop))
+        await asyncio.sleep(1.0)  # env 3 hangs at its 50th step, after ~25 ms
+        t0 = time.monotonic()
+        stop.set()
+        res = await task
+        return res, time.monotonic() - t0
+
+    res, took = asyncio.run(stopped())
+    assert took < 5.0 and res.accounting_ok()
+
+    async def cancelled():
+        task = asyncio.ensure_future(ebrl.run(_trainer(backend, steps=10**7, timeout=None)))
+        await asyncio.sleep(1.0)
+        t0 = time.monotonic()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return time.monotonic() - t0
+
+    assert asyncio.run(cancelled()) < 5.0
+    assert multiprocessing.active_children() == []
