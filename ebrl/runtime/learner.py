@@ -327,17 +327,16 @@ class Learner:
         self.busy_s += spent
         if self._timeline is not None:
             self._timeline.record("learner", "update", lt0, lt1, n)
-        if await self._skip_if_nonfinite(metrics, state, n, loop):
-            if self.pause_generation:
-                self.generator.resume()
-            self.untrained_in_hand = 0
-            return
-        self._published = state
-        self.version += 1
-        self.generator.publish(state, self.version, self._event)
+        skipped = await self._skip_if_nonfinite(metrics, state, n, loop)
+        if not skipped:
+            self._published = state
+            self.version += 1
+            self.generator.publish(state, self.version, self._event)
         if self.pause_generation:
             self.generator.resume()
         self.untrained_in_hand = 0
+        if skipped:
+            return
         st = self.stats
         st.trained += n
         st.updates += 1
@@ -363,10 +362,8 @@ class Learner:
             raise NonFiniteError(what + "; nothing was published. Set faults.nonfinite='drop' to skip such "
                                  "updates instead")
         log.warning("update_skipped", reason=what, steps=n)
-        if self.remote is not None and not is_virtual(loop):
+        if self.remote is not None:  # never under virtual time: a learner process is a real-time mode
             await loop.run_in_executor(self._executor, self.remote.restore, self._published)
-        elif self.remote is not None:
-            self.remote.restore(self._published)
         else:
             restore(self.policy, self.algo, self._published)
         self.stats.skipped_updates += 1
