@@ -201,3 +201,80 @@ def test_bad_config_files_and_suite_names_are_one_line_and_debug_shows_the_trace
     assert "unknown benchmark suite; did you mean overhead?" in err and err.count("\n") == 1
     with pytest.raises(ConfigError, match="unknown benchmark suite"):
         main(["--debug", "bench", "overhed"])
+
+
+def test_a_second_sigint_aborts_train_at_once(tmp_path, capsys, monkeypatch):
+    """The first Ctrl-C waits for the update in flight (held here until the second arrives);
+    the second cancels the run: exit code 130, "aborted", no traceback, no result."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from ebrl.algos import PPO
+
+    in_update, release, returned = threading.Event(), threading.Event(), threading.Event()
+    update = PPO.update
+
+    def held_update(self, *args, **kw):
+        if not in_update.is_set():
+            in_update.set()
+            release.wait(30)
+        return update(self, *args, **kw)
+
+    monkeypatch.setattr(PPO, "update", held_update)
+    took = {}
+
+    def interrupt_twice():
+        if not in_update.wait(60):
+            return
+        os.kill(os.getpid(), signal.SIGINT)  # a stop: it waits for the held update
+        time.sleep(0.2)
+        if not returned.is_set():
+            took["t0"] = time.monotonic()
+            os.kill(os.getpid(), signal.SIGINT)  # the abort
+        time.sleep(0.05)
+        release.set()
+
+    threading.Thread(target=interrupt_twice, daemon=True).start()
+    try:
+        code = main(_train_args(tmp_path, "--set", "run.total_env_steps=5000000", "--set", 'run.learner="thread"'))
+    finally:
+        returned.set()
+        release.set()
+    assert code == 130 and "t0" in took
+    assert time.monotonic() - took["t0"] < 5.0
+    err = capsys.readouterr().err
+    assert "stopping after the update in flight (again to abort)" in err and "ebrl: aborted" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "result.json").exists()  # aborted: nothing was summed up
+
+
+def test_a_sigterm_to_the_process_group_stops_train_cleanly(tmp_path):
+    """Slurm, Kubernetes and ``timeout`` signal the whole process group: the sim workers and
+    the learner process ignore it, and the parent stops the run as for one Ctrl-C."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    args = _train_args(tmp_path, "--set", "run.total_env_steps=50000000", "--set", "run.learner=\"process\"",
+                       "--set", 'run.sim={backend = "process", num_workers = 2}')
+    proc = subprocess.Popen([sys.executable, "-m", "ebrl", *args], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        events, deadline = tmp_path / "events.jsonl", time.monotonic() + 60
+        while not (events.exists() and events.read_text().count('"event": "episode"') > 50):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert "ebrl: aborted" not in err and "Traceback" not in err and "died" not in err
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["env_steps"] == result["trained"] + sum(result["dropped"].values()) + result["in_flight_at_stop"]
+    assert result["learner_mode"] == "process" and result["sim_backend"] == "process"

@@ -65,6 +65,60 @@ def test_a_hung_step_is_abandoned_its_env_replaced_and_the_run_goes_on(backend, 
     assert multiprocessing.active_children() == []
 
 
+BUILT = multiprocessing.Value("i", 0)  # env 3's constructions, in any process
+
+
+class HangsInReset(MockEnv):
+    """Env 3 hangs (until RELEASE, or an hour) once, in a reset or build the driver asked for:
+    ``first`` its first reset; ``build`` its rebuild after a raising step (env_fn hangs);
+    ``rebuilt`` the reset of that rebuilt env."""
+
+    def __init__(self, env_id, where):
+        super().__init__(dim=3, episode_len=20, latency=Latency.constant(0.0005))
+        self.env_id, self.where, self.n = env_id, where, 0
+        if env_id == 3:
+            with BUILT.get_lock():
+                BUILT.value += 1
+                self.build = BUILT.value
+            if where == "build" and self.build == 2:
+                _hang()
+
+    def reset(self, **kw):
+        if self.env_id == 3 and (self.where, self.build) in (("first", 1), ("rebuilt", 2)):
+            _hang()
+        return super().reset(**kw)
+
+    def step(self, action):
+        self.n += 1
+        if self.env_id == 3 and self.build == 1 and self.n == 10 and self.where != "first":
+            raise RuntimeError("env 3 breaks at its 10th step")
+        return super().step(action)
+
+
+def _hang():
+    if not HUNG.is_set():
+        HUNG.set()
+        RELEASE.wait(3600)
+
+
+@pytest.mark.parametrize("backend", ["thread", "process"])
+@pytest.mark.parametrize("where", ["first", "build", "rebuilt"])
+def test_a_hung_reset_or_rebuild_is_abandoned_its_env_replaced_and_the_run_goes_on(backend, where, release):
+    BUILT.value = 0
+    cfg = ebrl.RunConfig(num_envs=8, segment_len=16, total_env_steps=2000, faults={"step_timeout_s": 0.5},
+                         sim={"backend": backend, "num_threads": 4, "num_workers": 2})
+    trainer = ebrl.Trainer(lambda i: HangsInReset(i, where), MockPolicy(act_dim=3), NoopAlgo(), cfg)
+    t0 = time.monotonic()
+    res = ebrl.run_sync(trainer)
+    assert HUNG.is_set() and res.accounting_ok() and res.env_steps == 2000
+    assert res.timeouts == 1 and BUILT.value == (2 if where == "first" else 3)  # built again after the hung call
+    assert res.env_failures >= (1 if where == "first" else 2)  # the raising step, the timeout (and worker-mates)
+    assert set(res.dropped) <= {"env_error", "worker_died"}  # a reset has no open segment to drop
+    assert res.respawns == (1 if backend == "process" else 0)
+    assert time.monotonic() - t0 < 30
+    assert multiprocessing.active_children() == []
+
+
 async def _kill_mid_run(trainer, name: str, after_s: float):
     """``run(trainer)``, with the first child process named ``name...`` SIGKILLed after ``after_s``."""
     task = asyncio.ensure_future(ebrl.run(trainer))

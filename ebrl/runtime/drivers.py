@@ -34,7 +34,7 @@ from ebrl.config import NonFinite, RunConfig, Schedule
 from ebrl.policies.base import ActResult
 from ebrl.runtime.generation import Generator
 from ebrl.runtime.rollout import RolloutQueue
-from ebrl.runtime.sim_types import Block, EnvStepError, NonFiniteReset, SimPool
+from ebrl.runtime.sim_types import Block, EnvStepError, NonFiniteReset, SimPool, TimedOut
 from ebrl.runtime.state import RunState
 from ebrl.runtime.stats import RunStats
 from ebrl.spaces import all_finite, batch_of_one, finite_rows, index, stack, tree_map, write
@@ -445,7 +445,7 @@ class Driver:
                     f"{len(self.failure_times)} env failures within {self.cfg.faults.failure_window_s}s "
                     f"(faults.max_env_failures={self.cfg.faults.max_env_failures}); last: {exc}") from exc
             try:
-                await self.pool.rebuild(unit)
+                await self._timed(unit, "env_fn", self.pool.rebuild(unit))
                 await self._reset_unit(unit)
                 break
             except EnvStepError as again:
@@ -456,12 +456,13 @@ class Driver:
 
     async def _first_reset(self, unit: int) -> None:
         """The run's first reset of a unit. A NaN/inf observation (``nonfinite='drop'``) is
-        recovered like a failed reset later on; any other failure here stops the run (an env
+        a hung reset (past ``faults.step_timeout_s``) or a dead worker is recovered like a failed
+        reset later on; any other failure here stops the run (an env
         that cannot start is a setup error, not a fault to retry)."""
         try:
             await self._reset_unit(unit)
         except EnvStepError as exc:
-            if exc.reason != "nonfinite":
+            if exc.reason not in ("nonfinite", "timeout", "worker_died"):
                 raise
             await self._recover(unit, exc, arrive=False)  # run() releases every env after the first resets
 
@@ -477,13 +478,35 @@ class Driver:
         self.ep_return[env_id], self.ep_length[env_id], self.ep_success[env_id] = 0.0, 0, -1
         return seed
 
+    async def _timed(self, unit: int, op: str, call):
+        """Await a unit's reset or rebuild; once it has *run* past ``faults.step_timeout_s``
+        (waits for a lane or for worker-mates do not count) the pool gives it up (a lane
+        replaced, a worker killed) and it fails as ``timeout``, recovered as any failed reset:
+        the unit rebuilt from ``env_fn``."""
+        limit = self.cfg.faults.step_timeout_s
+        if limit is None:
+            return await call
+        fut = asyncio.ensure_future(call)
+        try:
+            while True:
+                try:
+                    return await asyncio.wait_for(asyncio.shield(fut), min(1.0, limit / 4))
+                except TimeoutError:
+                    if self.pool.abandon(unit, limit):
+                        break
+        finally:
+            fut.cancel()
+        self.timeouts += 1
+        log.warning("reset_timed_out", unit=unit, op=op, limit_s=limit)
+        raise EnvStepError(unit, op, TimedOut(f"the {op} ran past faults.step_timeout_s and was abandoned"))
+
     async def _reset_unit(self, unit: int) -> None:
         ids = self._unit_ids(unit)
         if self.V == 1:
-            obs, _ = await self.pool.reset(unit, seed=self._seed(unit))
+            obs, _ = await self._timed(unit, "reset", self.pool.reset(unit, seed=self._seed(unit)))
             self.rollout.set_obs(ids, batch_of_one(self._checked_reset(unit, obs)))
         else:
-            obs, _ = await self.pool.reset(unit, [self._seed(i) for i in ids.tolist()])
+            obs, _ = await self._timed(unit, "reset", self.pool.reset(unit, [self._seed(i) for i in ids.tolist()]))
             self.rollout.set_obs(ids, self._checked_reset(unit, stack([obs[r] for r in range(self.V)])))
 
     async def _reset_rows(self, unit: int, env_ids: list[int]) -> None:
@@ -491,10 +514,11 @@ class Driver:
         (a failed reset, or one with NaN/inf, rebuilds the unit as a failed step does)."""
         try:
             if self.V == 1:
-                obs, _ = await self.pool.reset(unit, seed=self._seed(unit))
+                obs, _ = await self._timed(unit, "reset", self.pool.reset(unit, seed=self._seed(unit)))
                 self.rollout.set_obs(np.array(env_ids), batch_of_one(self._checked_reset(unit, obs)))
             else:
-                got, _ = await self.pool.reset(unit, {i - unit * self.V: self._seed(i) for i in env_ids})
+                got, _ = await self._timed(unit, "reset",
+                                           self.pool.reset(unit, {i - unit * self.V: self._seed(i) for i in env_ids}))
                 obs = self._checked_reset(unit, stack([got[i - unit * self.V] for i in env_ids]))
                 self.rollout.set_obs(np.array(env_ids), obs)
         except EnvStepError as exc:

@@ -40,7 +40,7 @@ from ebrl.runtime.generation import Generator
 from ebrl.runtime.rollout import RolloutQueue, collate
 from ebrl.runtime.state import RunState
 from ebrl.runtime.stats import RunStats
-from ebrl.runtime.threads import in_thread
+from ebrl.runtime.threads import ignore_stop_signals, in_thread
 from ebrl.runtime.virtual_time import is_virtual
 from ebrl.telemetry.logging import get_logger
 from ebrl.telemetry.metrics import MetricsLog
@@ -99,7 +99,7 @@ def warm_up() -> None:
 
 
 def _learner_main(conn, policy, algo, torch_threads: int | None) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    ignore_stop_signals()  # the parent decides when we stop
     if torch_threads is not None:
         torch.set_num_threads(torch_threads)
     warm_up()

@@ -150,7 +150,12 @@ class _LocalEnvs(SimPool):
     def _rebuild_unit(self, unit: int) -> None:
         if self.envs[unit] is not None:  # None: left to a lane that hung in it (never touched again)
             close_quietly(self.envs[unit])
-        self.envs[unit] = self._build(unit)
+            self.envs[unit] = None
+        self._keep(unit, self._build(unit))
+
+    def _keep(self, unit: int, env: gym.Env) -> None:
+        """Make ``env`` unit ``unit``'s (the thread pool checks, first, that the call was not abandoned)."""
+        self.envs[unit] = env
 
     def _errors(self, unit: int, exc: BaseException) -> list[tuple[int, str]]:
         return [(i, describe(exc)) for i in self._ids(unit).tolist()]
@@ -163,7 +168,7 @@ class _LocalEnvs(SimPool):
         except Exception as exc:
             close_quietly(env)
             raise EnvStepError(unit, "reset", describe(exc)) from exc
-        self.envs[unit] = env
+        self._keep(unit, env)
         return out
 
     def _drop_unit(self, unit: int) -> None:
@@ -299,6 +304,7 @@ class ThreadSimPool(_LocalEnvs):
         # step timeouts: the lane stepping each unit, and a count that abandoning the step bumps
         # (the lane, if it ever returns, then sees its step is no longer wanted and exits)
         self._stepping: dict[int, threading.Thread] = {}
+        self._calling: dict[int, threading.Thread] = {}  # the lane running each unit's reset or rebuild
         self._gen = [0] * self.num_units
         self._tls = threading.local()
         self.hung: list[threading.Thread] = []  # lanes abandoned in a step, replaced by new ones
@@ -355,13 +361,39 @@ class ThreadSimPool(_LocalEnvs):
             wake = not self._done and not self._failed
             self._failed += [(i, TimedOut("the step ran past faults.step_timeout_s and was abandoned"))
                              for i in self._ids(unit).tolist()]
+        self._replace_lane(lane)
+        if wake:
+            self._loop.call_soon(self._drain)
+        return True
+
+    def abandon(self, unit: int, limit_s: float) -> bool:
+        """Give up unit ``unit``'s reset or rebuild if it has run over ``limit_s`` in a lane: a
+        new lane takes the stuck lane's place and the env is left to it, never touched again
+        (the driver then rebuilds the unit). If the call ever returns, nothing of it is kept."""
+        with self._lock:
+            lane = self._calling.get(unit)
+            started = self.rows.started[unit * self.vector_size]
+            if lane is None or not started or perf_counter() - started <= limit_s:
+                return False  # queued behind busy lanes, or it finished meanwhile
+            del self._calling[unit]
+            self._gen[unit] += 1
+            self.envs[unit] = None
+            self.rows.started[unit * self.vector_size] = 0.0
+        self._replace_lane(lane)
+        return True
+
+    def _replace_lane(self, lane: threading.Thread) -> None:
         with contextlib.suppress(ValueError):
             self._threads.remove(lane)
         self.hung.append(lane)
         self._start_lane()
-        if wake:
-            self._loop.call_soon(self._drain)
-        return True
+
+    def _keep(self, unit: int, env: gym.Env) -> None:
+        with self._lock:
+            if self._gen[unit] != self._tls.gen:
+                close_quietly(env)
+                raise _Abandoned
+            self.envs[unit] = env
 
     def _commit(self, unit: int, write, *args) -> None:
         with self._lock:
@@ -383,7 +415,22 @@ class ThreadSimPool(_LocalEnvs):
         me = threading.current_thread()
         while (item := self._requests.get()) is not None:
             if isinstance(item, tuple):  # a rare op (reset, rebuild) with its future
-                self._call(*item)
+                unit, gen, fn, args, fut = item
+                with self._lock:
+                    given_up = self._gen[unit] != gen
+                    if not given_up:
+                        self._calling[unit] = me
+                        self._tls.gen = gen
+                        self.rows.started[unit * self.vector_size] = perf_counter()
+                if given_up:  # while it waited for a lane: it never runs
+                    self._call(_given_up, (unit,), fut)
+                    continue
+                self._call(fn, args, fut)
+                with self._lock:
+                    if self._gen[unit] != gen:
+                        return  # abandoned past the timeout: another lane has taken this one's place
+                    self._calling.pop(unit, None)
+                    self.rows.started[unit * self.vector_size] = 0.0
                 continue
             # no lock: only a step that has run for the whole timeout is ever abandoned
             self._stepping[item] = me
@@ -438,7 +485,7 @@ class ThreadSimPool(_LocalEnvs):
 
     async def _submit_call(self, unit: int, op: str, fn, *args):
         fut = self._loop.create_future()
-        self._requests.put((fn, args, fut))
+        self._requests.put((unit, self._gen[unit], fn, args, fut))
         try:
             return await fut
         except EnvStepError:
@@ -472,13 +519,17 @@ class ThreadSimPool(_LocalEnvs):
         stuck = [t for t in self._threads + self.hung if t.is_alive()]
         if stuck:
             log.warning("sim_lanes_left_hung", lanes=[t.name for t in stuck],
-                        hint="a step that never returned (a simulator hung in C code); the threads are daemons")
+                        hint="a step or reset that never returned (a simulator hung in C code); the threads are daemons")
         with self._lock:
-            for u in self._stepping:  # their envs stay with the hung lanes, whose results are not wanted
+            for u in [*self._stepping, *self._calling]:  # their envs stay with the hung lanes, whose results are not wanted
                 self.envs[u] = None
                 self._gen[u] += 1
         self._threads, self.hung = [], stuck
         self._close_envs()
+
+
+def _given_up(unit: int) -> None:
+    raise EnvStepError(unit, "call", TimedOut("given up (past faults.step_timeout_s) before it ran"))
 
 
 class _Abandoned(Exception):

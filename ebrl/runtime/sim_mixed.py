@@ -168,6 +168,9 @@ class MixedSimPool(SimPool):
     def abandon_late(self, limit_s: float) -> list[int]:
         return self.threads.abandon_late(limit_s) + self.processes.abandon_late(limit_s)
 
+    def abandon(self, env_id: int, limit_s: float) -> bool:
+        return self._part(env_id).abandon(env_id, limit_s)
+
     def resize(self, n: int) -> None:
         """Thread lanes."""
         self.threads.resize(n)

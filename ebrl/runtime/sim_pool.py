@@ -60,7 +60,7 @@ from ebrl.runtime.sim_types import (
     step_env,
 )
 from ebrl.runtime.sim_workers import ProcessSimPool
-from ebrl.runtime.threads import in_thread
+from ebrl.runtime.threads import ignore_stop_signals, in_thread
 from ebrl.spaces import all_finite, copy_tree
 from ebrl.telemetry.logging import get_logger
 
@@ -204,6 +204,7 @@ def _probe_in_child(env_fn: EnvFn, cfg: SimConfig, num_envs: int) -> tuple[SimBa
 
 
 def _probe_main(conn, env_fn: EnvFn, cfg: SimConfig, num_envs: int) -> None:
+    ignore_stop_signals()
     try:
         conn.send((True, choose_backend(env_fn, cfg, num_envs)))
     except Exception as exc:

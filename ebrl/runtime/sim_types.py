@@ -343,6 +343,13 @@ class SimPool(ABC):
         The inline backend gives up nothing: a hung inline step holds the event loop itself."""
         return []
 
+    def abandon(self, unit: int, limit_s: float) -> bool:
+        """Give up unit ``unit``'s reset or rebuild if it has *run* (not waited for a lane or
+        for its worker-mates) over ``limit_s``: a thread lane replaced, a worker killed and
+        respawned. The driver times those calls and, on True, fails the call as ``timeout``
+        and rebuilds the unit; on False it waits on."""
+        return False
+
     def costs(self) -> np.ndarray | None:
         """A copy of the pool's per-env step costs (``[num_envs, 4]``: steps, wall, CPU and queue
         seconds, summed since start; see :attr:`StepRows.cost`), or None before start."""

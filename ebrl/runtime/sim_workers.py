@@ -71,7 +71,7 @@ from ebrl.runtime.sim_types import (
     reset_env,
     step_env,
 )
-from ebrl.runtime.threads import in_thread
+from ebrl.runtime.threads import ignore_stop_signals, in_thread
 from ebrl.spaces import index, tree_map
 from ebrl.telemetry.logging import get_logger
 
@@ -126,7 +126,7 @@ def _worker_main(conn, env_fn: EnvFn, env_ids: list[int], num_envs: int, hold_s:
     worker added later (:meth:`ProcessSimPool.resize`) hosts no env yet and gets ``attach`` as
     an argument instead: it sends nothing before its first reply.
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    ignore_stop_signals()  # the parent decides when we stop
     envs: dict[int, gym.Env] = {}
     blocks: list[shared_memory.SharedMemory] = []
     rows = None
@@ -218,6 +218,8 @@ def _serve(envs: dict[int, gym.Env], env_fn: EnvFn, requests: list[tuple[str, in
     """
     replies = []
     for op, i, arg in requests:
+        if rows is not None:
+            rows.started[i] = time.perf_counter()  # the parent's reset timeout counts from here
         try:
             if op == "adopt":
                 replies.append((i, True, _adopt(envs, env_fn, i, arg, rows, cost)))
@@ -240,6 +242,9 @@ def _serve(envs: dict[int, gym.Env], env_fn: EnvFn, requests: list[tuple[str, in
             replies.append((i, False, (exc.op, exc.detail)))
         except Exception as exc:
             replies.append((i, False, describe(exc)))
+        finally:
+            if rows is not None:
+                rows.started[i] = 0.0
     return replies
 
 
@@ -586,6 +591,21 @@ class ProcessSimPool(SimPool):
             worker.process.kill()  # its pipe closes: _on_readable sees it and respawns the worker
             out.append(env_id)
         return out
+
+    def abandon(self, env_id: int, limit_s: float) -> bool:
+        """Give up env ``env_id``'s reset or rebuild if it has run over ``limit_s`` (timed from
+        its start in the worker): the worker is SIGKILLed and respawned (its other steps in
+        flight come back as ``worker_died``, its other envs are rebuilt), and the driver
+        rebuilds this env in the new worker."""
+        if self._rows is None or env_id in self._moving or self._busy[env_id]:
+            return False
+        started = self._rows.started[env_id]
+        worker = self._workers[self._placement[env_id]]
+        if worker.dead is not None or worker.killed or not started or time.perf_counter() - started <= limit_s:
+            return False
+        worker.killed = True
+        worker.process.kill()  # its pipe closes: _on_readable sees it and respawns the worker
+        return True
 
     def _request(self, op: str, env_id: int, arg: Any) -> asyncio.Future:
         self._check_open()

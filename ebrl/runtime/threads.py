@@ -13,6 +13,7 @@ bounded, and no thread may outlive ``run()``).
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -27,3 +28,11 @@ async def in_thread(fn: Callable[..., T], *args: Any, name: str = "ebrl-offloop"
         return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
     finally:
         executor.shutdown(wait=True)
+
+
+def ignore_stop_signals() -> None:
+    """In a child process (sim worker, learner, probe): Ctrl-C and SIGTERM are the parent's to
+    act on. A terminal's Ctrl-C, or a scheduler's SIGTERM (Slurm, Kubernetes, ``timeout``),
+    reaches the whole process group; the parent stops the run cleanly and ends its children."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
