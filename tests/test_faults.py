@@ -183,3 +183,42 @@ def test_a_stop_or_a_cancel_ends_the_run_promptly_even_with_a_step_hung_and_no_t
 
     assert asyncio.run(cancelled()) < 5.0
     assert multiprocessing.active_children() == []
+
+
+def test_sim_workers_and_the_learner_exit_when_their_parent_is_killed(tmp_path):
+    """A SIGKILLed run leaves no process behind: each child watches its parent (forked siblings
+    hold copies of the parent's pipe ends, so a closed pipe alone would not tell them)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "victim.py"
+    script.write_text(
+        "import ebrl, sys\n"
+        "from ebrl.testing import MockEnv, Latency\n"
+        "from ebrl.algos import PPO\n"
+        "from ebrl.policies import MLPPolicy\n"
+        "env = MockEnv(dim=3)\n"
+        "cfg = ebrl.RunConfig(num_envs=4, segment_len=16, total_env_steps=10**9, learner='process',\n"
+        "                     sim={'backend': 'process', 'num_workers': 2})\n"
+        "policy = MLPPolicy.from_spaces(env.observation_space, env.action_space)\n"
+        "ebrl.run_sync(ebrl.Trainer(lambda i: MockEnv(dim=3, latency=Latency.constant(0.001)), policy, PPO(), cfg))\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        children: list[int] = []
+        while len(children) < 3 and time.monotonic() < deadline:  # two sim workers and the learner
+            time.sleep(0.2)
+            children = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                        text=True).stdout.split()]
+        assert len(children) >= 3
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}") for pid in children):
+            time.sleep(0.1)
+        alive = [pid for pid in children if os.path.exists(f"/proc/{pid}")
+                 and open(f"/proc/{pid}/stat").read().split()[2] != "Z"]
+        assert alive == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -13,7 +13,10 @@ bounded, and no thread may outlive ``run()``).
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -33,6 +36,17 @@ async def in_thread(fn: Callable[..., T], *args: Any, name: str = "ebrl-offloop"
 def ignore_stop_signals() -> None:
     """In a child process (sim worker, learner, probe): Ctrl-C and SIGTERM are the parent's to
     act on. A terminal's Ctrl-C, or a scheduler's SIGTERM (Slurm, Kubernetes, ``timeout``),
-    reaches the whole process group; the parent stops the run cleanly and ends its children."""
+    reaches the whole process group; the parent stops the run cleanly and ends its children.
+
+    The child also exits within a second of its parent's death (a SIGKILL, an OOM kill): its
+    pipe alone would not tell it, since forked siblings hold copies of the parent's ends."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)  # orphaned: no one will read our results or stop us
+
+    threading.Thread(target=watch, name="ebrl-parent-watch", daemon=True).start()
