@@ -39,6 +39,13 @@ class Schedule(enum.StrEnum):
     PIPELINED = "pipelined"  # env groups in lockstep, groups overlap; train after rollout
 
 
+class SegmentCut(enum.StrEnum):
+    """Where a rollout segment ends (besides the cuts that bound policy lag)."""
+
+    LENGTH = "length"  # after segment_len steps: episodes run across segments (PPO, V-trace)
+    EPISODE = "episode"  # also at every episode end: one episode per segment, from its reset (GRPO)
+
+
 class SimBackend(enum.StrEnum):
     """Where ``env.step`` runs."""
 
@@ -211,6 +218,10 @@ class RunConfig:
     total_env_steps: int = 100_000  # the run stops generating once this many steps are claimed
     schedule: Schedule = Schedule.ASYNC
     max_policy_lag: int = 1  # no trained sample is older than this many updates
+    segment_cut: SegmentCut = SegmentCut.LENGTH
+    # envs in consecutive blocks of this size start every episode from the same seed (a reset
+    # group: GRPO compares their returns); None: each env its own seeds
+    reset_group: int | None = None
     batch_segments: int | None = None  # segments per update; None = num_envs
     num_groups: int = 2  # env groups of the pipelined schedule
     seed: int = 0
@@ -240,6 +251,8 @@ class RunConfig:
         _check_int("total_env_steps", self.total_env_steps, 1)
         self.schedule = _coerce_enum("schedule", self.schedule, Schedule)
         _check_int("max_policy_lag", self.max_policy_lag, 0)
+        self.segment_cut = _coerce_enum("segment_cut", self.segment_cut, SegmentCut)
+        _check_int("reset_group", self.reset_group, 1, optional=True)
         _check_int("batch_segments", self.batch_segments, 1, optional=True)
         _check_int("num_groups", self.num_groups, 1)
         vector = self.sim.vector_size
@@ -248,6 +261,12 @@ class RunConfig:
         if self.schedule is Schedule.PIPELINED and self.num_groups > self.num_envs // vector:
             units = f"num_envs / sim.vector_size ({self.num_envs // vector})" if vector > 1 else f"num_envs ({self.num_envs})"
             raise ConfigError("num_groups", self.num_groups, f"must be <= {units}")
+        if self.reset_group is not None:
+            if self.num_envs % self.reset_group:
+                raise ConfigError("reset_group", self.reset_group, f"must divide num_envs ({self.num_envs})")
+            if vector > 1:
+                raise ConfigError("reset_group", self.reset_group,
+                                  "needs sim.vector_size=1 (a vector env's autoresets cannot be seeded per env)")
         _check_int("seed", self.seed, 0)
         _check_int("torch_threads", self.torch_threads, 1, optional=True)
         self.learner = _coerce_enum("learner", self.learner, LearnerMode)

@@ -179,7 +179,7 @@ async def test_dict_observations_travel_through_shared_memory_unpickled(monkeypa
     pool = ProcessSimPool(DictEnv, num_envs=4, num_workers=2)
     col = await started(pool)
     try:
-        assert len(pool._blocks) == 2 * 2 + 2 + 4  # obs and final_obs per key, act per key, reward, flags, cost, started
+        assert len(pool._blocks) == 2 * 2 + 2 + 5  # obs and final_obs per key, act per key, reward, flags, cost, started, reset_seed
         for i in range(4):
             await pool.reset(i)
         calls = []
@@ -321,7 +321,7 @@ async def test_close_leaves_no_process_and_unlinks_shared_memory():
     pool.submit(np.arange(3), np.zeros((3, 4), np.float32))
     await col.wait(range(3))
     names = [b.name for b in pool._blocks]
-    assert len(names) == 7  # obs, final_obs, act, reward, flags, cost, started
+    assert len(names) == 8  # obs, final_obs, act, reward, flags, cost, started, reset_seed
     pool.close()
     pool.close()
     assert multiprocessing.active_children() == []

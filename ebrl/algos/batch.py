@@ -32,6 +32,11 @@ class Batch:
     final_obs: torch.Tensor  # [K, *obs_shape]: terminal observations of truncated steps
     final_index: torch.Tensor  # [K, 2] int64: (segment, step) of each truncated step
     learner_version: int = 0  # version of the weights this update starts from
+    # [S] int64, with RunConfig.segment_cut="episode" (one episode per segment, cut at its end):
+    # the reset seed of the episode segment s starts with (envs of a reset group share it, so
+    # equal keys mean episodes from the same start), or -1 where the segment does not start at
+    # a reset (the rest of an episode longer than segment_len). None otherwise.
+    group: torch.Tensor | None = None
 
     @property
     def num_steps(self) -> int:

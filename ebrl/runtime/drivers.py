@@ -92,6 +92,7 @@ class Driver:
         self.ep_length = np.zeros(n, np.int64)
         self.ep_success = np.full(n, -1, np.int8)  # -1 until the env reports a success flag
         self.resets = np.zeros(n, np.int64)
+        self.episodes = np.zeros(n, np.int64)  # episodes started per env (reset groups seed by it)
         self.failure_times: deque[float] = deque()
         self.timeouts = 0  # steps abandoned past faults.step_timeout_s
         # placement changes the controller asked for: env -> worker, done at the env's next episode end
@@ -209,6 +210,8 @@ class Driver:
         try:
             obs, _ = await self.pool.migrate(env_id, worker, seed=self._seed(env_id))
             self.rollout.set_obs(np.array([env_id]), batch_of_one(self._checked_reset(env_id, obs)))
+            if self.cfg.reset_group is not None:  # the part it moved to holds its own rows
+                self.pool.set_reset_seeds(np.array([env_id]), np.array([self._group_seed(env_id)]))
             self.migrations += 1
             log.info("env_migrated", env=env_id, worker=worker)
         except EnvStepError as exc:
@@ -231,6 +234,7 @@ class Driver:
             i = int(ids[r])
             once = None if self.ep_success[i] < 0 else bool(self.ep_success[i])
             at_end = None if block.success[r] < 0 else bool(block.success[r])
+            self._autoreset(i)
             ret, length = float(self.ep_return[i]), int(self.ep_length[i])
             self.stats.episode(ret, length, once, at_end)
             log.info("episode", env=i, ep_return=round(ret, 4), length=length, success_once=once,
@@ -473,10 +477,33 @@ class Driver:
 
     def _seed(self, env_id: int) -> int:
         # seed each env's first episode; later resets (after a rebuild) get fresh, reproducible seeds
-        seed = self.cfg.seed + env_id + self.cfg.num_envs * int(self.resets[env_id])
         self.resets[env_id] += 1
         self.ep_return[env_id], self.ep_length[env_id], self.ep_success[env_id] = 0.0, 0, -1
+        if self.cfg.reset_group is None:
+            seed = self.cfg.seed + env_id + self.cfg.num_envs * int(self.resets[env_id] - 1)
+            self.rollout.episode_key[env_id] = seed
+            return seed
+        seed = self._group_seed(env_id)
+        self.rollout.episode_key[env_id] = seed
+        self.episodes[env_id] += 1
+        self.pool.set_reset_seeds(np.array([env_id]), np.array([self._group_seed(env_id)]))
         return seed
+
+    def _group_seed(self, env_id: int) -> int:
+        """Under ``reset_group``: the seed of env ``env_id``'s next episode, shared by its group
+        (the group's k-th episodes all start from one seed)."""
+        groups = self.cfg.num_envs // self.cfg.reset_group
+        return self.cfg.seed + env_id // self.cfg.reset_group + groups * int(self.episodes[env_id])
+
+    def _autoreset(self, env_id: int) -> None:
+        """Env ``env_id``'s episode ended and the same step reset it: with reset groups, from the
+        seed written for it (the next one is written now); else from the env's own RNG."""
+        if self.cfg.reset_group is None:
+            self.rollout.episode_key[env_id] = -1
+            return
+        self.rollout.episode_key[env_id] = self._group_seed(env_id)
+        self.episodes[env_id] += 1
+        self.pool.set_reset_seeds(np.array([env_id]), np.array([self._group_seed(env_id)]))
 
     async def _timed(self, unit: int, op: str, call):
         """Await a unit's reset or rebuild; once it has *run* past ``faults.step_timeout_s``

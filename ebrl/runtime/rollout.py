@@ -21,6 +21,12 @@ a fresh segment). A transition whose simulation is still running when it falls d
 awaited: one step, never a whole segment. Hence every trained transition has lag
 ``<= max_lag`` and a slow env never holds an update back by more than one step.
 
+With ``cut_at_episode_end`` (``RunConfig.segment_cut="episode"``) a segment also closes at
+every episode end, so each segment is one episode from its reset (or the rest of one longer
+than ``T``), and remembers the key of the episode it starts with (``episode_key``, set by the
+driver: the reset's seed, shared by a reset group); ``Batch.group`` carries it, -1 where the
+segment does not start at a reset.
+
 Backpressure, not dropping: an env may not start a new segment while the queue is full.
 Under ``async`` the queue holds ``(max_lag + 1) * S`` closed segments, so fast envs run
 ahead of slow ones; under the lockstep schedules each env holds at most one closed
@@ -58,8 +64,10 @@ class RolloutQueue:
     """Slots, open segments per env, closed segments in order, and the rules that bound lag."""
 
     def __init__(self, num_envs: int, segment_len: int, batch_segments: int, max_lag: int,
-                 stats: RunStats, lockstep: bool = False, state: RunState | None = None):
+                 stats: RunStats, lockstep: bool = False, state: RunState | None = None,
+                 cut_at_episode_end: bool = False):
         self.T = segment_len
+        self.cut_at_episode_end = cut_at_episode_end
         self.S = batch_segments
         self.max_lag = max_lag
         self.lockstep = lockstep
@@ -74,6 +82,7 @@ class RolloutQueue:
         self.slot_seq = np.zeros(m, np.int64)
         self.slot_n = np.zeros(m, np.int64)
         self.slot_min_version = np.zeros(m, np.int64)
+        self.slot_group = np.full(m, -1, np.int64)  # the key of the episode the slot starts with, -1: mid-episode
         self.slot_final: list[dict[int, Any]] = [{} for _ in range(m)]  # t -> final obs (truncated steps)
         self.free: list[int] = list(range(m - 1, -1, -1))
         self.fields: dict[str, Any] | None = None  # allocated at the first record, from its rows
@@ -83,6 +92,8 @@ class RolloutQueue:
         self.closed_per_env = np.zeros(num_envs, np.int64)
         self.inflight = np.full(num_envs, -1, np.int64)  # version of an action being simulated, -1: none
         self.steps_per_env = np.zeros(num_envs, np.int64)
+        self.episode_key = np.full(num_envs, -1, np.int64)  # the driver's: key of each env's current episode
+        self.at_start = np.ones(num_envs, bool)  # the env's next recorded step is its episode's first
         self.finished = False
         self.on_space: Callable[[], None] | None = None  # the driver's: segments were taken, parked envs may go
         self._seq = 0
@@ -96,6 +107,7 @@ class RolloutQueue:
         if self.obs is None:
             self.obs = _alloc(obs, (self.num_envs,))
         write(self.obs, ids, obs)
+        self.at_start[ids] = True
 
     def current_obs(self, ids: np.ndarray) -> Any:
         return index(self.obs, ids)
@@ -137,6 +149,7 @@ class RolloutQueue:
         self._seq += 1
         self.slot_env[slot], self.slot_seq[slot], self.slot_n[slot] = env_id, self._seq, 0
         self.slot_min_version[slot] = version
+        self.slot_group[slot] = self.episode_key[env_id] if self.at_start[env_id] else -1
         self.open_slot[env_id] = slot
         return slot
 
@@ -146,6 +159,7 @@ class RolloutQueue:
         self.slot_env = np.concatenate([self.slot_env, np.full(extra, -1, np.int64)])
         for name in ("slot_seq", "slot_n", "slot_min_version"):
             setattr(self, name, np.concatenate([getattr(self, name), np.zeros(extra, np.int64)]))
+        self.slot_group = np.concatenate([self.slot_group, np.full(extra, -1, np.int64)])
         self.slot_final += [{} for _ in range(extra)]
         self.free += list(range(m + extra - 1, m - 1, -1))
         if self.fields is not None:
@@ -186,6 +200,10 @@ class RolloutQueue:
         self.steps_per_env[ids] += 1
         woke = self._clear_inflight(ids)
         full = pos >= self.T
+        ended = terminated | truncated
+        self.at_start[ids] = ended
+        if self.cut_at_episode_end:
+            full |= ended
         if full.any():
             for k in full.nonzero()[0].tolist():
                 self._close(int(ids[k]))
@@ -340,4 +358,5 @@ def collate(rollout: RolloutQueue, slots: list[int], learner_version: int):
         final_obs=final_obs,
         final_index=final_index,
         learner_version=learner_version,
+        group=torch.from_numpy(rollout.slot_group[slots]) if rollout.cut_at_episode_end else None,
     )

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ebrl.config import DEFAULT_MAX_WAIT_S, LearnerMode, RunConfig, SimBackend
+from ebrl.config import DEFAULT_MAX_WAIT_S, LearnerMode, RunConfig, SegmentCut, SimBackend
 from ebrl.runtime.drivers import Driver
 from ebrl.runtime.generation import Generator
 from ebrl.runtime.learner import Checkpointing, Learner, LearnerProcess
@@ -71,7 +71,8 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
     movable = cfg.sim.backend is SimBackend.AUTO and cfg.resources.adapt and not virtual
     pool = make_sim_pool(trainer.env_fn, cfg.num_envs, cfg.sim, backend, lanes, movable=movable)
     lockstep, lag = is_lockstep(cfg.schedule), effective_lag(cfg)
-    rollout = RolloutQueue(cfg.num_envs, cfg.segment_len, cfg.segments_per_batch, lag, stats, lockstep, state)
+    rollout = RolloutQueue(cfg.num_envs, cfg.segment_len, cfg.segments_per_batch, lag, stats, lockstep, state,
+                           cut_at_episode_end=cfg.segment_cut is SegmentCut.EPISODE)
     mode = learner_mode(cfg, trainer.policy, virtual)
     learner_threads = cfg.resources.learner_threads or cfg.torch_threads  # the learner process's
     streams = gpu_streams(trainer.policy) if mode is LearnerMode.THREAD and not virtual else None

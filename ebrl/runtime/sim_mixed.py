@@ -185,6 +185,10 @@ class MixedSimPool(SimPool):
     def worker_pids(self) -> list[int]:
         return self.processes.worker_pids()
 
+    def set_reset_seeds(self, ids: np.ndarray, seeds: np.ndarray) -> None:
+        self.threads.set_reset_seeds(ids, seeds)  # both: an env may move between them
+        self.processes.set_reset_seeds(ids, seeds)
+
     def costs(self) -> np.ndarray | None:
         # each part counts the steps its envs took there; an env that moved has rows in both
         a, b = self.threads.costs(), self.processes.costs()

@@ -143,8 +143,17 @@ class StepRows:
         # perf_counter (CLOCK_MONOTONIC: one clock for every process) when the env's running step
         # started, 0 when it is not stepping: what step timeouts are measured from
         self.started = make((num_envs,), np.dtype(np.float64))
+        # the seed + 1 of the reset inside the step that ends env i's episode, 0: unseeded (the
+        # driver writes it under RunConfig.reset_group; zero-filled, so a worker attaching later
+        # never clobbers it)
+        self.reset_seed = make((num_envs,), np.dtype(np.int64))
         # a flat view for per-step adds: a memoryview item costs a third of a NumPy scalar's
         self._cost_flat = memoryview(self.cost).cast("B").cast("d")
+
+    def next_seed(self, i: int) -> int | None:
+        """The seed for env ``i``'s next autoreset, or None."""
+        s = int(self.reset_seed[i])
+        return s - 1 if s else None
 
     def add_cost(self, i: int, wall_s: float, cpu_s: float, queue_s: float = 0.0) -> None:
         """Count one step of env ``i`` that took these times."""
@@ -205,6 +214,7 @@ class StepRows:
             self._cost_flat.release()  # a live export would keep a shared-memory block from closing
         self._cost_flat = None
         self.obs = self.final_obs = self.act = self.reward = self.flags = self.cost = self.started = None
+        self.reset_seed = None
 
 
 class Fault(str):
@@ -248,8 +258,9 @@ def reset_env(env: gym.Env, seed: int | None = None) -> tuple[Any, dict]:
     return copy_tree(obs), info
 
 
-def step_env(env: gym.Env, action: Any) -> StepOut:
-    """One step with same-step autoreset; the NaN/inf check runs here, in the lane or worker."""
+def step_env(env: gym.Env, action: Any, seed: int | None = None) -> StepOut:
+    """One step with same-step autoreset (with ``seed``, if the episode ends); the NaN/inf
+    check runs here, in the lane or worker."""
     obs, reward, terminated, truncated, info = env.step(action)
     obs = copy_tree(obs)
     cost = getattr(env.unwrapped, "virtual_step_cost", 0.0)
@@ -257,7 +268,7 @@ def step_env(env: gym.Env, action: Any) -> StepOut:
     finite = math.isfinite(reward) and all_finite(obs)
     if terminated or truncated:
         final_obs, final_info = obs, info
-        obs, info = reset_env(env)
+        obs, info = reset_env(env, seed)
         finite = finite and all_finite(obs)  # the next episode's first observation comes back with this step
         return StepOut(obs, reward, bool(terminated), bool(truncated), info, final_obs, final_info, cost, finite)
     return StepOut(obs, reward, False, False, info, None, None, cost, finite)
@@ -349,6 +360,13 @@ class SimPool(ABC):
         respawned. The driver times those calls and, on True, fails the call as ``timeout``
         and rebuilds the unit; on False it waits on."""
         return False
+
+    def set_reset_seeds(self, ids: np.ndarray, seeds: np.ndarray) -> None:
+        """The seeds of the autoresets inside the steps that end these envs' episodes (the
+        driver's, under ``RunConfig.reset_group``)."""
+        rows = getattr(self, "rows", None)
+        if rows is not None:
+            rows.reset_seed[ids] = np.asarray(seeds, np.int64) + 1
 
     def costs(self) -> np.ndarray | None:
         """A copy of the pool's per-env step costs (``[num_envs, 4]``: steps, wall, CPU and queue

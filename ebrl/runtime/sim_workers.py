@@ -189,7 +189,7 @@ def _step_message(conn, envs, rows: StepRows, cost: list, ids: list[int], hold_s
         c0, t0 = cpu(), time.perf_counter()
         rows.started[i] = t0  # the parent's step timeout counts from here
         try:
-            rows.write(i, step_env(envs[i], tree_map(lambda a: a.copy(), index(rows.act, i))))
+            rows.write(i, step_env(envs[i], tree_map(lambda a: a.copy(), index(rows.act, i)), rows.next_seed(i)))
             done.append(i)
         except Exception as exc:
             errors.append((i, describe(exc)))
@@ -332,6 +332,10 @@ class ProcessSimPool(SimPool):
     def placement(self) -> np.ndarray:
         """A copy of the env -> worker map (int64 ``[num_envs]``)."""
         return self._placement.copy()
+
+    def set_reset_seeds(self, ids: np.ndarray, seeds: np.ndarray) -> None:
+        if self._rows is not None:  # shared memory: the worker stepping env i reads it
+            self._rows.reset_seed[ids] = np.asarray(seeds, np.int64) + 1
 
     def costs(self) -> np.ndarray | None:
         rows = self._rows
