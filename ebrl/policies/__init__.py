@@ -2,6 +2,8 @@
 
 from ebrl.policies.base import ActResult, Policy
 from ebrl.policies.cnn import CNNPolicy
+from ebrl.policies.flow import FlowPolicy
 from ebrl.policies.mlp import MLPPolicy
+from ebrl.policies.token import TokenPolicy
 
-__all__ = ["ActResult", "CNNPolicy", "MLPPolicy", "Policy"]
+__all__ = ["ActResult", "CNNPolicy", "FlowPolicy", "MLPPolicy", "Policy", "TokenPolicy"]

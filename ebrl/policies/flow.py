@@ -1,0 +1,332 @@
+"""A π0-style flow-matching policy over action chunks, trainable with PPO ("Flow-Noise").
+
+A flow policy turns Gaussian noise into an action chunk by integrating a learned velocity field
+``v_theta(x, tau, obs)`` from ``tau = 0`` (noise) to ``tau = 1`` (actions). Plain Euler
+integration is deterministic given ``x_0``, so the chunk has no tractable density and PPO has
+no log-prob to form a ratio from. Following πRL's Flow-Noise (Chen et al. 2025, "πRL: Online
+RL fine-tuning for flow-based VLA models"), a learned, state- and time-dependent noise
+``sigma_theta(x, tau, obs)`` is injected at every one of the ``N`` denoising steps, which makes
+each step a Gaussian transition (``tau_k = k / N``, ``dt = 1 / N``)::
+
+    x_0 ~ N(0, I)
+    x_{k+1} = x_k + dt * v_theta(x_k, tau_k, obs) + sigma_theta(x_k, tau_k, obs) * eps_k
+    log p(chain) = log N(x_0; 0, I) + sum_k log N(x_{k+1}; mean_k, diag(sigma_k^2))
+
+The whole chain ``[x_0 .. x_N]`` is the "action" PPO stores and scores (``ActResult.actions``,
+``[B, N + 1, K * A]``); the env receives ``x_N`` reshaped to the chunk ``(K, A)`` and mapped
+from the normalised space ``[-1, 1]`` to the action Box. Wrap the env in
+:class:`ebrl.envs.chunks.ActionChunk` to execute a ``K``-action chunk per decision.
+:meth:`FlowPolicy.flow_matching_loss` is the rectified-flow behaviour-cloning loss, for warm
+starts from demonstrations before RL.
+
+Example::
+
+    >>> import gymnasium as gym, numpy as np
+    >>> from ebrl.policies.flow import FlowPolicy
+    >>> obs_space = gym.spaces.Box(-1.0, 1.0, (3,))
+    >>> chunk_space = gym.spaces.Box(-2.0, 2.0, (4, 2))   # K=4 actions of dim 2
+    >>> policy = FlowPolicy.from_spaces(obs_space, chunk_space, hidden=(32, 32), seed=0)
+    >>> out = policy.act(np.zeros((5, 3), np.float32))
+    >>> out.actions.shape, out.env_actions.shape, out.logprobs.shape   # chain: N + 1 = 5 states
+    ((5, 5, 8), (5, 4, 2), (5,))
+    >>> bool(np.abs(out.env_actions).max() <= 2.0), out.actions.dtype
+    (True, dtype('float32'))
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from ebrl.policies.base import ActResult
+from ebrl.policies.heads import LOG_SQRT_2PI, merge_moments, register_moments
+from ebrl.policies.mlp import _mlp
+
+_OBS_CLIP = 10.0
+_EPS = 1e-8
+_WEIGHTS, _CONFIG = "model.safetensors", "config.json"
+ObsLike = Any  # a Tensor/array [N, obs_dim], or a dict of them for Dict observation spaces
+
+
+def _as_tensor(a: Any, device: torch.device) -> Tensor:
+    """A tensor on ``device`` without copying numpy memory unless it is strided or read-only."""
+    if isinstance(a, Tensor):
+        return a.to(device)
+    a = np.ascontiguousarray(a)
+    if not a.flags.writeable:  # torch.from_numpy warns on read-only memory
+        a = a.copy()
+    return torch.from_numpy(a).to(device)
+
+
+def _gauss_logp(x: Tensor, mean: Tensor, sigma: Tensor) -> Tensor:
+    """``log N(x; mean, diag(sigma^2))`` summed over the last dimension."""
+    z = (x - mean) / sigma
+    return (-0.5 * z.square() - sigma.log() - LOG_SQRT_2PI).sum(-1)
+
+
+class FlowPolicy(nn.Module):
+    """Flow-matching actor (velocity field + learned noise head) and an MLP critic.
+
+    ``obs_dim`` is the flattened observation size; with ``obs_keys`` observations are dicts
+    whose entries (in that order) are flattened and concatenated, other entries ignored.
+    ``chunk_shape`` is the action Box's shape, ``(K, A)`` or ``(A,)``; ``action_low`` and
+    ``action_high`` (finite, broadcastable to it) define the map from the normalised ``[-1, 1]``
+    space the flow lives in. ``sigma`` is bounded in ``[sigma_min, sigma_max]`` by a sigmoid and
+    starts near ``init_sigma``. ``seed`` fixes the initial weights and the sampling stream.
+    """
+
+    def __init__(
+        self,
+        obs_dim: int,
+        chunk_shape: Sequence[int],
+        action_low: Any,
+        action_high: Any,
+        *,
+        hidden: Sequence[int] = (256, 256),
+        noise_hidden: Sequence[int] = (128,),
+        critic_hidden: Sequence[int] = (256, 256),
+        time_dim: int = 32,
+        denoise_steps: int = 4,
+        sigma_min: float = 0.01,
+        sigma_max: float = 0.5,
+        init_sigma: float = 0.1,
+        normalize_obs: bool = True,
+        obs_keys: Sequence[str] | None = None,
+        seed: int = 0,
+    ):
+        super().__init__()
+        self.chunk_shape = tuple(int(d) for d in chunk_shape)
+        if len(self.chunk_shape) not in (1, 2) or min(self.chunk_shape) < 1:
+            raise ValueError(f"chunk_shape={self.chunk_shape} must be (K, A) or (A,) with positive sizes")
+        if not isinstance(denoise_steps, int) or denoise_steps < 1:
+            raise ValueError(f"denoise_steps={denoise_steps!r} must be an int >= 1")
+        if not 0 < sigma_min < init_sigma < sigma_max:
+            raise ValueError(f"need 0 < sigma_min < init_sigma < sigma_max, got "
+                             f"{sigma_min!r}, {init_sigma!r}, {sigma_max!r}")
+        if time_dim < 2 or time_dim % 2:
+            raise ValueError(f"time_dim={time_dim!r} must be an even int >= 2 (sin and cos pairs)")
+        low = np.broadcast_to(np.asarray(action_low, np.float32), self.chunk_shape).copy()
+        high = np.broadcast_to(np.asarray(action_high, np.float32), self.chunk_shape).copy()
+        if not (np.isfinite(low).all() and np.isfinite(high).all() and (high > low).all()):
+            raise ValueError("FlowPolicy needs finite action bounds with high > low (the flow lives in "
+                             f"[-1, 1] and is mapped onto them), got low={low.tolist()}, high={high.tolist()}")
+        self.obs_dim, self.obs_keys = int(obs_dim), tuple(obs_keys) if obs_keys else None
+        self.chunk_dim = math.prod(self.chunk_shape)
+        self.denoise_steps = denoise_steps
+        self.sigma_min, self.sigma_max = float(sigma_min), float(sigma_max)
+        self.normalize_obs, self.seed = bool(normalize_obs), int(seed)
+        self.action_low, self.action_high = low, high
+        # what from_pretrained needs to rebuild this module (JSON-able)
+        self.config = {"obs_dim": self.obs_dim, "chunk_shape": list(self.chunk_shape),
+                       "action_low": low.tolist(), "action_high": high.tolist(), "hidden": list(hidden),
+                       "noise_hidden": list(noise_hidden), "critic_hidden": list(critic_hidden),
+                       "time_dim": int(time_dim), "denoise_steps": denoise_steps,
+                       "sigma_min": self.sigma_min, "sigma_max": self.sigma_max, "init_sigma": float(init_sigma),
+                       "normalize_obs": self.normalize_obs,
+                       "obs_keys": list(self.obs_keys) if self.obs_keys else None, "seed": self.seed}
+
+        init_gen = torch.Generator().manual_seed(self.seed)
+        d_in = self.chunk_dim + self.obs_dim + time_dim
+        self.velocity = _mlp(d_in, hidden, self.chunk_dim, nn.SiLU, 0.01, init_gen)
+        # separate from the velocity field, as in Flow-Noise: BC warm starts shape the velocity
+        # only, and RL can grow or shrink exploration per state and step without disturbing it
+        self.noise = _mlp(d_in, noise_hidden, self.chunk_dim, nn.SiLU, 0.01, init_gen)
+        with torch.no_grad():  # sigmoid(bias) puts sigma at init_sigma
+            p = (init_sigma - sigma_min) / (sigma_max - sigma_min)
+            self.noise[-1].bias.fill_(math.log(p / (1.0 - p)))
+        self.critic = _mlp(self.obs_dim, critic_hidden, 1, nn.Tanh, 1.0, init_gen)
+        # π0's sinusoidal time embedding: periods geometric in [4e-3, 4]
+        periods = torch.logspace(math.log10(4e-3), math.log10(4.0), time_dim // 2)
+        self.register_buffer("time_freqs", 2.0 * math.pi / periods, persistent=False)
+        if self.normalize_obs:
+            register_moments(self, self.obs_dim)
+        self._gen = torch.Generator().manual_seed(self.seed)  # a plain attribute: not in state_dict
+
+    @classmethod
+    def from_spaces(cls, observation_space, action_space, **kw) -> FlowPolicy:
+        """Build from gymnasium spaces: a 1-D Box observation, or a Dict with a ``"state"`` Box and
+        an optional ``"instruction"`` Box (e.g. a language embedding), concatenated; a Box action
+        of shape ``(K, A)`` (an :class:`~ebrl.envs.chunks.ActionChunk`) or ``(A,)`` (K = 1)."""
+        from gymnasium import spaces
+
+        if isinstance(observation_space, spaces.Dict):
+            keys = [k for k in ("state", "instruction") if k in observation_space.spaces]
+            not_box = [k for k in keys if not isinstance(observation_space[k], spaces.Box)]
+            if "state" not in keys or not_box:
+                raise ValueError(f"FlowPolicy needs a Dict observation space with a 'state' Box (and optionally an "
+                                 f"'instruction' Box), got {observation_space!r}")
+            obs_dim = sum(math.prod(observation_space[k].shape) for k in keys)
+            kw.setdefault("obs_keys", keys)
+        elif isinstance(observation_space, spaces.Box) and len(observation_space.shape) == 1:
+            obs_dim = int(observation_space.shape[0])
+        else:
+            raise ValueError(f"FlowPolicy needs a 1-D Box or a Dict('state', 'instruction') observation space, "
+                             f"got {observation_space!r}")
+        if not isinstance(action_space, spaces.Box) or len(action_space.shape) not in (1, 2):
+            raise ValueError(f"FlowPolicy needs a Box action space of shape (K, A) or (A,), got {action_space!r}")
+        if not (np.isfinite(action_space.low).all() and np.isfinite(action_space.high).all()):
+            raise ValueError(f"FlowPolicy needs finite action bounds (actions are mapped from [-1, 1] onto "
+                             f"them), got {action_space!r}")
+        return cls(obs_dim, action_space.shape, action_space.low, action_space.high, **kw)
+
+    # ---- observations ----------------------------------------------------------------------
+
+    def _flat_obs(self, obs: ObsLike) -> Tensor:
+        """``[N, obs_dim]`` float, before normalisation."""
+        device, dtype = self.critic[0].weight.device, self.critic[0].weight.dtype
+        if self.obs_keys is None:
+            return _as_tensor(obs, device).reshape(-1, self.obs_dim).to(dtype)
+        if not isinstance(obs, Mapping):
+            raise TypeError(f"FlowPolicy built for dict observations {self.obs_keys}, got {type(obs).__name__}")
+        parts = [_as_tensor(obs[k], device) for k in self.obs_keys]
+        n = parts[0].shape[0]
+        return torch.cat([p.reshape(n, -1).to(dtype) for p in parts], -1)
+
+    def _features(self, obs: ObsLike) -> Tensor:
+        x = self._flat_obs(obs)
+        if self.normalize_obs:
+            x = ((x - self.obs_mean) / torch.sqrt(self.obs_var + _EPS)).clamp(-_OBS_CLIP, _OBS_CLIP)
+        return x
+
+    @torch.no_grad()
+    def update_obs_stats(self, obs: ObsLike) -> None:
+        """Merge a batch of observations into the running mean/var (buffers: they reach the
+        runtime's inference copy with ``state_dict``)."""
+        if self.normalize_obs:
+            merge_moments(self.obs_mean, self.obs_var, self.obs_count, self._flat_obs(obs))
+
+    # ---- the flow --------------------------------------------------------------------------
+
+    def _time_embed(self, tau: Tensor) -> Tensor:
+        angles = tau[:, None] * self.time_freqs
+        return torch.cat([angles.sin(), angles.cos()], -1)
+
+    def _mean_sigma(self, x: Tensor, tau: Tensor, feat: Tensor) -> tuple[Tensor, Tensor]:
+        """One denoising step's Gaussian: ``mean = x + dt * v(x, tau, obs)`` and ``sigma(x, tau, obs)``."""
+        inp = torch.cat([x, feat, self._time_embed(tau)], -1)
+        sigma = self.sigma_min + (self.sigma_max - self.sigma_min) * torch.sigmoid(self.noise(inp))
+        return x + self.velocity(inp) / self.denoise_steps, sigma
+
+    def step_params(self, obs: ObsLike, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """``(mean_k, sigma_k)`` of the transition from ``x = x_k [N, K * A]`` at step ``k``
+        (``tau_k = k / N``), with gradients: the density the chain's log-prob is made of."""
+        feat = self._features(obs)
+        tau = torch.full((x.shape[0],), k / self.denoise_steps, device=feat.device, dtype=feat.dtype)
+        return self._mean_sigma(x.to(feat.dtype), tau, feat)
+
+    def to_env(self, x: np.ndarray) -> np.ndarray:
+        """Final flow states ``[B, K * A]`` (normalised space) -> env actions ``[B, *chunk_shape]``."""
+        x = np.clip(x.reshape(-1, *self.chunk_shape), -1.0, 1.0)
+        return (self.action_low + (x + 1.0) * 0.5 * (self.action_high - self.action_low)).astype(np.float32)
+
+    def normalize_actions(self, chunks: Tensor) -> Tensor:
+        """Env-space chunks ``[B, *chunk_shape]`` -> the flow's ``[-1, 1]`` space, ``[B, K * A]``."""
+        low = torch.as_tensor(self.action_low, device=chunks.device, dtype=chunks.dtype)
+        high = torch.as_tensor(self.action_high, device=chunks.device, dtype=chunks.dtype)
+        x = 2.0 * (chunks.reshape(-1, *self.chunk_shape) - low) / (high - low) - 1.0
+        return x.clamp(-1.0, 1.0).reshape(-1, self.chunk_dim)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if self._gen.device != device:  # moved to another device: restart the stream there
+            self._gen = torch.Generator(device).manual_seed(self.seed)
+        return self._gen
+
+    # ---- acting (runtime) ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def act(self, obs: ObsLike) -> ActResult:
+        """Sample chains for a batch of observations; numpy in, numpy out, no autograd.
+
+        ``actions`` is the chain ``[B, N + 1, K * A]`` (float32) the log-prob refers to;
+        ``env_actions`` is ``x_N`` as a ``[B, *chunk_shape]`` chunk inside the Box.
+        """
+        feat = self._features(obs)
+        b, gen = feat.shape[0], self._generator(feat.device)
+        x = torch.randn((b, self.chunk_dim), generator=gen, device=feat.device, dtype=feat.dtype)
+        logp = (-0.5 * x.square() - LOG_SQRT_2PI).sum(-1)
+        chain = [x]
+        for k in range(self.denoise_steps):
+            tau = torch.full((b,), k / self.denoise_steps, device=feat.device, dtype=feat.dtype)
+            mean, sigma = self._mean_sigma(x, tau, feat)
+            eps = torch.randn(mean.shape, generator=gen, device=feat.device, dtype=feat.dtype)
+            x = mean + sigma * eps
+            logp = logp + _gauss_logp(x, mean, sigma)  # as evaluate() computes it, not from eps
+            chain.append(x)
+        actions = torch.stack(chain, 1).float().cpu().numpy()
+        return ActResult(actions=actions, env_actions=self.to_env(actions[:, -1]),
+                         logprobs=logp.float().cpu().numpy(),
+                         values=self.critic(feat).squeeze(-1).float().cpu().numpy())
+
+    # ---- training (algorithm) --------------------------------------------------------------
+
+    def value(self, obs: ObsLike) -> Tensor:
+        """State values ``[N]``, with gradients."""
+        return self.critic(self._features(obs)).squeeze(-1)
+
+    def evaluate(self, obs: ObsLike, actions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``(logprob [M], entropy [M], value [M])`` of stored chains ``actions [M, N + 1, K * A]``.
+
+        All ``M * N`` transitions go through the networks as one batch. The entropy is the
+        chain's: ``N(0, I)``'s (a constant) plus every step's diagonal Gaussian's, given the
+        stored states.
+        """
+        feat = self._features(obs)
+        m, n, d = feat.shape[0], self.denoise_steps, self.chunk_dim
+        chain = actions.to(feat.device, feat.dtype).reshape(m, n + 1, d)
+        tau = (torch.arange(n, device=feat.device, dtype=feat.dtype) / n).repeat(m)  # row m*n+k: k/n
+        mean, sigma = self._mean_sigma(chain[:, :-1].reshape(m * n, d), tau, feat.repeat_interleave(n, 0))
+        logp = _gauss_logp(chain[:, 1:].reshape(m * n, d), mean, sigma).reshape(m, n).sum(1)
+        logp = logp + (-0.5 * chain[:, 0].square() - LOG_SQRT_2PI).sum(-1)
+        entropy = (0.5 + LOG_SQRT_2PI + sigma.log()).sum(-1).reshape(m, n).sum(1) + d * (0.5 + LOG_SQRT_2PI)
+        return logp, entropy, self.critic(feat).squeeze(-1)
+
+    def flow_matching_loss(self, obs: ObsLike, chunks: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """Rectified-flow behaviour cloning on demonstration chunks ``[B, *chunk_shape]`` (env space).
+
+        With ``x_tau = (1 - tau) * noise + tau * target`` (``tau ~ U(0, 1)``, targets normalised
+        to ``[-1, 1]``), regress ``v(x_tau, tau, obs)`` onto ``target - noise``: the straight-line
+        velocity the Euler sampler integrates. Trains the velocity field only (the noise head is
+        for RL). Call :meth:`update_obs_stats` on the demonstrations first when normalising.
+        """
+        feat = self._features(obs)
+        target = self.normalize_actions(_as_tensor(chunks, feat.device).to(feat.dtype))
+        gen = generator or self._generator(feat.device)
+        noise = torch.randn(target.shape, generator=gen, device=feat.device, dtype=feat.dtype)
+        tau = torch.rand((target.shape[0],), generator=gen, device=feat.device, dtype=feat.dtype)
+        x_tau = (1.0 - tau[:, None]) * noise + tau[:, None] * target
+        v = self.velocity(torch.cat([x_tau, feat, self._time_embed(tau)], -1))
+        return (v - (target - noise)).square().mean()
+
+    # ---- files -----------------------------------------------------------------------------
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """Write ``model.safetensors`` (weights and normalisation statistics) and ``config.json``."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}, str(path / _WEIGHTS))
+        (path / _CONFIG).write_text(json.dumps({"policy": "FlowPolicy", **self.config}, indent=2))
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> FlowPolicy:
+        """Load what :meth:`save_pretrained` wrote in the local directory ``path`` (on the CPU)."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        for name in (_CONFIG, _WEIGHTS):
+            if not (path / name).is_file():
+                raise FileNotFoundError(f"FlowPolicy.from_pretrained: no {name} in {str(path)!r} (local directories only)")
+        config = json.loads((path / _CONFIG).read_text())
+        if config.pop("policy", "FlowPolicy") != "FlowPolicy":
+            raise ValueError(f"{path / _CONFIG} is not a FlowPolicy config")
+        policy = cls(**config)
+        policy.load_state_dict(load_file(str(path / _WEIGHTS)))
+        return policy
