@@ -218,6 +218,30 @@ class PPO:
 
         return Batch(**{f.name: tree_map(to, getattr(batch, f.name)) for f in dataclasses.fields(batch)})
 
+    def _next_values(self, policy: nn.Module, b: Batch, values: Tensor) -> Tensor:
+        """``[S, T]`` next-state values: ``values`` inside segments, the current critic at bootstraps."""
+        boot = policy.value(b.bootstrap_obs)
+        final = policy.value(b.final_obs) if b.final_index.numel() else values.new_zeros(0)
+        return build_next_values(values, boot, final, b.final_index, b.truncated & ~b.terminated, b.mask.bool())
+
+    def train_data(self, policy: nn.Module, b: Batch, obs, rewards: Tensor) -> dict[str, Tensor]:
+        """The flat ``[N]`` tensors the minibatch loop trains on (PPO's: GAE on the behaviour
+        values). Variants (V-trace, decoupled PPO) override this one step.
+
+        ``b`` is on the policy's device, observation statistics are already updated, ``obs`` is
+        ``b.obs`` at the valid steps and ``rewards`` the scaled ``[S, T]`` rewards. Must return
+        ``obs, actions, logprobs, values, advantages, returns`` (what :meth:`loss` reads; extra
+        keys are minibatched too); ``values`` and ``returns`` also give ``explained_variance``.
+        """
+        c = self.config
+        mask = b.mask.bool()
+        with torch.no_grad():
+            next_values = self._next_values(policy, b, b.values)
+            adv, ret = gae(rewards, b.values, next_values, b.terminated, b.terminated | b.truncated,
+                           mask, c.gamma, c.gae_lambda)
+        return {"obs": obs, "actions": b.actions[mask], "logprobs": b.logprobs[mask],
+                "values": b.values[mask], "advantages": adv[mask], "returns": ret[mask]}
+
     def update(self, policy: nn.Module, batch: Batch) -> dict[str, float]:
         """One PPO update (``update_epochs`` passes over the valid steps) and its metrics."""
         c = self.config
@@ -246,16 +270,7 @@ class PPO:
             policy.update_obs_stats(obs)
         rewards = self._scaled_rewards(b)
 
-        with torch.no_grad():
-            boot = policy.value(b.bootstrap_obs)
-            final = policy.value(b.final_obs) if b.final_index.numel() else b.values.new_zeros(0)
-            next_values = build_next_values(b.values, boot, final, b.final_index,
-                                            b.truncated & ~b.terminated, mask)
-            adv, ret = gae(rewards, b.values, next_values, b.terminated, b.terminated | b.truncated,
-                           mask, c.gamma, c.gae_lambda)
-
-        flat = {"obs": obs, "actions": b.actions[mask], "logprobs": b.logprobs[mask],
-                "values": b.values[mask], "advantages": adv[mask], "returns": ret[mask]}
+        flat = self.train_data(policy, b, obs, rewards)
         loss_fn = self.loss_fn or self.loss
         sums: dict[str, Tensor | float] = {}
         count = 0

@@ -1,0 +1,371 @@
+"""GRPO (group relative policy optimisation) on padded segment batches: no critic, the baseline of
+an episode is the other episodes that started from the same state.
+
+The idea (Shao et al. 2024, DeepSeekMath, https://arxiv.org/abs/2402.03300; for VLA policies
+with sparse success rewards SimpleVLA-RL, https://arxiv.org/abs/2509.09674, and RLinf,
+https://arxiv.org/abs/2509.15965): roll out a *group* of episodes from one initial state, score
+each by its return ``R`` and give every step of episode ``i`` the advantage
+``A_i = (R_i - mean(R_group)) / (std(R_group) + 1e-6)`` (``norm_std=False``: ``R_i - mean``).
+The policy is then trained with PPO's clipped ratio against the behaviour log-probs, averaged over
+all steps of the used episodes (step level, as DAPO's token-level mean), optionally with a KL
+penalty to a frozen reference policy (the k3 estimator
+``exp(ref - logp) - (ref - logp) - 1`` of DeepSeekMath). The value head is neither used nor
+trained; there is no discounting.
+
+What the runtime must provide (``RunConfig(segment_cut="episode", reset_group=k)``):
+
+* ``segment_cut="episode"``: every segment is one episode from its reset, cut at its end, so a
+  segment's valid rewards are its episode's rewards. An episode split across segments (longer
+  than ``segment_len``, or cut to bound policy lag) goes on in segments with ``group == -1`` and
+  is *not used* at all: choose ``segment_len`` >= the episode time limit, and prefer a lockstep
+  schedule (``"sync"``), where no segment is cut for lag.
+* Envs in *reset groups* (``reset_group=k``): the ``k`` envs of a group reset with a shared seed,
+  which the runtime stores in :attr:`Batch.group` for the segment starting at that reset.
+  Episodes with equal keys are compared with each other, so a key must not be reused by a
+  different start state within a batch.
+* All members of a group in the same batch: only the complete members present in the batch form
+  the group; a group with fewer than ``min_group`` of them is not used (counted in the
+  ``segments_unused`` metric, as are the segments above). Batches holding whole groups waste
+  nothing.
+
+The group std is the sample std (``n - 1``, as ``torch.std`` in TRL and verl).
+
+Example::
+
+    >>> import torch
+    >>> from ebrl.algos import Batch
+    >>> from ebrl.algos.grpo import GRPO, group_advantages
+    >>> from ebrl.policies import MLPPolicy
+    >>> S, T = 3, 2  # two episodes from reset seed 7 (returns 1 and 0), one continuation (-1)
+    >>> obs, acts = torch.zeros(S, T, 3), torch.zeros(S, T, 2)
+    >>> rewards = torch.tensor([[0.0, 1.0], [0.0, 0.0], [5.0, 5.0]])
+    >>> end = torch.tensor([[False, True], [False, True], [False, True]])
+    >>> no = torch.zeros(S, T, dtype=torch.bool); mask = torch.ones(S, T, dtype=torch.bool)
+    >>> batch = Batch(obs, acts, torch.zeros(S, T), torch.zeros(S, T), rewards, end, no, mask,
+    ...               torch.zeros(S, T, dtype=torch.long), torch.zeros(S, 3), torch.zeros(0, 3),
+    ...               torch.zeros(0, 2, dtype=torch.long), group=torch.tensor([7, 7, -1]))
+    >>> adv, used = group_advantages(batch)
+    >>> adv.round(decimals=4), used
+    (tensor([[ 0.7071,  0.7071],
+            [-0.7071, -0.7071],
+            [ 0.0000,  0.0000]]), tensor([ True,  True, False]))
+    >>> m = GRPO(lr=1e-3).update(MLPPolicy(3, 2, seed=0), batch)
+    >>> m["num_steps"], m["steps_used"], m["segments_used"], m["segments_unused"]
+    (6.0, 4.0, 2.0, 1.0)
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from ebrl.algos.advantages import _last_valid
+from ebrl.algos.batch import Batch
+from ebrl.spaces import tree_map
+
+LossFn = Callable[[nn.Module, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor | float]]]
+
+GROUP_EPS = 1e-6  # added to the group std (verl's and SimpleVLA-RL's epsilon)
+
+
+@dataclass
+class GRPOConfig:
+    lr: float = 3e-4
+    clip_coef: float = 0.2
+    update_epochs: int = 4
+    minibatch_size: int = 512
+    ent_coef: float = 0.0
+    kl_coef: float = 0.0  # 0: no KL term (and no reference policy)
+    max_grad_norm: float = 0.5  # math.inf disables clipping
+    norm_std: bool = True  # divide by the group's std (Dr. GRPO: False)
+    min_group: int = 2  # complete episodes a group needs in the batch to be used
+    seed: int = 0
+
+    def __post_init__(self):
+        def check(name: str, ok: bool, allowed: str):
+            if not ok:
+                raise ValueError(f"GRPOConfig.{name}={getattr(self, name)!r} is invalid: must be {allowed}")
+
+        def num(name: str) -> float:
+            v = getattr(self, name)
+            check(name, isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v), "a number")
+            return v
+
+        def integer(name: str) -> int:
+            v = getattr(self, name)
+            check(name, isinstance(v, int) and not isinstance(v, bool), "an int")
+            return v
+
+        check("lr", 0 < num("lr") < math.inf, "a finite float > 0")
+        check("clip_coef", 0 < num("clip_coef") < math.inf, "a finite float > 0")
+        check("ent_coef", 0 <= num("ent_coef") < math.inf, "a finite float >= 0")
+        check("kl_coef", 0 <= num("kl_coef") < math.inf, "a finite float >= 0 (0 disables the KL term)")
+        check("max_grad_norm", num("max_grad_norm") > 0, "> 0 (math.inf disables clipping)")
+        check("update_epochs", integer("update_epochs") >= 1, "an int >= 1")
+        check("minibatch_size", integer("minibatch_size") >= 1, "an int >= 1")
+        check("min_group", integer("min_group") >= 2,
+              "an int >= 2 (a lone episode has no baseline: its advantage would be 0)")
+        integer("seed")
+        check("norm_std", isinstance(self.norm_std, bool), "a bool")
+
+
+def _index(x: Tensor | dict[str, Tensor], idx: Tensor) -> Tensor | dict[str, Tensor]:
+    """``x[idx]``, per key for dict observations."""
+    if isinstance(x, Tensor):
+        return x[idx]
+    return {k: v[idx] for k, v in x.items()}
+
+
+def _group_advantages(batch: Batch, norm_std: bool, min_group: int) -> tuple[Tensor, Tensor, dict[str, float]]:
+    """:func:`group_advantages` and its counts (for the metrics)."""
+    if batch.group is None:
+        raise ValueError(
+            "GRPO needs Batch.group (the reset seed each episode segment starts from), but it is None: "
+            "run with RunConfig(segment_cut='episode') and envs in reset groups that share a seed")
+    mask = batch.mask.bool()
+    S = mask.shape[0]
+    group = torch.as_tensor(batch.group).to(device=mask.device, dtype=torch.long)
+    if group.shape != (S,):
+        raise ValueError(f"Batch.group has shape {tuple(group.shape)}, expected ({S},): one key per segment")
+    end = (batch.terminated.bool() | batch.truncated.bool()) & mask
+    last = _last_valid(mask)
+    early = (end & ~last).any(1)
+    if bool(early.any()):
+        raise ValueError(
+            f"segments {early.nonzero().flatten().tolist()[:5]} hold an episode end before their last valid "
+            "step: GRPO needs one episode per segment, RunConfig(segment_cut='episode')")
+    complete = (group >= 0) & (end & last).any(1)
+
+    r = torch.where(mask, batch.rewards.double(), torch.zeros((), dtype=torch.float64, device=mask.device))
+    ret = torch.where(complete, r.sum(1), torch.zeros((), dtype=torch.float64, device=mask.device))  # [S] returns
+    keys, inv = torch.unique(torch.where(complete, group, torch.full_like(group, -1)), return_inverse=True)
+    G = keys.numel()
+    c = complete.double()
+    count = torch.zeros(G, dtype=torch.float64, device=mask.device).index_add_(0, inv, c)
+    total = torch.zeros_like(count).index_add_(0, inv, ret * c)
+    mean = total / count.clamp(min=1)
+    dev = (ret - mean[inv]) * c
+    sq = torch.zeros_like(count).index_add_(0, inv, dev.square())
+    std = (sq / (count - 1).clamp(min=1)).sqrt()
+    used = complete & (count[inv] >= min_group)
+    seg_adv = dev / (std[inv] + GROUP_EPS) if norm_std else dev
+    seg_adv = torch.where(used, seg_adv, torch.zeros_like(seg_adv))
+    adv = torch.where(mask & used.unsqueeze(1), seg_adv.unsqueeze(1), torch.zeros_like(r)).to(batch.rewards.dtype)
+
+    big = (keys >= 0) & (count >= min_group)  # the groups used
+    info = {"segments_used": float(used.sum()),
+            "segments_unused": float(S - int(used.sum())),
+            "segments_no_reset": float((group < 0).sum()),
+            "segments_incomplete": float(((group >= 0) & ~complete).sum()),
+            "groups": float(big.sum()),
+            "groups_too_small": float(((keys >= 0) & ~big).sum()),
+            # groups whose members all scored alike: zero advantage, no policy gradient
+            "groups_uniform": float((big & (sq == 0)).sum()),
+            "return_mean": float(ret[used].mean()) if bool(used.any()) else math.nan}
+    return adv, used, info
+
+
+def group_advantages(batch: Batch, *, norm_std: bool = True, min_group: int = 2) -> tuple[Tensor, Tensor]:
+    """``(adv [S, T], used [S] bool)``: every valid step of a used segment gets its episode's
+    group-relative advantage; other slots are 0.
+
+    A segment is used when it starts at a reset (``batch.group[s] >= 0``), ends with an episode end
+    (terminated or truncated at its last valid step) and at least ``min_group`` such segments of
+    the batch share its group key. Its return ``R`` is the sum of its valid rewards, and
+    ``A = (R - mean) / (std + 1e-6)`` over its group (sample std; ``norm_std=False``: ``R - mean``).
+    """
+    adv, used, _ = _group_advantages(batch, norm_std, min_group)
+    return adv, used
+
+
+class GRPO:
+    """Group relative policy optimisation. ``GRPO(lr=1e-3)`` overrides fields of :class:`GRPOConfig`.
+
+    ``reference``: the policy the KL term (``kl_coef > 0``) pulls towards, evaluated without
+    gradients and as given (put it in eval mode yourself if it has dropout; it is not saved in
+    :meth:`state_dict`); left ``None``, a frozen deep copy of the policy taken at the start of the
+    first update (saved in :meth:`state_dict`). Subclass and override :meth:`loss`, or pass ``loss_fn``, as with PPO.
+    """
+
+    def __init__(self, config: GRPOConfig | None = None, *, reference: nn.Module | None = None,
+                 loss_fn: LossFn | None = None, **overrides):
+        valid = [f.name for f in dataclasses.fields(GRPOConfig)]
+        unknown = [k for k in overrides if k not in valid]
+        if unknown:
+            raise TypeError(f"GRPO() got unknown keyword(s) {unknown}; valid names: {valid + ['reference', 'loss_fn']}")
+        self.config = dataclasses.replace(config or GRPOConfig(), **overrides)
+        self.loss_fn = loss_fn
+        self.reference = reference
+        self._own_reference = False  # True: the deep copy taken here (saved with state_dict)
+        self._pending_reference: dict | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._policy: nn.Module | None = None
+        self._gen = torch.Generator().manual_seed(self.config.seed)  # minibatch permutations
+        self._pending_optimizer_state: dict | None = None
+
+    # ---- state (checkpoints, and the learner process handing its state back) -------------
+
+    def state_dict(self) -> dict:
+        """Optimiser state, the minibatch RNG, and the reference weights when taken here."""
+        ref = None
+        if self._own_reference and self.reference is not None:
+            ref = {k: v.detach().cpu().clone() for k, v in self.reference.state_dict().items()}
+        elif self._pending_reference is not None:
+            ref = self._pending_reference
+        return {"optimizer": self.optimizer.state_dict() if self.optimizer is not None else self._pending_optimizer_state,
+                "rng": self._gen.get_state(),
+                "reference": ref}
+
+    def reset_optimizer(self) -> None:
+        """A fresh optimiser at the next update (after an update undone for NaN/inf: its moments may hold them)."""
+        self.optimizer = None
+        self._pending_optimizer_state = None
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`; the optimiser state (and a saved reference) apply at the next update."""
+        self._gen.set_state(state["rng"])
+        self._pending_optimizer_state = state["optimizer"]
+        self.optimizer = None
+        ref = state.get("reference")
+        if ref is not None:
+            if self._own_reference and self.reference is not None:
+                self.reference.load_state_dict(ref)
+            elif self.reference is None:
+                self._pending_reference = ref
+
+    # ---- the objective -------------------------------------------------------------------
+
+    def loss(self, policy: nn.Module, mb: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor | float]]:
+        """Clipped GRPO loss on one minibatch of used steps, a mean over its steps.
+
+        ``mb`` holds flat ``[M]`` tensors: ``obs, actions, logprobs`` (behaviour), ``advantages``
+        (group-relative) and, when ``kl_coef > 0``, ``ref_logprobs`` (the reference policy's).
+        """
+        c = self.config
+        new_logp, entropy, _ = policy.evaluate(mb["obs"], mb["actions"])  # the value head is ignored
+        logratio = new_logp - mb["logprobs"]
+        ratio = logratio.exp()
+        adv = mb["advantages"]
+        pg_loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - c.clip_coef, 1 + c.clip_coef)).mean()
+        ent = entropy.mean()
+        loss = pg_loss - c.ent_coef * ent
+        metrics: dict[str, Tensor | float] = {}
+        if c.kl_coef > 0:
+            d = mb["ref_logprobs"] - new_logp
+            kl = (d.exp() - d - 1).mean()  # k3: unbiased, >= 0 (DeepSeekMath eq. 4)
+            loss = loss + c.kl_coef * kl
+            metrics["kl_ref"] = kl.detach()
+        with torch.no_grad():
+            approx_kl = ((ratio - 1) - logratio).mean()
+            clipfrac = ((ratio - 1).abs() > c.clip_coef).float().mean()
+        metrics.update(policy_loss=pg_loss.detach(), entropy=ent.detach(), approx_kl=approx_kl, clipfrac=clipfrac)
+        return loss, metrics
+
+    # ---- one update ----------------------------------------------------------------------
+
+    def _batch_to(self, batch: Batch, device: torch.device) -> Batch:
+        def to(x):
+            return x.to(device) if isinstance(x, Tensor) else x
+
+        return Batch(**{f.name: tree_map(to, getattr(batch, f.name)) for f in dataclasses.fields(batch)})
+
+    def _take_reference(self, policy: nn.Module) -> None:
+        if self.config.kl_coef == 0 or self.reference is not None:
+            return
+        ref = copy.deepcopy(policy)
+        if self._pending_reference is not None:  # restored from a checkpoint
+            ref.load_state_dict(self._pending_reference)
+            self._pending_reference = None
+        self.reference = _freeze(ref)
+        self._own_reference = True
+
+    @torch.no_grad()
+    def _ref_logprobs(self, obs, actions: Tensor, n: int) -> Tensor:
+        """The reference's log-probs of the used steps, in chunks of ``minibatch_size``."""
+        ref = self.reference
+        p = next(iter(ref.parameters()), None)
+        ref_device = p.device if p is not None else actions.device
+        out = []
+        for start in range(0, n, self.config.minibatch_size):
+            idx = torch.arange(start, min(start + self.config.minibatch_size, n), device=actions.device)
+            o = tree_map(lambda x: x.to(ref_device), _index(obs, idx))
+            logp, _, _ = ref.evaluate(o, actions[idx].to(ref_device))
+            out.append(logp.to(actions.device))
+        return torch.cat(out)
+
+    def update(self, policy: nn.Module, batch: Batch) -> dict[str, float]:
+        """One GRPO update (``update_epochs`` passes over the used steps) and its metrics."""
+        c = self.config
+        self._take_reference(policy)  # before anything changes the policy: the weights that acted first
+        if self.optimizer is None or policy is not self._policy:
+            self.optimizer = torch.optim.Adam(policy.parameters(), lr=c.lr, eps=1e-5)
+            self._policy = policy
+            if self._pending_optimizer_state is not None:
+                self.optimizer.load_state_dict(self._pending_optimizer_state)
+                self._pending_optimizer_state = None
+        device = next(policy.parameters()).device
+        b = self._batch_to(batch, device)
+        mask = b.mask.bool()
+        n_valid = int(mask.sum())
+        lags = b.lags.double()
+        with torch.no_grad():
+            adv, used, info = _group_advantages(b, c.norm_std, c.min_group)
+        steps = mask & used.unsqueeze(1)
+        n = int(steps.sum())
+        base = {"num_steps": float(n_valid),
+                "lag_mean": float(lags.mean()) if n_valid else 0.0,
+                "lag_max": float(lags.max()) if n_valid else 0.0,
+                "steps_used": float(n), **info}
+        names = ["policy_loss", "entropy", "approx_kl", "clipfrac"] + (["kl_ref"] if c.kl_coef > 0 else [])
+        if n_valid and hasattr(policy, "update_obs_stats"):
+            policy.update_obs_stats(_index(b.obs, mask))
+        if n == 0:
+            return {**base, **dict.fromkeys(names, math.nan), "nonfinite_loss": 0.0, "minibatches": 0.0}
+
+        flat = {"obs": _index(b.obs, steps), "actions": b.actions[steps], "logprobs": b.logprobs[steps],
+                "advantages": adv[steps]}
+        if c.kl_coef > 0:
+            flat["ref_logprobs"] = self._ref_logprobs(flat["obs"], flat["actions"], n)
+        loss_fn = self.loss_fn or self.loss
+        sums: dict[str, Tensor | float] = {}
+        count = 0
+        nonfinite = False
+        for _ in range(c.update_epochs):
+            perm = torch.randperm(n, generator=self._gen).to(device)
+            for start in range(0, n, c.minibatch_size):
+                idx = perm[start:start + c.minibatch_size]
+                mb = {k: _index(v, idx) for k, v in flat.items()}
+                loss, metrics = loss_fn(policy, mb)
+                if not bool(torch.isfinite(loss)):  # never step on NaN/inf: the rest of the update is skipped
+                    nonfinite = True
+                    break
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                if math.isfinite(c.max_grad_norm):
+                    nn.utils.clip_grad_norm_(policy.parameters(), c.max_grad_norm)
+                self.optimizer.step()
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + (v.detach() if isinstance(v, Tensor) else v)
+                count += 1
+            if nonfinite:
+                break
+
+        out = {k: float(v) / count for k, v in sums.items()} if count else dict.fromkeys(names, math.nan)
+        # the runtime reads this: a loss that was NaN/inf stopped the update (faults.nonfinite)
+        out["nonfinite_loss"] = float(nonfinite)
+        out["minibatches"] = float(count)
+        out.update(base)
+        return out
+
+
+def _freeze(module: nn.Module) -> nn.Module:
+    module.eval()
+    for p in module.parameters():
+        p.requires_grad_(False)
+    return module
