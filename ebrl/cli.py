@@ -11,8 +11,11 @@ HalfCheetah-v5 (state observations) for a few minutes, then prints a summary tab
     ebrl plot runs/<run>                              # the learning curve as a PNG (also mid-run)
 
 A config file has top-level ``env`` (a registry name, see ``ebrl.envs.make``) and tables
-``[run]`` (RunConfig), ``[ppo]`` (PPOConfig), ``[policy]`` (``kind = "auto" | "mlp" | "cnn"``
-and that policy's keywords; ``auto`` picks the CNN for pixel observations) and ``[env_kwargs]``
+``[run]`` (RunConfig), ``[algo]`` (``kind = "ppo" | "dppo" | "vtrace" | "grpo"``), one table
+of hyperparameters per algorithm (``[ppo]`` PPOConfig, ``[dppo]`` DecoupledPPOConfig,
+``[vtrace]`` VTraceConfig, ``[grpo]`` GRPOConfig: the chosen kind's table is used),
+``[policy]`` (``kind = "auto" | "mlp" | "cnn" | "token" | "flow"`` and that policy's keywords;
+``auto`` picks the CNN for pixel observations) and ``[env_kwargs]``
 (keywords of ``ebrl.envs.make``, e.g. ``pixels = 84``). With ``run.sim.vector_size > 1`` each
 group of that many envs is one vector env (``ebrl.envs.make_vector``); ManiSkill tasks are one
 GPU vector env of ``run.num_envs`` unless set otherwise.
@@ -35,8 +38,12 @@ from ebrl.config import ConfigError, RunConfig, _parse_value, load_file
 DEMO: dict[str, Any] = {
     "env": "mujoco/HalfCheetah-v5",
     "env_kwargs": {},
-    "policy": {"hidden": [64, 64]},
+    "policy": {},  # each kind's own defaults (the MLP: 64-64 tanh, as CleanRL)
+    "algo": {"kind": "ppo"},
     "ppo": {"lr": 3e-4, "minibatch_size": 512, "update_epochs": 4},
+    "dppo": {},
+    "vtrace": {},
+    "grpo": {},
     "run": {"num_envs": 64, "segment_len": 32, "total_env_steps": 1_000_000, "log_every_s": 1.0},
 }
 
@@ -73,15 +80,19 @@ def build_spec(config: str | None, overrides: list[str]) -> dict[str, Any]:
     return spec
 
 
-POLICY_KINDS = ("auto", "mlp", "cnn")
+POLICY_KINDS = ("auto", "mlp", "cnn", "token", "flow")
+ALGO_KINDS = ("ppo", "dppo", "vtrace", "grpo")
+GRPO_RUN = {"segment_cut": "episode", "reset_group": 4}  # what GRPO needs of the runtime, unless set
 
 
 def build_policy(observation_space, action_space, options: dict[str, Any]):
-    """``policy.kind``: ``mlp`` (Box observations), ``cnn`` (``{"pixels", "state"}`` dicts) or
-    ``auto`` (by the observation space); the other ``[policy]`` keys go to the policy class."""
+    """``policy.kind``: ``mlp`` (Box observations), ``cnn`` (``{"pixels", "state"}`` dicts),
+    ``token`` (action tokens, :class:`~ebrl.policies.TokenPolicy`), ``flow`` (flow-matching
+    chunks, :class:`~ebrl.policies.FlowPolicy`) or ``auto`` (by the observation space); the
+    other ``[policy]`` keys go to the policy class."""
     from gymnasium import spaces
 
-    from ebrl.policies import CNNPolicy, MLPPolicy
+    from ebrl.policies import CNNPolicy, FlowPolicy, MLPPolicy, TokenPolicy
 
     options = dict(options)
     kind = options.pop("kind", "auto")
@@ -90,7 +101,7 @@ def build_policy(observation_space, action_space, options: dict[str, Any]):
     if kind == "auto":
         is_pixels = isinstance(observation_space, spaces.Dict) and "pixels" in observation_space.spaces
         kind = "cnn" if is_pixels else "mlp"
-    cls = CNNPolicy if kind == "cnn" else MLPPolicy
+    cls = {"cnn": CNNPolicy, "mlp": MLPPolicy, "token": TokenPolicy, "flow": FlowPolicy}[kind]
     try:
         return cls.from_spaces(observation_space, action_space, **options)
     except TypeError as exc:  # an unknown keyword for this policy class
@@ -101,14 +112,34 @@ def build_policy(observation_space, action_space, options: dict[str, Any]):
         raise ConfigError("policy.kind", kind, f"{exc}{hint}") from None
 
 
+def build_algo(spec: dict[str, Any]):
+    """``algo.kind`` and that kind's table of hyperparameters (``[ppo]``, ``[dppo]``, ...)."""
+    from ebrl.algos import GRPO, PPO, DecoupledPPO, VTrace
+
+    unknown = sorted(set(spec["algo"]) - {"kind"})
+    if unknown:
+        raise ConfigError(f"algo.{unknown[0]}", spec["algo"][unknown[0]],
+                          "unknown key: [algo] holds only kind; hyperparameters go in the kind's own table, "
+                          "e.g. grpo.lr=1e-4")
+    kind = spec["algo"].get("kind", "ppo")
+    if kind not in ALGO_KINDS:
+        raise ConfigError("algo.kind", kind, f"must be one of {', '.join(ALGO_KINDS)}")
+    cls = {"ppo": PPO, "dppo": DecoupledPPO, "vtrace": VTrace, "grpo": GRPO}[kind]
+    try:
+        return cls(**spec[kind])
+    except (TypeError, ValueError) as exc:  # an unknown key, or a value the config refuses
+        raise ConfigError(kind, spec[kind], str(exc)) from None
+
+
 def build_trainer(spec: dict[str, Any]):
     import ebrl
-    from ebrl.algos import PPO
     from ebrl.envs import VECTOR_SUITES, make, make_vector
     from ebrl.runtime.sim_types import single_spaces
 
     name, env_kwargs = spec["env"], dict(spec["env_kwargs"])
     run = dict(spec["run"])
+    if spec["algo"].get("kind") == "grpo":  # episodes from shared resets, unless the run says otherwise
+        run = {**GRPO_RUN, **run}
     sim = dict(run.get("sim", {}))
     if name.startswith(VECTOR_SUITES) and sim.get("vector_size", 1) == 1:
         sim["vector_size"] = run.get("num_envs", RunConfig.num_envs)  # one GPU simulator for every env
@@ -129,11 +160,7 @@ def build_trainer(spec: dict[str, Any]):
         policy = build_policy(*single_spaces(probe), spec["policy"])
     finally:
         probe.close()
-    try:
-        algo = PPO(**spec["ppo"])
-    except (TypeError, ValueError) as exc:  # an unknown key, or a value PPOConfig refuses
-        raise ConfigError("ppo", spec["ppo"], str(exc)) from None
-    return ebrl.Trainer(env_fn=env_fn, policy=policy, algo=algo, config=run_cfg)
+    return ebrl.Trainer(env_fn=env_fn, policy=policy, algo=build_algo(spec), config=run_cfg)
 
 
 def run_until_signal(trainer, progress=None):

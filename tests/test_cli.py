@@ -15,7 +15,28 @@ def test_spec_overrides_and_files(tmp_path):
     assert spec["run"]["num_envs"] == 4 and spec["run"]["total_env_steps"] == 500
     assert spec["run"]["segment_len"] == 32  # tables merge over the demo's
     with pytest.raises(ConfigError, match="unknown key"):
-        build_spec(None, ["algo.lr=1"])
+        build_spec(None, ["algorithm.lr=1"])
+
+
+def test_algo_and_policy_kinds_each_with_its_own_table():
+    from ebrl.algos import GRPO, DecoupledPPO, VTrace
+    from ebrl.cli import build_algo, build_trainer
+    from ebrl.policies import FlowPolicy, TokenPolicy
+
+    base = ["env=mock/3", "run.num_envs=8", "env_kwargs.episode_len=8"]
+    algo = build_algo(build_spec(None, ["algo.kind=vtrace", "vtrace.rho_bar=2.0"]))
+    assert isinstance(algo, VTrace) and algo.config.rho_bar == 2.0
+    assert isinstance(build_algo(build_spec(None, ["algo.kind=dppo"])), DecoupledPPO)
+    trainer = build_trainer(build_spec(None, [*base, "algo.kind=grpo", "policy.kind=token", "policy.d_model=32"]))
+    assert isinstance(trainer.algo, GRPO) and isinstance(trainer.policy, TokenPolicy)
+    assert trainer.config.segment_cut == "episode" and trainer.config.reset_group == 4  # what GRPO needs
+    assert isinstance(build_trainer(build_spec(None, [*base, "policy.kind=flow"])).policy, FlowPolicy)
+    with pytest.raises(ConfigError, match="algo.kind"):
+        build_algo(build_spec(None, ["algo.kind=sac"]))
+    with pytest.raises(ConfigError, match="algo.lr"):
+        build_algo(build_spec(None, ["algo.lr=1"]))
+    with pytest.raises(ConfigError, match="rho_bar"):
+        build_algo(build_spec(None, ["algo.kind=vtrace", "vtrace.rho_bar=-1"]))
 
 
 def test_train_runs_end_to_end_and_writes_results(tmp_path, capsys):
