@@ -206,7 +206,7 @@ class DiscreteAgent(nn.Module):
 
 def run_cleanrl(env_fn, *, num_envs: int, segment_len: int, total_env_steps: int, seed: int = 0,
                 lr: float = 3e-4, update_epochs: int = 4, minibatch_size: int = 512, gamma: float = 0.99,
-                gae_lambda: float = 0.95, **overrides) -> dict:
+                gae_lambda: float = 0.95, on_update=None, **overrides) -> dict:
     """Train CleanRL's PPO on ``num_envs`` copies of ``env_fn(i)`` (EBRL's convention: ``env_fn``
     takes the env index), ``segment_len`` steps per env per iteration, until at least
     ``total_env_steps`` env steps (whole iterations of ``num_envs * segment_len``).
@@ -216,6 +216,11 @@ def run_cleanrl(env_fn, *, num_envs: int, segment_len: int, total_env_steps: int
     ``gym_vector.run_peer`` returns: ``wall_s`` runs from building the vector env to closing it
     (training included), ``rollout_s`` is acting plus stepping plus GAE, ``train_s`` the PPO epochs,
     ``mean_return`` the mean over the last 100 finished episodes (NaN if none finished).
+
+    ``on_update(row)``, if given, is called after every update with ``time`` (seconds since the
+    start), ``env_steps``, ``mean_return`` and ``success_once`` (of the last 100 episodes, from
+    ``info["is_success"]``; None without it), as EBRL's history rows; returning True stops the
+    training there (benchmarks cap a run's wall time this way).
     """
     N, T = int(num_envs), int(segment_len)
     if N < 1 or T < 1 or total_env_steps < 1:
@@ -268,6 +273,9 @@ def run_cleanrl(env_fn, *, num_envs: int, segment_len: int, total_env_steps: int
         dones = torch.zeros((args.num_steps, args.num_envs)).to(device)
         values = torch.zeros((args.num_steps, args.num_envs)).to(device)
         ep_ret = np.zeros(args.num_envs)
+        ep_success = np.zeros(args.num_envs, bool)  # for on_update: succeeded at any step of the episode
+        episode_success: deque[float] = deque(maxlen=100)
+        has_success = False
 
         # TRY NOT TO MODIFY: start the game
         next_obs, _ = envs.reset(seed=[args.seed + i for i in range(args.num_envs)])
@@ -322,6 +330,16 @@ def run_cleanrl(env_fn, *, num_envs: int, segment_len: int, total_env_steps: int
                     for i in np.flatnonzero(next_done):
                         episode_returns.append(float(ep_ret[i]))
                         ep_ret[i] = 0.0
+                if on_update is not None:  # not CleanRL's: the benchmark's success curve
+                    ok = infos.get("is_success")
+                    if ok is None and "final_info" in infos:
+                        ok = infos["final_info"].get("is_success")
+                    if ok is not None:
+                        has_success = True
+                        ep_success |= np.asarray(ok, bool)
+                    for i in np.flatnonzero(next_done):
+                        episode_success.append(float(ep_success[i]))
+                        ep_success[i] = False
                 next_done = torch.Tensor(next_done).to(device)
 
             # bootstrap value if not done
@@ -403,6 +421,11 @@ def run_cleanrl(env_fn, *, num_envs: int, segment_len: int, total_env_steps: int
             updates += 1
             rollout_s += t1 - t0
             train_s += time.perf_counter() - t1
+            if on_update is not None and on_update({
+                    "time": time.perf_counter() - t_start, "env_steps": global_step, "update": updates,
+                    "mean_return": float(np.mean(episode_returns)) if episode_returns else math.nan,
+                    "success_once": (float(np.mean(episode_success)) if has_success and episode_success else None)}):
+                break
     finally:
         if envs is not None:
             envs.close()

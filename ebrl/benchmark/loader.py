@@ -4,7 +4,8 @@ A suite is one small file defining either ``SUITE = ebrl.benchmark.Suite(...)`` 
 case: schedules, peers and the physical limit, measured by :mod:`ebrl.benchmark.suite`) or
 ``DESCRIPTION`` and ``run(quick: bool) -> dict`` with ``rows`` (one dict per measurement, with
 ``case``, ``round`` and ``runner``) and optionally ``ratios`` and ``targets`` (built with
-:mod:`ebrl.benchmark.figures`) and ``meta``. The runner prints medians with min-max and the
+:mod:`ebrl.benchmark.figures`) and ``meta``; a ``run`` that also takes ``out_dir`` gets the
+output folder (for figures it draws). The runner prints medians with min-max and the
 targets met, and writes ``OUT/<suite>.json`` (every raw round, the summary, the stamp) and
 ``OUT/<suite>-results.md`` (a table to paste).
 """
@@ -12,6 +13,7 @@ targets met, and writes ``OUT/<suite>.json`` (every raw round, the summary, the 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from types import ModuleType
@@ -42,6 +44,7 @@ def load_suite(name: str, suites_dir: str | Path | None = None) -> ModuleType:
                           f"{', '.join(known)})")
     spec = importlib.util.spec_from_file_location(f"ebrl_bench_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses (and pickling) look a class's module up there
     spec.loader.exec_module(module)
     return module
 
@@ -65,8 +68,12 @@ def run_suite(name: str, *, quick: bool = False, out_dir: Path = Path("bench_out
         from ebrl.benchmark.suite import run_suite_rounds
 
         report = run_suite_rounds(suite.SUITE, quick)
-    else:
-        report = suite.run(quick=quick)
+    else:  # a custom suite that draws figures gets the output folder for them
+        import inspect
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        wants_dir = "out_dir" in inspect.signature(suite.run).parameters
+        report = suite.run(quick=quick, **({"out_dir": out_dir} if wants_dir else {}))
     if "summary" not in report:  # custom suites may summarise their own fields
         report["summary"] = summarize_rows(report["rows"])
     report.setdefault("ratios", {})

@@ -1,0 +1,235 @@
+"""Convergence in wall-clock time: how soon each runner's policy reaches a score, and the score
+it ends with, on the same envs, policy, algorithm and step budget.
+
+Runners: EBRL's ``async`` and ``sync`` schedules (same MLP policy, same PPO, every other knob at
+its default) and the CleanRL-style PPO loop of ``bench/peers/cleanrl_ppo.py`` (its own networks,
+a gymnasium ``SyncVectorEnv``). Each runs the workload's env-step budget (or until its wall-time
+cap), once per seed, runners alternating within a seed. The score is the mean over the last 100
+episodes (return, or ``success_once`` for Fetch), read after every update.
+
+- *time to threshold*: seconds from the start until the score first reaches the workload's
+  threshold; a runner that never does is reported as not reached, and a ratio against it is a
+  lower bound (its whole run) and says so;
+- *steps to threshold*: env steps at that moment (sample efficiency: policy lag costs here);
+- *final score*: the score at the end of the budget.
+
+Workloads (each sized to fit 15 minutes on 2 cores with 3 seeds):
+
+- ``longtail``: MockEnv (dim 8, 16-step episodes) with lognormal step latency (median 2 ms,
+  sigma 1), the longtail suite's env and sizes; threshold mean return 10 of a possible 16
+  (random actions earn about 2.4);
+- ``halfcheetah``: ``HalfCheetah-v5`` to a mean return of 1,000;
+- ``fetchreach``: ``FetchReachDense-v4`` (flattened observations) to ``success_once >= 0.9``.
+
+Learning curves against wall time are drawn to ``convergence-<workload>.png`` next to the JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import gymnasium as gym
+
+import ebrl
+from ebrl.algos import PPO
+from ebrl.benchmark.figures import Target, check_targets, spread
+from ebrl.policies import MLPPolicy
+from ebrl.runtime.run import loop_factory
+from ebrl.runtime.sim_types import single_spaces
+from ebrl.testing import Latency, MockEnv
+
+DESCRIPTION = "wall-clock time and env steps to a score: async vs sync vs CleanRL-style PPO, 3 seeds"
+SEEDS = (0, 1, 2)
+RUNNERS = ("ebrl-async", "ebrl-sync", "cleanrl")
+PEERS = Path(__file__).resolve().parent.parent / "peers"
+
+
+def longtail_env(i: int) -> MockEnv:
+    return MockEnv(dim=8, latency=Latency.lognormal(0.002, 1.0))
+
+
+def halfcheetah_env(i: int) -> gym.Env:
+    return gym.make("HalfCheetah-v5")
+
+
+def fetchreach_env(i: int) -> gym.Env:
+    from ebrl.envs.robotics import make_robotics
+
+    return make_robotics("FetchReachDense-v4")
+
+
+@dataclass(frozen=True)
+class Workload:
+    env_fn: object
+    score: str  # "mean_return" or "success_once"
+    threshold: float
+    num_envs: int
+    steps: int  # env steps per run (every runner the same)
+    max_s: float  # a run's wall-time cap
+    quick_steps: int
+    minibatch_size: int = 512
+    segment_len: int = 32
+
+
+WORKLOADS = {
+    "longtail": Workload(longtail_env, "mean_return", 10.0, num_envs=32, steps=60_000, max_s=120, quick_steps=2_048),
+    "halfcheetah": Workload(halfcheetah_env, "mean_return", 1000.0, num_envs=16, steps=400_000, max_s=150,
+                            quick_steps=2_048, segment_len=64),
+    "fetchreach": Workload(fetchreach_env, "success_once", 0.9, num_envs=16, steps=150_000, max_s=150,
+                           quick_steps=2_048, segment_len=50),
+}
+TARGETS = {"longtail: async/sync": 2.5, "halfcheetah: async/sync": 1.5, "halfcheetah: async/cleanrl": 1.3}
+
+
+def _cleanrl():
+    spec = importlib.util.spec_from_file_location("ebrl_bench_cleanrl_ppo", PEERS / "cleanrl_ppo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.run_cleanrl
+
+
+def _run_ebrl(w: Workload, schedule: str, seed: int, steps: int, max_s: float) -> tuple[list[dict], dict]:
+    probe = w.env_fn(0)
+    obs_space, act_space = single_spaces(probe)
+    probe.close()
+    policy = MLPPolicy.from_spaces(obs_space, act_space, seed=seed)
+    cfg = ebrl.RunConfig(num_envs=w.num_envs, segment_len=w.segment_len, total_env_steps=steps,
+                         schedule=schedule, seed=seed, log_every_s=3600.0)
+    trainer = ebrl.Trainer(w.env_fn, policy, PPO(minibatch_size=w.minibatch_size, seed=seed), cfg)
+
+    async def capped():
+        stop = asyncio.Event()
+        timer = asyncio.get_running_loop().call_later(max_s, stop.set)
+        try:
+            return await ebrl.run(trainer, stop=stop)
+        finally:
+            timer.cancel()
+
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        result = runner.run(capped())
+    curve = [{"time": h["time"], "env_steps": h["env_steps"], "score": h.get(w.score)} for h in result.history]
+    return curve, {"env_steps": result.env_steps, "wall_s": result.wall_s, "steps_per_s": result.env_steps_per_s}
+
+
+def _run_cleanrl(w: Workload, seed: int, steps: int, max_s: float) -> tuple[list[dict], dict]:
+    curve: list[dict] = []
+
+    def on_update(row: dict) -> bool:
+        curve.append({"time": row["time"], "env_steps": row["env_steps"], "score": row.get(w.score)})
+        return row["time"] >= max_s
+
+    out = _cleanrl()(w.env_fn, num_envs=w.num_envs, segment_len=w.segment_len, total_env_steps=steps, seed=seed,
+                     minibatch_size=w.minibatch_size, on_update=on_update)
+    return curve, {"env_steps": out["env_steps"], "wall_s": out["wall_s"], "steps_per_s": out["steps_per_s"]}
+
+
+def _reached(curve: list[dict], threshold: float) -> dict | None:
+    for row in curve:
+        s = row["score"]
+        if s is not None and not math.isnan(s) and s >= threshold:
+            return row
+    return None
+
+
+def _final(curve: list[dict]) -> float:
+    scores = [r["score"] for r in curve if r["score"] is not None and not math.isnan(r["score"])]
+    return scores[-1] if scores else math.nan
+
+
+def _ratio(rows: list[dict], case: str, other: str) -> dict:
+    """``other``'s time to threshold over async's, per seed; a runner that never reached it
+    contributes its whole run (a lower bound, counted in ``lower_bounds``)."""
+    values, bounds = [], 0
+    for seed in {r["round"] for r in rows if r["case"] == case}:
+        by = {r["runner"]: r for r in rows if r["case"] == case and r["round"] == seed}
+        a, o = by.get("ebrl-async"), by.get(other)
+        if a is None or o is None or a["time_to_threshold_s"] is None:
+            continue
+        t_other = o["time_to_threshold_s"]
+        if t_other is None:
+            t_other, bounds = o["wall_s"], bounds + 1
+        values.append(t_other / a["time_to_threshold_s"])
+    return {**spread(values), "lower_bounds": bounds}
+
+
+def _plot(case: str, rows: list[dict], w: Workload, out_dir: Path) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    colors = {"ebrl-async": "tab:blue", "ebrl-sync": "tab:orange", "cleanrl": "tab:green"}
+    for r in rows:
+        pts = [(p["time"], p["score"]) for p in r["curve"] if p["score"] is not None and not math.isnan(p["score"])]
+        if pts:
+            ax.plot(*zip(*pts), color=colors.get(r["runner"], "gray"), alpha=0.8,
+                    label=r["runner"] if r["round"] == min(SEEDS) else None)
+    ax.axhline(w.threshold, color="black", linestyle="--", linewidth=0.8, label=f"threshold {w.threshold:g}")
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel(w.score)
+    ax.set_title(f"{case}: learning curves, {len(SEEDS)} seeds")
+    ax.legend()
+    path = out_dir / f"convergence-{case}.png"
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return path.name
+
+
+def run(quick: bool, workloads: tuple[str, ...] | None = None, out_dir: Path | None = None) -> dict:
+    names = workloads or tuple(os.environ.get("EBRL_CONVERGENCE", ",".join(WORKLOADS)).split(","))
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        raise ValueError(f"unknown convergence workload(s) {unknown}; known: {sorted(WORKLOADS)}")
+    seeds = SEEDS[:1] if quick else SEEDS
+    rows = []
+    for case in names:
+        w = WORKLOADS[case]
+        steps = w.quick_steps if quick else w.steps
+        for seed in seeds:
+            for runner in RUNNERS:
+                t0 = time.perf_counter()
+                if runner == "cleanrl":
+                    curve, out = _run_cleanrl(w, seed, steps, w.max_s)
+                else:
+                    curve, out = _run_ebrl(w, runner.removeprefix("ebrl-"), seed, steps, w.max_s)
+                hit = _reached(curve, w.threshold)
+                rows.append({"case": case, "round": seed, "runner": runner, **out,
+                             "time_to_threshold_s": None if hit is None else hit["time"],
+                             "steps_to_threshold": None if hit is None else hit["env_steps"],
+                             "final_score": _final(curve), "score": w.score, "threshold": w.threshold,
+                             "budget_steps": steps, "cap_s": w.max_s, "elapsed_s": time.perf_counter() - t0,
+                             "curve": curve})
+                print(f"  {case} seed {seed} {runner}: {out['env_steps']:,} steps in {out['wall_s']:.0f} s, "
+                      f"final {w.score} {rows[-1]['final_score']:.3g}, threshold "
+                      f"{'at %.0f s' % hit['time'] if hit else 'not reached'}", flush=True)
+    ratios, figures = {}, {}
+    for case in names:
+        for other in ("ebrl-sync", "cleanrl"):
+            ratios[f"{case}: async/{other.removeprefix('ebrl-')}"] = _ratio(rows, case, other)
+        for runner in RUNNERS:
+            mine = [r for r in rows if r["case"] == case and r["runner"] == runner]
+            figures[f"{case}: {runner} final {WORKLOADS[case].score}"] = spread(r["final_score"] for r in mine)
+            figures[f"{case}: {runner} seconds to threshold"] = spread(
+                r["time_to_threshold_s"] for r in mine if r["time_to_threshold_s"] is not None)
+            figures[f"{case}: {runner} steps to threshold"] = spread(
+                r["steps_to_threshold"] for r in mine if r["steps_to_threshold"] is not None)
+    targets = check_targets(ratios, {k: Target(v) for k, v in TARGETS.items() if k.split(":")[0] in names})
+    ratios = {k: v for k, v in ratios.items() if v["n"]}  # a ratio needs async to reach the threshold
+    plots = {}
+    if out_dir is not None and not quick:
+        for case in names:
+            plots[case] = _plot(case, [r for r in rows if r["case"] == case], WORKLOADS[case], out_dir)
+    return {"rows": rows, "summary": {}, "ratios": ratios, "figures": figures, "targets": targets,
+            "meta": {"description": DESCRIPTION, "quick": quick, "seeds": list(seeds), "plots": plots,
+                     "workloads": {n: {"score": WORKLOADS[n].score, "threshold": WORKLOADS[n].threshold,
+                                       "num_envs": WORKLOADS[n].num_envs, "steps": WORKLOADS[n].steps,
+                                       "max_s": WORKLOADS[n].max_s} for n in names}}}
