@@ -78,7 +78,7 @@ class Workload:
 
 
 WORKLOADS = {
-    "longtail": Workload(longtail_env, "mean_return", 10.0, num_envs=32, steps=60_000, max_s=120, quick_steps=2_048),
+    "longtail": Workload(longtail_env, "mean_return", 10.0, num_envs=32, steps=200_000, max_s=150, quick_steps=2_048),
     "halfcheetah": Workload(halfcheetah_env, "mean_return", 1000.0, num_envs=16, steps=400_000, max_s=150,
                             quick_steps=2_048, segment_len=64),
     "fetchreach": Workload(fetchreach_env, "success_once", 0.9, num_envs=16, steps=150_000, max_s=150,

@@ -43,8 +43,8 @@ import torch
 from torch import Tensor, nn
 
 from ebrl.algos.batch import Batch
-from ebrl.algos.ppo import PPO, PPOConfig
-from ebrl.algos.vtrace import _check_config, _check_positive, _evaluate_valid, _make_config
+from ebrl.algos.ppo import PPO, Checks, PPOConfig
+from ebrl.algos.vtrace import _evaluate_valid, _make_config
 
 
 @dataclass
@@ -55,8 +55,9 @@ class DecoupledPPOConfig(PPOConfig):
     max_is_weight: float = 2.0
 
     def __post_init__(self):
-        _check_config(self, super().__post_init__)
-        _check_positive(self, "max_is_weight", "a float >= 1 (math.inf disables truncation)", low=1.0, inclusive=True)
+        super().__post_init__()
+        c = Checks(self)
+        c.check("max_is_weight", c.num("max_is_weight") >= 1, "a float >= 1 (math.inf disables truncation)")
 
 
 class DecoupledPPO(PPO):

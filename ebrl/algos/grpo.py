@@ -67,6 +67,7 @@ from torch import Tensor, nn
 
 from ebrl.algos.advantages import _last_valid
 from ebrl.algos.batch import Batch
+from ebrl.algos.ppo import Checks
 from ebrl.spaces import tree_map
 
 LossFn = Callable[[nn.Module, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor | float]]]
@@ -88,19 +89,8 @@ class GRPOConfig:
     seed: int = 0
 
     def __post_init__(self):
-        def check(name: str, ok: bool, allowed: str):
-            if not ok:
-                raise ValueError(f"GRPOConfig.{name}={getattr(self, name)!r} is invalid: must be {allowed}")
-
-        def num(name: str) -> float:
-            v = getattr(self, name)
-            check(name, isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v), "a number")
-            return v
-
-        def integer(name: str) -> int:
-            v = getattr(self, name)
-            check(name, isinstance(v, int) and not isinstance(v, bool), "an int")
-            return v
+        c = Checks(self)
+        check, num, integer = c.check, c.num, c.integer
 
         check("lr", 0 < num("lr") < math.inf, "a finite float > 0")
         check("clip_coef", 0 < num("clip_coef") < math.inf, "a finite float > 0")

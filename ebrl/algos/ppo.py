@@ -40,6 +40,27 @@ from ebrl.spaces import tree_map
 LossFn = Callable[[nn.Module, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor | float]]]
 
 
+class Checks:
+    """Validation for an algorithm's config dataclass; each error names the class and the field."""
+
+    def __init__(self, config):
+        self.config, self.cls = config, type(config).__name__
+
+    def check(self, name: str, ok: bool, allowed: str) -> None:
+        if not ok:
+            raise ValueError(f"{self.cls}.{name}={getattr(self.config, name)!r} is invalid: must be {allowed}")
+
+    def num(self, name: str) -> float:
+        v = getattr(self.config, name)
+        self.check(name, isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v), "a number")
+        return v
+
+    def integer(self, name: str) -> int:
+        v = getattr(self.config, name)
+        self.check(name, isinstance(v, int) and not isinstance(v, bool), "an int")
+        return v
+
+
 @dataclass
 class PPOConfig:
     lr: float = 3e-4
@@ -57,20 +78,8 @@ class PPOConfig:
     seed: int = 0
 
     def __post_init__(self):
-        def check(name: str, ok: bool, allowed: str):
-            if not ok:
-                raise ValueError(f"PPOConfig.{name}={getattr(self, name)!r} is invalid: must be {allowed}")
-
-        def num(name: str) -> float:
-            v = getattr(self, name)
-            check(name, isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v), "a number")
-            return v
-
-        def integer(name: str) -> int:
-            v = getattr(self, name)
-            check(name, isinstance(v, int) and not isinstance(v, bool), "an int")
-            return v
-
+        c = Checks(self)  # messages name the subclass (VTraceConfig, ...) where one is validated
+        check, num, integer = c.check, c.num, c.integer
         check("lr", 0 < num("lr") < math.inf, "a finite float > 0")
         check("gamma", 0 <= num("gamma") <= 1, "in [0, 1]")
         check("gae_lambda", 0 <= num("gae_lambda") <= 1, "in [0, 1]")

@@ -38,7 +38,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +45,7 @@ from torch import Tensor, nn
 
 from ebrl.algos.advantages import _last_valid
 from ebrl.algos.batch import Batch
-from ebrl.algos.ppo import PPO, PPOConfig, _index
+from ebrl.algos.ppo import PPO, Checks, PPOConfig, _index
 
 
 @torch.no_grad()
@@ -118,27 +117,13 @@ class VTraceConfig(PPOConfig):
     c_bar: float = 1.0  # truncation of the trace coefficients (math.inf: none); the trace is lam * min(c_bar, pi/mu)
 
     def __post_init__(self):
-        _check_config(self, super().__post_init__)
+        super().__post_init__()
+        c = Checks(self)
         for name in ("rho_bar", "c_bar"):
-            _check_positive(self, name, "a float > 0 (math.inf disables truncation)")
+            c.check(name, c.num(name) > 0, "a float > 0 (math.inf disables truncation)")
 
 
 # ---- shared with ebrl.algos.dppo -----------------------------------------------------------
-
-
-def _check_config(config, parent_post_init) -> None:
-    """Run PPOConfig's validation, naming the subclass in its messages."""
-    try:
-        parent_post_init()
-    except ValueError as e:
-        raise ValueError(str(e).replace("PPOConfig.", f"{type(config).__name__}.", 1)) from None
-
-
-def _check_positive(config, name: str, allowed: str, low: float = 0.0, inclusive: bool = False) -> None:
-    v = getattr(config, name)
-    number = isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
-    if not number or not (v >= low if inclusive else v > low):
-        raise ValueError(f"{type(config).__name__}.{name}={v!r} is invalid: must be {allowed}")
 
 
 def _make_config(cls: type, algo: str, config: PPOConfig | None, overrides: dict):

@@ -35,10 +35,8 @@ Example::
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -48,10 +46,11 @@ from torch import Tensor, nn
 from ebrl.policies.base import ActResult
 from ebrl.policies.heads import LOG_SQRT_2PI, merge_moments, register_moments
 from ebrl.policies.mlp import _mlp
+from ebrl.policies.pretrained import Pretrained
 
 _OBS_CLIP = 10.0
 _EPS = 1e-8
-_WEIGHTS, _CONFIG = "model.safetensors", "config.json"
+
 ObsLike = Any  # a Tensor/array [N, obs_dim], or a dict of them for Dict observation spaces
 
 
@@ -71,7 +70,7 @@ def _gauss_logp(x: Tensor, mean: Tensor, sigma: Tensor) -> Tensor:
     return (-0.5 * z.square() - sigma.log() - LOG_SQRT_2PI).sum(-1)
 
 
-class FlowPolicy(nn.Module):
+class FlowPolicy(Pretrained, nn.Module):
     """Flow-matching actor (velocity field + learned noise head) and an MLP critic.
 
     ``obs_dim`` is the flattened observation size; with ``obs_keys`` observations are dicts
@@ -303,30 +302,3 @@ class FlowPolicy(nn.Module):
         x_tau = (1.0 - tau[:, None]) * noise + tau[:, None] * target
         v = self.velocity(torch.cat([x_tau, feat, self._time_embed(tau)], -1))
         return (v - (target - noise)).square().mean()
-
-    # ---- files -----------------------------------------------------------------------------
-
-    def save_pretrained(self, path: str | Path) -> None:
-        """Write ``model.safetensors`` (weights and normalisation statistics) and ``config.json``."""
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}, str(path / _WEIGHTS))
-        (path / _CONFIG).write_text(json.dumps({"policy": "FlowPolicy", **self.config}, indent=2))
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path) -> FlowPolicy:
-        """Load what :meth:`save_pretrained` wrote in the local directory ``path`` (on the CPU)."""
-        from safetensors.torch import load_file
-
-        path = Path(path)
-        for name in (_CONFIG, _WEIGHTS):
-            if not (path / name).is_file():
-                raise FileNotFoundError(f"FlowPolicy.from_pretrained: no {name} in {str(path)!r} (local directories only)")
-        config = json.loads((path / _CONFIG).read_text())
-        if config.pop("policy", "FlowPolicy") != "FlowPolicy":
-            raise ValueError(f"{path / _CONFIG} is not a FlowPolicy config")
-        policy = cls(**config)
-        policy.load_state_dict(load_file(str(path / _WEIGHTS)))
-        return policy

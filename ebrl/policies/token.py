@@ -32,10 +32,8 @@ Example::
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -45,10 +43,9 @@ from torch import Tensor, nn
 from ebrl.policies.base import ActResult
 from ebrl.policies.heads import merge_moments, register_moments
 from ebrl.policies.mlp import _EPS, _OBS_CLIP
+from ebrl.policies.pretrained import Pretrained
 
 OBS_KEYS = ("pixels", "state", "instruction")
-WEIGHTS_NAME = "model.safetensors"
-CONFIG_NAME = "config.json"
 
 KVCache = list[tuple[Tensor, Tensor]]  # per layer: keys and values [B, heads, max_len, head_dim]
 
@@ -93,7 +90,7 @@ class _Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class TokenPolicy(nn.Module):
+class TokenPolicy(Pretrained, nn.Module):
     """Autoregressive action tokens over a prefix built from ``state``/``pixels``/``instruction``.
 
     ``action_low``/``action_high`` give the action shape (``(A,)`` or a chunk ``(K, A)``, whose
@@ -391,27 +388,3 @@ class TokenPolicy(nn.Module):
     def value(self, obs: Any) -> Tensor:
         """State values ``[N]``, with gradients: a pass over the prefix and BOS only."""
         return self.value_head(self._transform(self._prefix_and_bos(obs))[:, -1]).squeeze(-1)
-
-    # ---- local save/load ---------------------------------------------------------------------
-
-    def save_pretrained(self, path: str | Path) -> None:
-        """Write ``model.safetensors`` (the state_dict) and ``config.json`` (constructor args) into ``path``."""
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}, str(path / WEIGHTS_NAME))
-        (path / CONFIG_NAME).write_text(json.dumps(self.config, indent=2) + "\n")
-
-    @classmethod
-    def from_pretrained(cls, path: str | Path) -> TokenPolicy:
-        """Rebuild a policy written by :meth:`save_pretrained` from a local directory (never the network)."""
-        from safetensors.torch import load_file
-
-        path = Path(path)
-        for name in (CONFIG_NAME, WEIGHTS_NAME):
-            if not (path / name).is_file():
-                raise FileNotFoundError(f"TokenPolicy.from_pretrained: {path / name} does not exist")
-        policy = cls(**json.loads((path / CONFIG_NAME).read_text()))
-        policy.load_state_dict(load_file(str(path / WEIGHTS_NAME)))
-        return policy
