@@ -229,7 +229,7 @@ def run(quick: bool, workloads: tuple[str, ...] | None = None, out_dir: Path | N
         for case in names:
             plots[case] = _plot(case, [r for r in rows if r["case"] == case], WORKLOADS[case], out_dir)
     return {"rows": rows, "summary": {}, "ratios": ratios, "figures": figures, "targets": targets,
-            "meta": {"description": DESCRIPTION, "quick": quick, "seeds": list(seeds), "plots": plots,
+            "meta": {"description": DESCRIPTION, "quick": quick, "seeds": list(seeds), "rounds": len(seeds), "plots": plots,
                      "workloads": {n: {"score": WORKLOADS[n].score, "threshold": WORKLOADS[n].threshold,
                                        "num_envs": WORKLOADS[n].num_envs, "steps": WORKLOADS[n].steps,
                                        "max_s": WORKLOADS[n].max_s} for n in names}}}
