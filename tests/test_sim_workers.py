@@ -646,3 +646,24 @@ async def test_a_grow_cancelled_mid_fork_leaves_no_process(tmp_path, no_leaks):
     finally:
         pool.close()
     assert multiprocessing.active_children() == []
+
+
+async def test_a_stale_step_start_never_times_a_step_out(no_leaks):
+    """A step cannot start before its message was sent: an older StepRows.started (left by
+    anything) is ignored, so only a step that really ran past the limit kills its worker."""
+    pool = ProcessSimPool(lambda i: MockEnv(dim=2, latency=Latency.constant(0.3)), num_envs=2, num_workers=1)
+    col = await started(pool)
+    try:
+        for i in range(2):
+            await pool.reset(i)
+        pool.submit(np.array([0]), np.zeros((1, 2), np.float32))
+        await asyncio.sleep(0.1)  # env 0 is stepping (0.3 s)
+        pool._rows.started[0] = time.perf_counter() - 100.0  # stale: before the step was sent
+        assert pool.abandon_late(1.0) == [] and pool._stale_starts == 1
+        assert pool.respawns == 0
+        await col.wait([0])
+        pool.submit(np.array([1]), np.zeros((1, 2), np.float32))
+        await asyncio.sleep(0.1)
+        assert pool.abandon_late(0.05) == [1]  # a real one: started after its send, running past 50 ms
+    finally:
+        pool.close()
