@@ -67,7 +67,7 @@ from torch import Tensor, nn
 
 from ebrl.algos.advantages import _last_valid
 from ebrl.algos.batch import Batch
-from ebrl.algos.ppo import Checks
+from ebrl.algos.ppo import Checks, MinibatchAlgo, _index
 from ebrl.spaces import tree_map
 
 LossFn = Callable[[nn.Module, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor | float]]]
@@ -103,13 +103,6 @@ class GRPOConfig:
               "an int >= 2 (a lone episode has no baseline: its advantage would be 0)")
         integer("seed")
         check("norm_std", isinstance(self.norm_std, bool), "a bool")
-
-
-def _index(x: Tensor | dict[str, Tensor], idx: Tensor) -> Tensor | dict[str, Tensor]:
-    """``x[idx]``, per key for dict observations."""
-    if isinstance(x, Tensor):
-        return x[idx]
-    return {k: v[idx] for k, v in x.items()}
 
 
 def _group_advantages(batch: Batch, norm_std: bool, min_group: int) -> tuple[Tensor, Tensor, dict[str, float]]:
@@ -174,7 +167,7 @@ def group_advantages(batch: Batch, *, norm_std: bool = True, min_group: int = 2)
     return adv, used
 
 
-class GRPO:
+class GRPO(MinibatchAlgo):
     """Group relative policy optimisation. ``GRPO(lr=1e-3)`` overrides fields of :class:`GRPOConfig`.
 
     ``reference``: the policy the KL term (``kl_coef > 0``) pulls towards, evaluated without
@@ -211,11 +204,6 @@ class GRPO:
         return {"optimizer": self.optimizer.state_dict() if self.optimizer is not None else self._pending_optimizer_state,
                 "rng": self._gen.get_state(),
                 "reference": ref}
-
-    def reset_optimizer(self) -> None:
-        """A fresh optimiser at the next update (after an update undone for NaN/inf: its moments may hold them)."""
-        self.optimizer = None
-        self._pending_optimizer_state = None
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`; the optimiser state (and a saved reference) apply at the next update."""
@@ -259,12 +247,6 @@ class GRPO:
 
     # ---- one update ----------------------------------------------------------------------
 
-    def _batch_to(self, batch: Batch, device: torch.device) -> Batch:
-        def to(x):
-            return x.to(device) if isinstance(x, Tensor) else x
-
-        return Batch(**{f.name: tree_map(to, getattr(batch, f.name)) for f in dataclasses.fields(batch)})
-
     def _take_reference(self, policy: nn.Module) -> None:
         if self.config.kl_coef == 0 or self.reference is not None:
             return
@@ -293,12 +275,7 @@ class GRPO:
         """One GRPO update (``update_epochs`` passes over the used steps) and its metrics."""
         c = self.config
         self._take_reference(policy)  # before anything changes the policy: the weights that acted first
-        if self.optimizer is None or policy is not self._policy:
-            self.optimizer = torch.optim.Adam(policy.parameters(), lr=c.lr, eps=1e-5)
-            self._policy = policy
-            if self._pending_optimizer_state is not None:
-                self.optimizer.load_state_dict(self._pending_optimizer_state)
-                self._pending_optimizer_state = None
+        self._optimizer_for(policy)
         device = next(policy.parameters()).device
         b = self._batch_to(batch, device)
         mask = b.mask.bool()
@@ -322,29 +299,7 @@ class GRPO:
                 "advantages": adv[steps]}
         if c.kl_coef > 0:
             flat["ref_logprobs"] = self._ref_logprobs(flat["obs"], flat["actions"], n)
-        loss_fn = self.loss_fn or self.loss
-        sums: dict[str, Tensor | float] = {}
-        count = 0
-        nonfinite = False
-        for _ in range(c.update_epochs):
-            perm = torch.randperm(n, generator=self._gen).to(device)
-            for start in range(0, n, c.minibatch_size):
-                idx = perm[start:start + c.minibatch_size]
-                mb = {k: _index(v, idx) for k, v in flat.items()}
-                loss, metrics = loss_fn(policy, mb)
-                if not bool(torch.isfinite(loss)):  # never step on NaN/inf: the rest of the update is skipped
-                    nonfinite = True
-                    break
-                self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                if math.isfinite(c.max_grad_norm):
-                    nn.utils.clip_grad_norm_(policy.parameters(), c.max_grad_norm)
-                self.optimizer.step()
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + (v.detach() if isinstance(v, Tensor) else v)
-                count += 1
-            if nonfinite:
-                break
+        sums, count, nonfinite = self._epochs(policy, flat, n, device)
 
         out = {k: float(v) / count for k, v in sums.items()} if count else dict.fromkeys(names, math.nan)
         # the runtime reads this: a loss that was NaN/inf stopped the update (faults.nonfinite)

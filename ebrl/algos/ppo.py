@@ -119,7 +119,68 @@ class _RunningVar:
         self.mean, self.var, self.count = self.mean + delta * n / tot, m2 / tot, tot
 
 
-class PPO:
+class MinibatchAlgo:
+    """What PPO and GRPO share: an Adam optimiser made at the first update of a policy (with a
+    restored state applied then), batches moved to the policy's device, and the epochs of
+    shuffled minibatches that never step on a NaN/inf loss.
+
+    Needs ``config`` (``lr``, ``update_epochs``, ``minibatch_size``, ``max_grad_norm``),
+    ``loss_fn``/``loss``, ``_gen`` (the minibatch RNG), ``optimizer``, ``_policy`` and
+    ``_pending_optimizer_state``.
+    """
+
+    def reset_optimizer(self) -> None:
+        """A fresh optimiser at the next update (after an update undone for NaN/inf: its moments may hold them)."""
+        self.optimizer = None
+        self._pending_optimizer_state = None
+
+    def _optimizer_for(self, policy: nn.Module) -> None:
+        if self.optimizer is None or policy is not self._policy:
+            self.optimizer = torch.optim.Adam(policy.parameters(), lr=self.config.lr, eps=1e-5)
+            self._policy = policy
+            if self._pending_optimizer_state is not None:
+                self.optimizer.load_state_dict(self._pending_optimizer_state)
+                self._pending_optimizer_state = None
+
+    @staticmethod
+    def _batch_to(batch: Batch, device: torch.device) -> Batch:
+        def to(x):  # dict observations: a tensor per key; other fields (ints) stay as they are
+            return x.to(device) if isinstance(x, Tensor) else x
+
+        return Batch(**{f.name: tree_map(to, getattr(batch, f.name)) for f in dataclasses.fields(batch)})
+
+    def _epochs(self, policy: nn.Module, flat: dict[str, Tensor], n: int, device: torch.device,
+                norm_adv: bool = False) -> tuple[dict[str, Tensor | float], int, bool]:
+        """``update_epochs`` passes over the ``n`` rows of ``flat`` in shuffled minibatches
+        (advantages normalised per minibatch with ``norm_adv``); returns the summed metrics,
+        the minibatches stepped and whether a NaN/inf loss stopped the update there."""
+        c = self.config
+        loss_fn = self.loss_fn or self.loss
+        sums: dict[str, Tensor | float] = {}
+        count = 0
+        for _ in range(c.update_epochs):
+            perm = torch.randperm(n, generator=self._gen).to(device)
+            for start in range(0, n, c.minibatch_size):
+                idx = perm[start:start + c.minibatch_size]
+                mb = {k: _index(v, idx) for k, v in flat.items()}
+                if norm_adv and idx.numel() > 1:
+                    a = mb["advantages"]
+                    mb["advantages"] = (a - a.mean()) / (a.std() + 1e-8)
+                loss, metrics = loss_fn(policy, mb)
+                if not bool(torch.isfinite(loss)):  # never step on NaN/inf: the rest of the update is skipped
+                    return sums, count, True
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                if math.isfinite(c.max_grad_norm):
+                    nn.utils.clip_grad_norm_(policy.parameters(), c.max_grad_norm)
+                self.optimizer.step()
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + (v.detach() if isinstance(v, Tensor) else v)
+                count += 1
+        return sums, count, False
+
+
+class PPO(MinibatchAlgo):
     """Proximal policy optimisation. ``PPO(lr=1e-3)`` overrides fields of :class:`PPOConfig`.
 
     Subclass and override :meth:`loss`, or pass ``loss_fn(policy, mb) -> (loss, metrics)``, to
@@ -149,11 +210,6 @@ class PPO:
         return {"optimizer": self.optimizer.state_dict() if self.optimizer is not None else self._pending_optimizer_state,
                 "reward_rms": (self.reward_rms.mean, self.reward_rms.var, self.reward_rms.count),
                 "rng": self._gen.get_state()}
-
-    def reset_optimizer(self) -> None:
-        """A fresh optimiser at the next update (after an update undone for NaN/inf: its moments may hold them)."""
-        self.optimizer = None
-        self._pending_optimizer_state = None
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`; the optimiser state applies to the next policy updated."""
@@ -221,12 +277,6 @@ class PPO:
         self.reward_rms.update(rets[batch.mask.bool()])
         return (batch.rewards / math.sqrt(self.reward_rms.var + 1e-8)).to(batch.values.dtype)
 
-    def _batch_to(self, batch: Batch, device: torch.device) -> Batch:
-        def to(x):  # dict observations: a tensor per key; other fields (ints) stay as they are
-            return x.to(device) if isinstance(x, Tensor) else x
-
-        return Batch(**{f.name: tree_map(to, getattr(batch, f.name)) for f in dataclasses.fields(batch)})
-
     def _next_values(self, policy: nn.Module, b: Batch, values: Tensor) -> Tensor:
         """``[S, T]`` next-state values: ``values`` inside segments, the current critic at bootstraps."""
         boot = policy.value(b.bootstrap_obs)
@@ -254,12 +304,7 @@ class PPO:
     def update(self, policy: nn.Module, batch: Batch) -> dict[str, float]:
         """One PPO update (``update_epochs`` passes over the valid steps) and its metrics."""
         c = self.config
-        if self.optimizer is None or policy is not self._policy:
-            self.optimizer = torch.optim.Adam(policy.parameters(), lr=c.lr, eps=1e-5)
-            self._policy = policy
-            if self._pending_optimizer_state is not None:
-                self.optimizer.load_state_dict(self._pending_optimizer_state)
-                self._pending_optimizer_state = None
+        self._optimizer_for(policy)
         device = next(policy.parameters()).device
         b = self._batch_to(batch, device)
         mask = b.mask.bool()
@@ -280,32 +325,7 @@ class PPO:
         rewards = self._scaled_rewards(b)
 
         flat = self.train_data(policy, b, obs, rewards)
-        loss_fn = self.loss_fn or self.loss
-        sums: dict[str, Tensor | float] = {}
-        count = 0
-        nonfinite = False
-        for _ in range(c.update_epochs):
-            perm = torch.randperm(n, generator=self._gen).to(device)
-            for start in range(0, n, c.minibatch_size):
-                idx = perm[start:start + c.minibatch_size]
-                mb = {k: _index(v, idx) for k, v in flat.items()}
-                if c.norm_adv and idx.numel() > 1:
-                    a = mb["advantages"]
-                    mb["advantages"] = (a - a.mean()) / (a.std() + 1e-8)
-                loss, metrics = loss_fn(policy, mb)
-                if not bool(torch.isfinite(loss)):  # never step on NaN/inf: the rest of the update is skipped
-                    nonfinite = True
-                    break
-                self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                if math.isfinite(c.max_grad_norm):
-                    nn.utils.clip_grad_norm_(policy.parameters(), c.max_grad_norm)
-                self.optimizer.step()
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + (v.detach() if isinstance(v, Tensor) else v)
-                count += 1
-            if nonfinite:
-                break
+        sums, count, nonfinite = self._epochs(policy, flat, n, device, norm_adv=c.norm_adv)
 
         # Explained variance of the behaviour values w.r.t. the GAE returns (as CleanRL).
         var_ret = flat["returns"].var(unbiased=False)
