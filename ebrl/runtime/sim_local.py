@@ -122,7 +122,7 @@ class _LocalEnvs(SimPool):
         if account:
             t0, c0 = perf_counter(), thread_time()
         if self.vector_size == 1:
-            out = step_env(env, _row(rows.act, unit), rows.next_seed(unit))
+            out = step_env(env, _row(rows.act, unit), rows.reset_seed, unit)
             self._commit(unit, rows.write, unit, out)
             declared = out.cost_s
         else:

@@ -150,11 +150,6 @@ class StepRows:
         # a flat view for per-step adds: a memoryview item costs a third of a NumPy scalar's
         self._cost_flat = memoryview(self.cost).cast("B").cast("d")
 
-    def next_seed(self, i: int) -> int | None:
-        """The seed for env ``i``'s next autoreset, or None."""
-        s = int(self.reset_seed[i])
-        return s - 1 if s else None
-
     def add_cost(self, i: int, wall_s: float, cpu_s: float, queue_s: float = 0.0) -> None:
         """Count one step of env ``i`` that took these times."""
         flat, k = self._cost_flat, 4 * i
@@ -258,9 +253,10 @@ def reset_env(env: gym.Env, seed: int | None = None) -> tuple[Any, dict]:
     return copy_tree(obs), info
 
 
-def step_env(env: gym.Env, action: Any, seed: int | None = None) -> StepOut:
-    """One step with same-step autoreset (with ``seed``, if the episode ends); the NaN/inf
-    check runs here, in the lane or worker."""
+def step_env(env: gym.Env, action: Any, reset_seeds: np.ndarray | None = None, i: int = 0) -> StepOut:
+    """One step with same-step autoreset; the NaN/inf check runs here, in the lane or worker.
+    ``reset_seeds[i] - 1`` (:attr:`StepRows.reset_seed`; 0: unseeded) seeds the autoreset, read
+    only when the episode ends: most steps never pay for it."""
     obs, reward, terminated, truncated, info = env.step(action)
     obs = copy_tree(obs)
     cost = getattr(env.unwrapped, "virtual_step_cost", 0.0)
@@ -268,7 +264,8 @@ def step_env(env: gym.Env, action: Any, seed: int | None = None) -> StepOut:
     finite = math.isfinite(reward) and all_finite(obs)
     if terminated or truncated:
         final_obs, final_info = obs, info
-        obs, info = reset_env(env, seed)
+        seed = int(reset_seeds[i]) - 1 if reset_seeds is not None else -1
+        obs, info = reset_env(env, seed if seed >= 0 else None)
         finite = finite and all_finite(obs)  # the next episode's first observation comes back with this step
         return StepOut(obs, reward, bool(terminated), bool(truncated), info, final_obs, final_info, cost, finite)
     return StepOut(obs, reward, False, False, info, None, None, cost, finite)

@@ -189,7 +189,7 @@ def _step_message(conn, envs, rows: StepRows, cost: list, ids: list[int], hold_s
         c0, t0 = cpu(), time.perf_counter()
         rows.started[i] = t0  # the parent's step timeout counts from here
         try:
-            rows.write(i, step_env(envs[i], tree_map(lambda a: a.copy(), index(rows.act, i)), rows.next_seed(i)))
+            rows.write(i, step_env(envs[i], tree_map(lambda a: a.copy(), index(rows.act, i)), rows.reset_seed, i))
             done.append(i)
         except Exception as exc:
             errors.append((i, describe(exc)))
