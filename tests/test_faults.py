@@ -222,3 +222,34 @@ def test_sim_workers_and_the_learner_exit_when_their_parent_is_killed(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_child_whose_parent_died_before_it_looked_still_exits(tmp_path):
+    """The parent is killed between a child's fork and its first look at its parent (a busy
+    machine): the child must still see that it is orphaned, not take init for its parent."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "orphan.py"
+    pid_file = tmp_path / "child.pid"
+    script.write_text(
+        "import multiprocessing as mp, os, sys, time\n"
+        "def child():\n"
+        "    time.sleep(1.0)  # the parent is gone before the child looks\n"
+        "    from ebrl.runtime.threads import ignore_stop_signals\n"
+        "    ignore_stop_signals()\n"
+        "    time.sleep(30)\n"
+        "p = mp.get_context('fork').Process(target=child)\n"
+        "p.start()\n"
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+        "os._exit(0)\n")
+    subprocess.run([sys.executable, str(script)], check=True)
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}") \
+            and open(f"/proc/{pid}/stat").read().split()[2] != "Z":
+        time.sleep(0.1)
+    alive = os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+    if alive:
+        os.kill(pid, 9)
+    assert not alive

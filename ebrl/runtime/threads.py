@@ -13,6 +13,7 @@ bounded, and no thread may outlive ``run()``).
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import signal
 import threading
@@ -42,7 +43,10 @@ def ignore_stop_signals() -> None:
     pipe alone would not tell it, since forked siblings hold copies of the parent's ends."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    parent = os.getppid()
+    # the parent's pid as recorded before the fork: a parent killed before this line runs has
+    # already handed us to init (getppid() would then name init and we would wait for ever)
+    known = multiprocessing.parent_process()
+    parent = known.pid if known is not None and known.pid is not None else os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:
