@@ -84,10 +84,13 @@ def gae(
     terminated: Tensor,
     episode_end: Tensor,
     mask: Tensor,
-    gamma: float,
+    gamma: float | Tensor,
     lam: float,
 ) -> tuple[Tensor, Tensor]:
     """``(advantages, returns)``, both ``[S, T]`` with 0 at invalid slots.
+
+    ``gamma`` is a float, or ``[S, T]`` per-step discounts (``gamma ** chunk_steps`` for action
+    chunks, from :func:`chunk_discounting`).
 
     Reference semantics, for every valid ``(s, t)``::
 
@@ -110,8 +113,35 @@ def gae(
     adv = torch.zeros_like(delta)
     last = torch.zeros_like(delta[:, 0])
     gl = gamma * lam
+    per_step = isinstance(gl, Tensor)
     for t in reversed(range(delta.shape[1])):
-        last = delta[:, t] + torch.where(cont[:, t], gl * last, zero)
+        last = delta[:, t] + torch.where(cont[:, t], (gl[:, t] if per_step else gl) * last, zero)
         adv[:, t] = last
     returns = torch.where(mask, adv + values, zero)
     return adv, returns
+
+
+def chunk_discounting(rewards: Tensor, chunk_rewards: Tensor, chunk_steps: Tensor,
+                      gamma: float) -> tuple[Tensor, Tensor]:
+    """``(rewards, discounts)``, both ``[S, T]``, for decisions that each ran an action chunk.
+
+    A decision whose chunk took ``n = chunk_steps[s, t]`` env steps with rewards ``r_0..r_{n-1}``
+    (``chunk_rewards[s, t, :n]``) earns ``sum_j gamma**j * r_j``, and the value after it is
+    ``n`` steps away, so it is discounted by ``gamma**n`` (the semi-MDP view of a chunk).
+    Where ``chunk_steps`` is 0 (no chunk reported) the decision is one step: ``rewards`` and
+    ``gamma``. Pass ``discounts`` as :func:`gae`'s ``gamma``.
+
+        >>> import torch
+        >>> r, d = chunk_discounting(torch.tensor([[3.0, 5.0]]), torch.tensor([[[1.0, 2.0], [5.0, 0.0]]]),
+        ...                          torch.tensor([[2, 1]]), gamma=0.5)
+        >>> r, d
+        (tensor([[2., 5.]]), tensor([[0.2500, 0.5000]]))
+    """
+    k = chunk_rewards.shape[-1]
+    powers = gamma ** torch.arange(k, dtype=torch.float64, device=rewards.device)
+    has = chunk_steps > 0
+    inner = (chunk_rewards.double() * powers).sum(-1)
+    out = torch.where(has, inner, rewards.double()).to(rewards.dtype)
+    discounts = torch.where(has, torch.full_like(inner, gamma) ** chunk_steps.double(),
+                            torch.full_like(inner, gamma))
+    return out, discounts.to(rewards.dtype)

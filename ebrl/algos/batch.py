@@ -37,6 +37,13 @@ class Batch:
     # equal keys mean episodes from the same start), or -1 where the segment does not start at
     # a reset (the rest of an episode longer than segment_len). None otherwise.
     group: torch.Tensor | None = None
+    # action chunks (a policy acting K steps per decision, ebrl.envs.chunks.ActionChunk): the
+    # per-step rewards inside each decision's chunk, [S, T, K] float32 zero-padded, and the
+    # steps it took, [S, T] int64 (0 where the env reported none: one step with ``rewards``).
+    # ``rewards`` is their sum; see :func:`ebrl.algos.advantages.chunk_discounting`. None for
+    # other action spaces.
+    chunk_rewards: torch.Tensor | None = None
+    chunk_steps: torch.Tensor | None = None
 
     @property
     def num_steps(self) -> int:

@@ -82,8 +82,9 @@ class DecoupledPPO(PPO):
     def __init__(self, config: DecoupledPPOConfig | PPOConfig | None = None, *, loss_fn=None, **overrides):
         super().__init__(_make_config(DecoupledPPOConfig, "DecoupledPPO", config, overrides), loss_fn=loss_fn)
 
-    def train_data(self, policy: nn.Module, b: Batch, obs, rewards: Tensor) -> dict[str, Tensor]:
-        flat = super().train_data(policy, b, obs, rewards)  # GAE advantages and returns, as PPO
+    def train_data(self, policy: nn.Module, b: Batch, obs, rewards: Tensor,
+                   discounts: Tensor | None = None) -> dict[str, Tensor]:
+        flat = super().train_data(policy, b, obs, rewards, discounts)  # GAE advantages and returns, as PPO
         with torch.no_grad():
             prox_logp, prox_values = _evaluate_valid(policy, obs, flat["actions"], self.config.minibatch_size)
             prox_logp = prox_logp.to(flat["logprobs"].dtype)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ebrl.algos.advantages import build_next_values, gae
+from ebrl.algos.advantages import build_next_values, chunk_discounting, gae
 from ebrl.algos.batch import Batch
 from ebrl.spaces import tree_map
 
@@ -254,8 +254,8 @@ class PPO(MinibatchAlgo):
     # ---- one update ----------------------------------------------------------------------
 
     @torch.no_grad()
-    def _scaled_rewards(self, batch: Batch) -> Tensor:
-        """Rewards divided by the running std of discounted returns.
+    def _scaled_rewards(self, batch: Batch, rewards: Tensor, discounts: Tensor | None) -> Tensor:
+        """``rewards`` divided by the running std of discounted returns.
 
         Like gymnasium's ``NormalizeReward`` but stateless across batches and envs: the
         discounted return ``G_t = r_t + gamma * G_{t-1}`` is accumulated within each segment
@@ -265,17 +265,17 @@ class PPO(MinibatchAlgo):
         underestimated for short segments; it stays deterministic and needs no per-env state.
         """
         if not self.config.scale_rewards:
-            return batch.rewards
-        r = batch.rewards.double()
+            return rewards
+        r = rewards.double()
         end = (batch.terminated | batch.truncated).double()
         g = torch.zeros_like(r[:, 0])
         rets = torch.empty_like(r)
         for t in range(r.shape[1]):
-            g = r[:, t] + self.config.gamma * g
+            g = r[:, t] + (self.config.gamma if discounts is None else discounts[:, t].double()) * g
             rets[:, t] = g
             g = g * (1.0 - end[:, t])
         self.reward_rms.update(rets[batch.mask.bool()])
-        return (batch.rewards / math.sqrt(self.reward_rms.var + 1e-8)).to(batch.values.dtype)
+        return (rewards / math.sqrt(self.reward_rms.var + 1e-8)).to(batch.values.dtype)
 
     def _next_values(self, policy: nn.Module, b: Batch, values: Tensor) -> Tensor:
         """``[S, T]`` next-state values: ``values`` inside segments, the current critic at bootstraps."""
@@ -283,12 +283,15 @@ class PPO(MinibatchAlgo):
         final = policy.value(b.final_obs) if b.final_index.numel() else values.new_zeros(0)
         return build_next_values(values, boot, final, b.final_index, b.truncated & ~b.terminated, b.mask.bool())
 
-    def train_data(self, policy: nn.Module, b: Batch, obs, rewards: Tensor) -> dict[str, Tensor]:
+    def train_data(self, policy: nn.Module, b: Batch, obs, rewards: Tensor,
+                   discounts: Tensor | None = None) -> dict[str, Tensor]:
         """The flat ``[N]`` tensors the minibatch loop trains on (PPO's: GAE on the behaviour
         values). Variants (V-trace, decoupled PPO) override this one step.
 
         ``b`` is on the policy's device, observation statistics are already updated, ``obs`` is
-        ``b.obs`` at the valid steps and ``rewards`` the scaled ``[S, T]`` rewards. Must return
+        ``b.obs`` at the valid steps and ``rewards`` the scaled ``[S, T]`` rewards;
+        ``discounts`` the ``[S, T]`` per-step discounts of action chunks (``gamma ** steps``,
+        see :func:`~ebrl.algos.advantages.chunk_discounting`), None for ``gamma`` at every step. Must return
         ``obs, actions, logprobs, values, advantages, returns`` (what :meth:`loss` reads; extra
         keys are minibatched too); ``values`` and ``returns`` also give ``explained_variance``.
         """
@@ -297,7 +300,7 @@ class PPO(MinibatchAlgo):
         with torch.no_grad():
             next_values = self._next_values(policy, b, b.values)
             adv, ret = gae(rewards, b.values, next_values, b.terminated, b.terminated | b.truncated,
-                           mask, c.gamma, c.gae_lambda)
+                           mask, c.gamma if discounts is None else discounts, c.gae_lambda)
         return {"obs": obs, "actions": b.actions[mask], "logprobs": b.logprobs[mask],
                 "values": b.values[mask], "advantages": adv[mask], "returns": ret[mask]}
 
@@ -322,9 +325,12 @@ class PPO(MinibatchAlgo):
         obs = _index(b.obs, mask)  # once: for pixel observations this is the big copy
         if hasattr(policy, "update_obs_stats"):
             policy.update_obs_stats(obs)
-        rewards = self._scaled_rewards(b)
+        rewards, discounts = b.rewards, None
+        if b.chunk_steps is not None:  # action chunks: discount inside each chunk, and by its length
+            rewards, discounts = chunk_discounting(b.rewards, b.chunk_rewards, b.chunk_steps, c.gamma)
+        rewards = self._scaled_rewards(b, rewards, discounts)
 
-        flat = self.train_data(policy, b, obs, rewards)
+        flat = self.train_data(policy, b, obs, rewards, discounts)
         sums, count, nonfinite = self._epochs(policy, flat, n, device, norm_adv=c.norm_adv)
 
         # Explained variance of the behaviour values w.r.t. the GAE returns (as CleanRL).

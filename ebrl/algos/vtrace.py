@@ -58,7 +58,7 @@ def vtrace(
     terminated: Tensor,
     episode_end: Tensor,
     mask: Tensor,
-    gamma: float,
+    gamma: float | Tensor,
     lam: float = 1.0,
     rho_bar: float = 1.0,
     c_bar: float = 1.0,
@@ -99,8 +99,9 @@ def vtrace(
 
     vs_minus_v = torch.zeros_like(delta)
     last = torch.zeros_like(delta[:, 0])
+    per_step = isinstance(gamma, Tensor)  # [S, T] discounts for action chunks
     for t in reversed(range(delta.shape[1])):
-        last = delta[:, t] + torch.where(cont[:, t], gamma * c[:, t] * last, zero)
+        last = delta[:, t] + torch.where(cont[:, t], (gamma[:, t] if per_step else gamma) * c[:, t] * last, zero)
         vs_minus_v[:, t] = last
     vs = torch.where(mask, values + vs_minus_v, zero)
 
@@ -182,7 +183,8 @@ class VTrace(PPO):
     def __init__(self, config: VTraceConfig | PPOConfig | None = None, *, loss_fn=None, **overrides):
         super().__init__(_make_config(VTraceConfig, "VTrace", config, overrides), loss_fn=loss_fn)
 
-    def train_data(self, policy: nn.Module, b: Batch, obs, rewards: Tensor) -> dict[str, Tensor]:
+    def train_data(self, policy: nn.Module, b: Batch, obs, rewards: Tensor,
+                   discounts: Tensor | None = None) -> dict[str, Tensor]:
         c = self.config
         mask = b.mask.bool()
         actions = b.actions[mask]
@@ -194,6 +196,7 @@ class VTrace(PPO):
             target[mask] = target_logp.to(target.dtype)
             next_values = self._next_values(policy, b, values)
             vs, pg_adv = vtrace(b.logprobs, target, rewards, values, next_values, b.terminated,
-                                b.terminated | b.truncated, mask, c.gamma, c.gae_lambda, c.rho_bar, c.c_bar)
+                                b.terminated | b.truncated, mask, c.gamma if discounts is None else discounts,
+                                c.gae_lambda, c.rho_bar, c.c_bar)
         return {"obs": obs, "actions": actions, "logprobs": target[mask], "values": values[mask],
                 "advantages": pg_adv[mask], "returns": vs[mask]}

@@ -4,7 +4,11 @@ Policies that emit action chunks (flow-matching and VLA policies predict K futur
 at once) step the env K times per decision. ``ActionChunk`` makes that one ``step`` of a
 ``Box(K, *action_shape)`` action: it stops early when the episode ends, returns the summed
 reward, and puts the per-step rewards and the number of steps taken in ``info``
-(``chunk_rewards``, ``chunk_steps``) for algorithms that need them.
+(``chunk_rewards``, ``chunk_steps``). ``chunk_rewards`` always has ``k`` entries, zero past
+``chunk_steps`` (a fixed shape stacks in gymnasium's vector infos). The runtime carries both to
+the algorithm (``Batch.chunk_rewards``/``chunk_steps``), which discounts inside the chunk:
+a decision's reward is ``sum_j gamma**j * r_j`` and the next decision's value is discounted
+by ``gamma**chunk_steps``.
 
     >>> import numpy as np
     >>> from ebrl.envs.chunks import ActionChunk
@@ -17,6 +21,8 @@ reward, and puts the per-step rewards and the number of steps taken in ``info``
     >>> _, _, _, truncated, info = env.step(np.zeros((4, 2), np.float32))
     >>> info["chunk_steps"], truncated       # the episode ended after one more step
     (1, True)
+    >>> info["chunk_rewards"].shape
+    (4,)
 """
 
 from __future__ import annotations
@@ -50,5 +56,7 @@ class ActionChunk(gym.Wrapper, gym.utils.RecordConstructorArgs):
             rewards.append(float(reward))
             if terminated or truncated:
                 break
-        info = dict(info, chunk_rewards=np.asarray(rewards, np.float32), chunk_steps=len(rewards))
+        padded = np.zeros(self.k, np.float32)
+        padded[:len(rewards)] = rewards
+        info = dict(info, chunk_rewards=padded, chunk_steps=len(rewards))
         return obs, float(sum(rewards)), terminated, truncated, info

@@ -189,7 +189,8 @@ class Driver:
         if len(ids):
             acts = index(self.act_actions, ids)
             self.rollout.record(ids, acts, self.act_logprob[ids], self.act_value[ids], self.act_version[ids],
-                                block.reward, block.terminated, block.truncated, block.obs, block.final_obs)
+                                block.reward, block.terminated, block.truncated, block.obs, block.final_obs,
+                                block.chunk_rewards, block.chunk_steps)
             self._episodes(block)
             if self.moves and not block.clean:
                 go = self._start_moves(block, go)
@@ -559,6 +560,7 @@ class Driver:
 def _rows(block: Block, keep: np.ndarray) -> Block:
     """The rows ``keep`` of a block (final observations renumbered)."""
     where = {int(r): k for k, r in enumerate(keep.tolist())}
+    chunk = (None, None) if block.chunk_steps is None else (block.chunk_rewards[keep], block.chunk_steps[keep])
     return Block(block.ids[keep], index(block.obs, keep), block.reward[keep], block.terminated[keep],
                  block.truncated[keep], block.finite[keep], block.success[keep],
-                 {where[r]: o for r, o in block.final_obs.items() if r in where})
+                 {where[r]: o for r, o in block.final_obs.items() if r in where}, [], False, *chunk)

@@ -167,8 +167,10 @@ class RolloutQueue:
 
     def record(self, ids: np.ndarray, actions: Any, logprobs: np.ndarray, values: np.ndarray,
                versions: np.ndarray, reward: np.ndarray, terminated: np.ndarray, truncated: np.ndarray,
-               next_obs: Any, final_obs: dict[int, Any]) -> None:
-        """Record one finished step for each env in ``ids`` (distinct); ``final_obs`` by row."""
+               next_obs: Any, final_obs: dict[int, Any], chunk_rewards: np.ndarray | None = None,
+               chunk_steps: np.ndarray | None = None) -> None:
+        """Record one finished step for each env in ``ids`` (distinct); ``final_obs`` by row;
+        ``chunk_rewards``/``chunk_steps`` for action chunks (see :class:`~ebrl.algos.batch.Batch`)."""
         slots = self.open_slot[ids]
         fresh = slots < 0
         if fresh.any():
@@ -182,6 +184,9 @@ class RolloutQueue:
                 "rewards": np.zeros((m, self.T), np.float32), "terminated": np.zeros((m, self.T), bool),
                 "truncated": np.zeros((m, self.T), bool), "versions": np.zeros((m, self.T), np.int64),
                 "bootstrap_obs": _alloc(self.obs, (m,))}
+            if chunk_steps is not None:
+                self.fields["chunk_rewards"] = np.zeros((m, self.T, chunk_rewards.shape[1]), np.float32)
+                self.fields["chunk_steps"] = np.zeros((m, self.T), np.int64)
         f, pos = self.fields, self.slot_n[slots]
         where = (slots, pos)
         write(f["obs"], where, index(self.obs, ids))
@@ -192,6 +197,9 @@ class RolloutQueue:
         f["terminated"][where] = terminated
         f["truncated"][where] = truncated
         f["versions"][where] = versions
+        if chunk_steps is not None:
+            f["chunk_rewards"][where] = chunk_rewards
+            f["chunk_steps"][where] = chunk_steps
         for row, o in final_obs.items():
             self.slot_final[slots[row]][int(pos[row])] = o
         write(self.obs, ids, next_obs)
@@ -359,4 +367,6 @@ def collate(rollout: RolloutQueue, slots: list[int], learner_version: int):
         final_index=final_index,
         learner_version=learner_version,
         group=torch.from_numpy(rollout.slot_group[slots]) if rollout.cut_at_episode_end else None,
+        chunk_rewards=gather(f["chunk_rewards"]) if "chunk_rewards" in f else None,
+        chunk_steps=gather(f["chunk_steps"]) if "chunk_steps" in f else None,
     )

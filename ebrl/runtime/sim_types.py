@@ -93,6 +93,10 @@ class Block:
     final_obs: dict[int, Any] = field(default_factory=dict)
     errors: list[tuple[int, str]] = field(default_factory=list)
     clean: bool = False  # known: no episode ended, every row finite, no success flag
+    # action chunks (see StepRows.chunk_rewards): float32 [B, K] per-step rewards and int64 [B]
+    # steps taken, 0 where the env reported none; None unless the action space is Box(K, ...)
+    chunk_rewards: np.ndarray | None = None
+    chunk_steps: np.ndarray | None = None
 
 
 def space_rows(space: gym.Space, n: int, alloc: Callable[[tuple, np.dtype], np.ndarray] | None = None) -> Any:
@@ -147,6 +151,12 @@ class StepRows:
         # driver writes it under RunConfig.reset_group; zero-filled, so a worker attaching later
         # never clobbers it)
         self.reset_seed = make((num_envs,), np.dtype(np.int64))
+        # an action space Box(K, ...) may be an action chunk (ebrl.envs.chunks.ActionChunk): the
+        # per-step rewards inside env i's last chunk and its length, from the step's info
+        # (chunk_steps 0: the env reported none, so the chunk counts as one step)
+        k = chunk_len(act_space)
+        self.chunk_rewards = make((num_envs, k), np.dtype(np.float32)) if k else None
+        self.chunk_steps = make((num_envs,), np.dtype(np.int64)) if k else None
         # a flat view for per-step adds: a memoryview item costs a third of a NumPy scalar's
         self._cost_flat = memoryview(self.cost).cast("B").cast("d")
 
@@ -168,10 +178,25 @@ class StepRows:
         if out.final_obs is not None and out.truncated and not out.terminated:
             write(self.final_obs, i, out.final_obs)
         self.flags[i] = flags
+        if self.chunk_steps is not None:
+            self._write_chunk(i, out.final_info if out.final_info is not None else out.info)
+
+    def _write_chunk(self, i: int, info: dict) -> None:
+        n = info.get("chunk_steps")
+        if n is None:
+            self.chunk_steps[i] = 0
+            return
+        rewards = np.asarray(info["chunk_rewards"], np.float32)
+        if rewards.shape != self.chunk_rewards.shape[1:] or not 1 <= n <= len(rewards):
+            raise ValueError(f"info['chunk_rewards'] of shape {rewards.shape} with chunk_steps={n}: expected "
+                             f"{self.chunk_rewards.shape[1]} rewards (zero-padded) and 1 <= chunk_steps <= that")
+        self.chunk_rewards[i] = rewards
+        self.chunk_steps[i] = n
 
     def write_many(self, ids: np.ndarray, obs: Any, reward: np.ndarray, terminated: np.ndarray,
                    truncated: np.ndarray, finite: np.ndarray, success: np.ndarray,
-                   final_obs: dict[int, Any]) -> None:
+                   final_obs: dict[int, Any], chunk_rewards: np.ndarray | None = None,
+                   chunk_steps: np.ndarray | None = None) -> None:
         """Store the steps of envs ``ids`` at once (a vector env's); ``final_obs`` by row."""
         write(self.obs, ids, obs)
         self.reward[ids] = reward
@@ -181,6 +206,12 @@ class StepRows:
         for row, o in final_obs.items():
             if truncated[row] and not terminated[row]:
                 write(self.final_obs, int(ids[row]), o)
+        if self.chunk_steps is not None:
+            if chunk_steps is None:
+                self.chunk_steps[ids] = 0
+            else:
+                self.chunk_rewards[ids] = chunk_rewards
+                self.chunk_steps[ids] = chunk_steps
 
     def actions(self, ids: np.ndarray) -> Any:
         return index(self.act, ids)
@@ -192,24 +223,33 @@ class StepRows:
         """The finished steps of envs ``ids`` (copied out of the rows)."""
         flags = self.flags[ids]
         n = len(ids)
+        chunk = (None, None) if self.chunk_steps is None else (self.chunk_rewards[ids], self.chunk_steps[ids])
         if not flags.any():  # the common step: no episode end, no NaN, no success flag
             no = np.zeros(n, bool)
             return Block(ids, index(self.obs, ids), self.reward[ids], no, no, ~no, np.full(n, -1, np.int8),
-                         {}, errors or [], clean=True)
+                         {}, errors or [], True, *chunk)
         terminated = (flags & TERMINATED) != 0
         truncated = (flags & TRUNCATED) != 0
         success = np.where(flags & SUCCESS_KNOWN, (flags & SUCCESS) != 0, -1).astype(np.int8)
         boot = (truncated & ~terminated).nonzero()[0]
         final_obs = {int(r): tree_map(np.copy, index(self.final_obs, int(ids[r]))) for r in boot}
         return Block(ids, index(self.obs, ids), self.reward[ids], terminated, truncated,
-                     (flags & NONFINITE) == 0, success, final_obs, errors or [])
+                     (flags & NONFINITE) == 0, success, final_obs, errors or [], False, *chunk)
 
     def close(self) -> None:
         if self._cost_flat is not None:
             self._cost_flat.release()  # a live export would keep a shared-memory block from closing
         self._cost_flat = None
         self.obs = self.final_obs = self.act = self.reward = self.flags = self.cost = self.started = None
-        self.reset_seed = None
+        self.reset_seed = self.chunk_rewards = self.chunk_steps = None
+
+
+def chunk_len(act_space: gym.Space) -> int:
+    """``K`` for an action space that may be an action chunk (a ``Box(K, ...)`` of two or more
+    dimensions), else 0."""
+    if isinstance(act_space, gym.spaces.Box) and len(act_space.shape) >= 2:
+        return int(act_space.shape[0])
+    return 0
 
 
 class Fault(str):

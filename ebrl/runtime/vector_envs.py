@@ -113,6 +113,28 @@ class VectorStep:
     success: np.ndarray  # int8 [n]: 1, 0, or -1 where the row's info had no success flag
     final_obs: dict[int, Any]  # row -> last observation of the episode that ended there
     cost_s: float = 0.0  # declared cost (virtual time)
+    # float32 [n, K] and int64 [n]: the per-step rewards of each row's action chunk and its
+    # length (ebrl.envs.chunks.ActionChunk's info), None when the infos carry none
+    chunk_rewards: np.ndarray | None = None
+    chunk_steps: np.ndarray | None = None
+
+
+def _chunks(infos: dict, done: np.ndarray, same_step: bool) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Rows' ``chunk_rewards``/``chunk_steps`` (``ActionChunk``'s info), or ``(None, None)``.
+    After a same-step autoreset an ended row's are in ``final_info`` (its info is the reset's)."""
+    final = infos.get("final_info", {}) if same_step else {}
+    parts = [(d, rows) for d, rows in ((infos, ~done if same_step else np.ones_like(done)), (final, done))
+             if "chunk_steps" in d]
+    if not parts:
+        return None, None
+    n = len(done)
+    rewards = np.zeros((n, np.shape(parts[0][0]["chunk_rewards"])[1]), np.float32)
+    steps = np.zeros(n, np.int64)
+    for d, rows in parts:
+        m = rows & np.asarray(d.get("_chunk_steps", np.ones(n, bool)), bool)
+        rewards[m] = np.asarray(d["chunk_rewards"], np.float32)[m]
+        steps[m] = np.asarray(d["chunk_steps"])[m]
+    return rewards, steps
 
 
 def step_vector_env(venv: gym.vector.VectorEnv, actions: Any) -> VectorStep:
@@ -146,4 +168,6 @@ def step_vector_env(venv: gym.vector.VectorEnv, actions: Any) -> VectorStep:
                 final_obs[int(i)] = copy_tree(infos["final_obs"][i])
                 success[i] = success_flag(row_info(infos.get("final_info", {}), i))
                 finite[i] &= all_finite(final_obs[int(i)])
-    return VectorStep(obs, rewards, terminated, truncated, finite, success, final_obs, _vector_cost(venv))
+    chunk_rewards, chunk_steps = _chunks(infos or {}, done, done.any() and autoreset_mode(venv) is not DISABLED)
+    return VectorStep(obs, rewards, terminated, truncated, finite, success, final_obs, _vector_cost(venv),
+                      chunk_rewards, chunk_steps)
