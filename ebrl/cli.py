@@ -82,7 +82,9 @@ def build_spec(config: str | None, overrides: list[str]) -> dict[str, Any]:
 
 POLICY_KINDS = ("auto", "mlp", "cnn", "token", "flow")
 ALGO_KINDS = ("ppo", "dppo", "vtrace", "grpo")
-GRPO_RUN = {"segment_cut": "episode", "reset_group": 4}  # what GRPO needs of the runtime, unless set
+# what GRPO needs of the runtime, unless the run sets it: whole episodes from shared resets, and
+# the sync schedule, under which every update sees whole groups (docs/algorithms.md)
+GRPO_RUN = {"segment_cut": "episode", "reset_group": 4, "schedule": "sync"}
 
 
 def build_policy(observation_space, action_space, options: dict[str, Any]):

@@ -30,7 +30,11 @@ def test_algo_and_policy_kinds_each_with_its_own_table():
     trainer = build_trainer(build_spec(None, [*base, "algo.kind=grpo", "policy.kind=token", "policy.d_model=32"]))
     assert isinstance(trainer.algo, GRPO) and isinstance(trainer.policy, TokenPolicy)
     assert trainer.config.segment_cut == "episode" and trainer.config.reset_group == 4  # what GRPO needs
-    assert isinstance(build_trainer(build_spec(None, [*base, "policy.kind=flow"])).policy, FlowPolicy)
+    assert trainer.config.schedule == "sync"
+    mine = build_trainer(build_spec(None, [*base, "algo.kind=grpo", 'run.schedule="async"']))
+    assert mine.config.schedule == "async"  # what the run sets wins
+    flow = build_trainer(build_spec(None, [*base, "policy.kind=flow", "env_kwargs.chunk=4"]))
+    assert isinstance(flow.policy, FlowPolicy) and flow.policy.chunk_shape == (4, 3)
     with pytest.raises(ConfigError, match="algo.kind"):
         build_algo(build_spec(None, ["algo.kind=sac"]))
     with pytest.raises(ConfigError, match="algo.lr"):

@@ -26,7 +26,6 @@ Learning curves against wall time are drawn to ``convergence-<workload>.png`` ne
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import math
 import os
@@ -39,8 +38,8 @@ import gymnasium as gym
 import ebrl
 from ebrl.algos import PPO
 from ebrl.benchmark.figures import Target, check_targets, spread
+from ebrl.benchmark.suite import run_capped
 from ebrl.policies import MLPPolicy
-from ebrl.runtime.run import loop_factory
 from ebrl.runtime.sim_types import single_spaces
 from ebrl.testing import Latency, MockEnv
 
@@ -79,7 +78,7 @@ class Workload:
 
 WORKLOADS = {
     "longtail": Workload(longtail_env, "mean_return", 10.0, num_envs=32, steps=200_000, max_s=150, quick_steps=2_048),
-    "halfcheetah": Workload(halfcheetah_env, "mean_return", 1000.0, num_envs=16, steps=400_000, max_s=150,
+    "halfcheetah": Workload(halfcheetah_env, "mean_return", 1000.0, num_envs=16, steps=1_000_000, max_s=150,
                             quick_steps=2_048, segment_len=64),
     "fetchreach": Workload(fetchreach_env, "success_once", 0.9, num_envs=16, steps=150_000, max_s=150,
                            quick_steps=2_048, segment_len=50),
@@ -102,17 +101,7 @@ def _run_ebrl(w: Workload, schedule: str, seed: int, steps: int, max_s: float) -
     cfg = ebrl.RunConfig(num_envs=w.num_envs, segment_len=w.segment_len, total_env_steps=steps,
                          schedule=schedule, seed=seed, log_every_s=3600.0)
     trainer = ebrl.Trainer(w.env_fn, policy, PPO(minibatch_size=w.minibatch_size, seed=seed), cfg)
-
-    async def capped():
-        stop = asyncio.Event()
-        timer = asyncio.get_running_loop().call_later(max_s, stop.set)
-        try:
-            return await ebrl.run(trainer, stop=stop)
-        finally:
-            timer.cancel()
-
-    with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        result = runner.run(capped())
+    result = run_capped(trainer, max_s)
     curve = [{"time": h["time"], "env_steps": h["env_steps"], "score": h.get(w.score)} for h in result.history]
     return curve, {"env_steps": result.env_steps, "wall_s": result.wall_s, "steps_per_s": result.env_steps_per_s}
 

@@ -125,6 +125,25 @@ def measure_schedule(suite: Suite, env_fn, schedule: str, steps: int, seed: int,
     }
 
 
+def run_capped(trainer, max_s: float):
+    """``ebrl.run(trainer)`` on a fresh uvloop, stopped cleanly (as by Ctrl-C) after ``max_s``
+    seconds if it has not finished: the convergence suites' wall-time cap."""
+    import asyncio
+
+    from ebrl.runtime.run import loop_factory
+
+    async def capped():
+        stop = asyncio.Event()
+        timer = asyncio.get_running_loop().call_later(max_s, stop.set)
+        try:
+            return await ebrl.run(trainer, stop=stop)
+        finally:
+            timer.cancel()
+
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
+        return runner.run(capped())
+
+
 @functools.cache  # once per process: the import stays out of every measured run
 def load_peer_module(stem: str):
     """A file of ``bench/peers/`` (not a package: loaded by path)."""

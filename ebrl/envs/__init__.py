@@ -36,17 +36,38 @@ def did_you_mean(key: str, known, n: int = 5, cutoff: float = 0.6) -> str:
     return f"; did you mean {', '.join(close)}?" if close else ""
 
 
-def make(name: str, *, pixels: int | tuple[int, int] | None = None, frame_stack: int = 1,
-         camera: str | int | None = None, keep_state: bool = True, fast_render: bool = False,
-         **kwargs) -> gym.Env:
+def make(name: str, *, chunk: int = 1, **kwargs) -> gym.Env:
     """Build an env by registry name; unknown names get an error listing close matches.
 
     ``pixels=84`` (or ``(height, width)``) renders ``rgb_array`` frames of that size and returns
     ``{"pixels": uint8 [H, W, 3 * frame_stack], "state": float32}`` observations
     (``keep_state=False`` drops ``"state"``). ``camera`` is a camera name (``str``) or id
     (``int``) of the MuJoCo model; ``fast_render`` trades looks for speed (see
-    :class:`PixelObservation`). Other keyword arguments go to the env's constructor.
+    :class:`PixelObservation`). ``chunk=K`` makes each step K actions
+    (:class:`~ebrl.envs.chunks.ActionChunk`, for chunking policies such as the flow policy).
+    Other keyword arguments go to the env's constructor.
+
+        >>> make("mock/3", chunk=4).action_space.shape
+        (4, 3)
     """
+    env = _make(name, **kwargs)
+    if chunk == 1:
+        return env
+    from ebrl.envs.chunks import ActionChunk
+
+    if isinstance(env, gym.vector.VectorEnv):
+        env.close()
+        raise ValueError(f"chunk={chunk!r}: {name} is a vector env; ActionChunk wraps single envs")
+    try:
+        return ActionChunk(env, chunk)
+    except ValueError:
+        env.close()
+        raise
+
+
+def _make(name: str, *, pixels: int | tuple[int, int] | None = None, frame_stack: int = 1,
+          camera: str | int | None = None, keep_state: bool = True, fast_render: bool = False,
+          **kwargs) -> gym.Env:
     suite, _, task = name.partition("/")
     mujoco_pixel_options = frame_stack != 1 or keep_state is not True or fast_render
     if suite == "maniskill" and task:

@@ -588,10 +588,13 @@ class ProcessSimPool(SimPool):
         flight as ``worker_died``."""
         if self._rows is None:
             return []
-        started = self._rows.started
+        # one read of the shared row: the workers write it meanwhile. Read twice, a step ending
+        # between the reads passed "> 0" with its start, then gave now - 0 (the host's uptime):
+        # the false timeout that killed a healthy worker (convergence bench, FetchReach, sync)
+        started = self._rows.started.copy()
         over = self._busy & (started > 0) & (time.perf_counter() - started > limit_s)
         stale = over & (started < self._sent_at)
-        if stale.any():  # seen once at the end of a run (convergence bench, FetchReach, sync): not yet explained
+        if stale.any():  # a start left by something else (a worker killed mid-request): never a timeout
             self._stale_starts += int(stale.sum())
             log.warning("stale_step_start_ignored", envs=np.flatnonzero(stale).tolist(), count=self._stale_starts)
         late = np.flatnonzero(over & ~stale)

@@ -1,0 +1,80 @@
+"""The step-timeout watchdog reads StepRows.started while the workers write it: a step that ends
+while ProcessSimPool.abandon_late reads must not look late. Read twice, its start passed the
+"> 0" test and the 0 its worker wrote then gave ``now - 0`` (the host's uptime) as its age: the
+false timeout that once killed a healthy worker at the end of a convergence run."""
+
+import asyncio
+import time
+import types
+
+import numpy as np
+
+from ebrl.runtime import sim_workers
+from ebrl.runtime.sim_workers import ProcessSimPool
+from ebrl.testing import Latency, MockEnv
+
+
+def ends_on_clock_read(pool, env_id):
+    """sim_workers' ``time``, whose perf_counter first ends env ``env_id``'s running step (its
+    worker writes 0, as at a step's end): the watchdog reads the clock between its reads of the row."""
+
+    def perf_counter():
+        pool._rows.started[env_id] = 0.0
+        return time.perf_counter()
+
+    return types.SimpleNamespace(perf_counter=perf_counter, monotonic=time.monotonic)
+
+
+async def a_step_ending_mid_read(monkeypatch, pool, guard: bool):
+    blocks = []
+    pool.on_block = blocks.append
+    await pool.start()
+    try:
+        await pool.reset(0)
+        pool.submit(np.array([0]), np.zeros((1, 2), np.float32))
+        deadline = time.perf_counter() + 5.0
+        while not pool._rows.started[0] and time.perf_counter() < deadline:
+            await asyncio.sleep(0.01)
+        assert pool._rows.started[0] > 0  # env 0 is stepping (0.5 s) in its worker
+        if not guard:
+            pool._sent_at[:] = 0.0  # as before the send-time guard (0051b83): nothing to compare with
+        with monkeypatch.context() as m:
+            m.setattr(sim_workers, "time", ends_on_clock_read(pool, 0))
+            late = pool.abandon_late(60.0)
+        assert late == [] and pool.respawns == 0
+        assert pool._stale_starts == 0  # a step that ended is not a stale start either
+        deadline = time.perf_counter() + 5.0
+        while not blocks and time.perf_counter() < deadline:
+            await asyncio.sleep(0.01)
+        assert [b.ids.tolist() for b in blocks] == [[0]] and not blocks[0].errors  # the step came back whole
+    finally:
+        pool.close()
+
+
+async def test_a_step_ending_while_the_watchdog_reads_is_not_late(monkeypatch, no_leaks):
+    pool = ProcessSimPool(lambda i: MockEnv(dim=2, latency=Latency.constant(0.5)), num_envs=1, num_workers=1)
+    await a_step_ending_mid_read(monkeypatch, pool, guard=True)
+
+
+async def test_without_the_send_time_guard_too(monkeypatch, no_leaks):
+    """The incident's code had no send-time guard: the second read alone then killed the worker."""
+    pool = ProcessSimPool(lambda i: MockEnv(dim=2, latency=Latency.constant(0.5)), num_envs=1, num_workers=1)
+    await a_step_ending_mid_read(monkeypatch, pool, guard=False)
+
+
+async def test_a_step_really_past_the_limit_still_times_out(no_leaks):
+    pool = ProcessSimPool(lambda i: MockEnv(dim=2, latency=Latency.constant(2.0)), num_envs=1, num_workers=1)
+    blocks = []
+    pool.on_block = blocks.append
+    await pool.start()
+    try:
+        await pool.reset(0)
+        pool.submit(np.array([0]), np.zeros((1, 2), np.float32))
+        await asyncio.sleep(0.3)
+        assert pool.abandon_late(0.1) == [0]
+        deadline = time.perf_counter() + 5.0
+        while not blocks and time.perf_counter() < deadline:
+            await asyncio.sleep(0.01)
+        assert [i for b in blocks for i, _ in b.errors] == [0] and pool.respawns == 1
+    finally:
+        pool.close()
