@@ -347,7 +347,8 @@ class ThreadSimPool(_LocalEnvs):
         if self.rows is None:
             return []
         now, started, v = perf_counter(), self.rows.started, self.vector_size
-        late = [u for u in list(self._stepping) if started[u * v] > 0 and now - started[u * v] > limit_s]
+        # one read per unit: a lane may end the step (and write 0) between two reads
+        late = [u for u in list(self._stepping) if (t := float(started[u * v])) > 0 and now - t > limit_s]
         return [u for u in late if self._abandon(u)]
 
     def _abandon(self, unit: int) -> bool:
