@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e '.[dev,sims]'
+	$(PY) -m pip install -q -e '.[dev,sims,ray]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -26,7 +26,7 @@ test: $(STAMP)
 
 # every suite into docs/benchmarks/, then the README's tables regenerated from that JSON;
 # `make bench SUITES="longtail overhead"` re-runs some and re-renders from all the JSON there
-SUITES ?= overhead step-cost longtail heterogeneous mujoco-state startup mujoco-pixels vector-gpu controller convergence lag policies gpu-split soak
+SUITES ?= overhead step-cost longtail heterogeneous mujoco-state startup mujoco-pixels vector-gpu controller convergence lag policies scaling gpu-split soak
 BENCH_DIR ?= docs/benchmarks
 bench: $(STAMP)
 	set -e; for s in $(SUITES); do \

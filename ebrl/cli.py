@@ -28,12 +28,14 @@ import asyncio
 import copy
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from ebrl.config import ConfigError, RunConfig, _parse_value, load_file
+from ebrl.distributed import RankLostError, RanksDivergedError
 
 DEMO: dict[str, Any] = {
     "env": "mujoco/HalfCheetah-v5",
@@ -142,7 +144,11 @@ def build_trainer(spec: dict[str, Any]):
     run = dict(spec["run"])
     if spec["algo"].get("kind") == "grpo":  # episodes from shared resets, unless the run says otherwise
         run = {**GRPO_RUN, **run}
-    sim = dict(run.get("sim", {}))
+    sim = run.get("sim", {})
+    if not isinstance(sim, dict):  # e.g. JSON where TOML's inline table was meant
+        raise ConfigError("run.sim", sim, "must be a table: --set 'run.sim={backend=\"process\", num_workers=2}' "
+                          "or --set run.sim.backend=process")
+    sim = dict(sim)
     if name.startswith(VECTOR_SUITES) and sim.get("vector_size", 1) == 1:
         sim["vector_size"] = run.get("num_envs", RunConfig.num_envs)  # one GPU simulator for every env
         run["sim"] = sim
@@ -210,13 +216,44 @@ def resolve_log_dir(spec: dict[str, Any], cli_log_dir: str | None) -> Path:
     return Path("runs") / f"{slug}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def rank_argv(argv: list[str]) -> list[str]:
+    """A launcher's command line as each rank runs it: ``train ...`` without ``--nproc``.
+
+        >>> rank_argv(["train", "--nproc", "2", "--set", "run.num_envs=8", "--nproc=2"])
+        ['train', '--set', 'run.num_envs=8']
+    """
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    from ebrl import distributed
     from ebrl.checkpoint import load_checkpoint, save_checkpoint
     from ebrl.telemetry import configure_logging
     from ebrl.telemetry.progress import ProgressBar, print_summary
 
+    if args.nproc > 1 and not distributed.in_job():  # the launcher: start the ranks, each runs this again
+        from ebrl.launch import launch_local
+
+        return launch_local(args.nproc, rank_argv(args.argv))
+    rank = int(os.environ.get("RANK", "0")) if distributed.in_job() else 0
+    if args.pin_ranks:  # before anything forks: the rank's sim workers and threads inherit it
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    if "EBRL_LAUNCHER_PID" in os.environ:  # a rank of ebrl's launcher: never outlive it
+        from ebrl.runtime.threads import exit_with_parent
+
+        exit_with_parent(int(os.environ["EBRL_LAUNCHER_PID"]))
     spec = build_spec(args.config, args.set or [])
-    log_dir = resolve_log_dir(spec, args.log_dir)
+    # one directory for the job: rank 0's choice (its clock names it)
+    log_dir = Path(distributed.share("log_dir", lambda: str(resolve_log_dir(spec, args.log_dir))))
     spec["run"]["log_dir"] = str(log_dir)  # run() writes history, TensorBoard, result and checkpoints there
     spec["run"].setdefault("checkpoint_every_s", 60.0)  # a crash loses at most a minute
     trainer = build_trainer(spec)
@@ -234,26 +271,42 @@ def cmd_train(args: argparse.Namespace) -> int:
             return 0
         trainer.config = dataclasses.replace(trainer.config, total_env_steps=remaining)
     log_dir.mkdir(parents=True, exist_ok=True)
-    # the JSON log keeps info events; the console shows warnings only, under the progress bar
-    configure_logging("info", json_path=log_dir / "events.jsonl", console=True,
-                      console_level="warning" if not args.quiet else "error")
-    (log_dir / "spec.json").write_text(json.dumps(spec, indent=2))
-    bar = None if args.quiet else ProgressBar(trainer.config.total_env_steps, desc=spec["env"])
+    # the JSON log keeps info events; the console shows warnings only, under the progress bar.
+    # In a job every rank logs its events (events.jsonl, events-rank1.jsonl, ...); rank 0 writes
+    # the rest and shows progress
+    configure_logging("info", json_path=log_dir / ("events.jsonl" if rank == 0 else f"events-rank{rank}.jsonl"),
+                      console=True, console_level="warning" if not args.quiet else "error")
+    if rank == 0:
+        (log_dir / "spec.json").write_text(json.dumps(spec, indent=2))
+    bar = None if args.quiet or rank else ProgressBar(trainer.config.total_env_steps, desc=spec["env"])
     try:
         result, stopped = run_until_signal(trainer, progress=bar)
     finally:
         if bar is not None:
             bar.close()
     checkpoint = log_dir / "checkpoint.pt"
-    env_steps = trainer.env_steps_done + result.env_steps  # counting the runs this one continues
+    env_steps = trainer.env_steps_done + result.env_steps  # counting the runs this one continues (every rank's)
+    if rank:
+        return 130 if stopped else 0
     save_checkpoint(checkpoint, trainer, env_steps=env_steps, trained=result.trained,
-                    updates=result.updates, resumed_from=args.resume, stopped_early=stopped)
-    print_summary(result, title=f"{spec['env']}: {trainer.config.schedule.value} schedule")
+                    updates=result.updates, resumed_from=args.resume, stopped_early=stopped,
+                    world_size=result.world_size)
+    title = f"{spec['env']}: {trainer.config.schedule.value} schedule"
+    print_summary(result, title=title + (f", {result.world_size} ranks" if result.world_size > 1 else ""))
     print(f"logs, metrics, result and checkpoint: {log_dir}/  (tensorboard --logdir {log_dir.parent})")
     if stopped:
         print(f"stopped early at {env_steps:,} env steps; continue with: ebrl train ... --resume {checkpoint}")
         return 130
     return 0
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from ebrl.launch import launch_ray
+
+    if args.nproc < 1:
+        raise ConfigError("--nproc", args.nproc, "must be at least 1")
+    train_args = [a for a in args.train_args if a != "--"]
+    return launch_ray(args.ray or None, args.nproc, rank_argv(["train", *train_args]))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -290,7 +343,17 @@ def main(argv: list[str] | None = None) -> int:
                                          "run.log_dir, when set, wins)")
     train.add_argument("--quiet", action="store_true", help="no progress bar or info logs")
     train.add_argument("--resume", metavar="CHECKPOINT", help="continue from a checkpoint.pt up to run.total_env_steps")
+    train.add_argument("--nproc", type=int, default=1, metavar="N",
+                       help="N data-parallel ranks on this machine (torchrun's agent; see ebrl.distributed)")
+    train.add_argument("--pin-ranks", action="store_true",
+                       help="each rank on one core of its own (rank r on the r-th allowed core): scaling measurements")
     train.set_defaults(fn=cmd_train)
+    launch = sub.add_parser("launch", help="run `ebrl train` as N ranks on a Ray cluster")
+    launch.add_argument("--ray", nargs="?", const="", metavar="ADDRESS", required=True,
+                        help="the cluster (auto, ray://host:port); no address: a local Ray")
+    launch.add_argument("--nproc", type=int, required=True, metavar="N", help="ranks: one per GPU, or per CPU slot")
+    launch.add_argument("train_args", nargs=argparse.REMAINDER, help="the arguments of ebrl train")
+    launch.set_defaults(fn=cmd_launch)
     bench = sub.add_parser("bench", help="run a bundled benchmark suite")
     bench.add_argument("suite", nargs="?", help="suite name (see --list)")
     bench.add_argument("--list", action="store_true", help="list the suites")
@@ -305,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     plot.add_argument("--title")
     plot.set_defaults(fn=cmd_plot)
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what a launcher passes on to its ranks
     try:
         return args.fn(args)
     except ConfigError as exc:  # every bad input ends here: one line, exit code 2
@@ -315,6 +379,11 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, asyncio.CancelledError):
         print("ebrl: aborted", file=sys.stderr)
         return 130
+    except (RankLostError, RanksDivergedError) as exc:  # a data-parallel job's fault: one line, the launcher names the rank
+        if args.debug:
+            raise
+        print(f"ebrl: {exc}", file=sys.stderr)
+        return 1
 
 
 

@@ -201,9 +201,13 @@ class FaultConfig:
     # a step longer than this is abandoned and its env replaced (thread lanes: a new lane; worker
     # processes: the worker is killed and respawned); None: wait for ever
     step_timeout_s: float | None = 60.0
+    # data-parallel jobs (ebrl.distributed): a collective waiting longer than this for another
+    # rank (dead or hung) fails, and the job ends
+    collective_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         _check_int("faults.max_env_failures", self.max_env_failures, 0)
+        _check_float("faults.collective_timeout_s", self.collective_timeout_s, 0.0, strict=True)
         _check_float("faults.step_timeout_s", self.step_timeout_s, 0.0, strict=True, optional=True)
         _check_float("faults.failure_window_s", self.failure_window_s, 0.0, strict=True)
         self.nonfinite = _coerce_enum("faults.nonfinite", self.nonfinite, NonFinite)

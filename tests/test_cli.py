@@ -76,6 +76,10 @@ def test_bad_config_exits_2_with_the_field_named(tmp_path, capsys):
     code = main(["train", "--quiet", "--log-dir", str(tmp_path), "--set", "run.num_envs=-1", "--set", "env=mock/3"])
     assert code == 2
     assert "num_envs=-1" in capsys.readouterr().err
+    # JSON where TOML's inline table was meant: named, not a traceback
+    code = main(["train", "--quiet", "--log-dir", str(tmp_path), "--set", 'run.sim={"backend": "process"}',
+                 "--set", "env=mock/3"])
+    assert code == 2 and "run.sim" in capsys.readouterr().err
 
 
 def test_policy_kind_follows_the_observations_and_can_be_chosen():

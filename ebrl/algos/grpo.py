@@ -65,6 +65,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from ebrl import distributed
 from ebrl.algos.advantages import _last_valid
 from ebrl.algos.batch import Batch
 from ebrl.algos.ppo import Checks, MinibatchAlgo, _index
@@ -290,10 +291,12 @@ class GRPO(MinibatchAlgo):
                 "lag_max": float(lags.max()) if n_valid else 0.0,
                 "steps_used": float(n), **info}
         names = ["policy_loss", "entropy", "approx_kl", "clipfrac"] + (["kl_ref"] if c.kl_coef > 0 else [])
-        if n_valid and hasattr(policy, "update_obs_stats"):
+        joint = distributed.active() is not None  # one rank of a data-parallel job: takes part even with no rows
+        if (n_valid or joint) and hasattr(policy, "update_obs_stats"):
             policy.update_obs_stats(_index(b.obs, mask))
         if n == 0:
-            return {**base, **dict.fromkeys(names, math.nan), "nonfinite_loss": 0.0, "minibatches": 0.0}
+            nonfinite = self._epochs(policy, None, 0, device)[2] if joint else False
+            return {**base, **dict.fromkeys(names, math.nan), "nonfinite_loss": float(nonfinite), "minibatches": 0.0}
 
         flat = {"obs": _index(b.obs, steps), "actions": b.actions[steps], "logprobs": b.logprobs[steps],
                 "advantages": adv[steps]}

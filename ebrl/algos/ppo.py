@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from ebrl import distributed
 from ebrl.algos.advantages import build_next_values, chunk_discounting, gae
 from ebrl.algos.batch import Batch
 from ebrl.spaces import tree_map
@@ -110,9 +111,16 @@ class _RunningVar:
     def update(self, x: Tensor) -> None:
         x = x.double()
         n = x.numel()
-        if n == 0:
+        if distributed.active() is not None:  # every rank's batch (see ebrl.policies.heads.merge_moments)
+            d = x - self.mean
+            n, s, sq = distributed.reduce_moments(n, d.sum().reshape(1), d.square().sum().reshape(1))
+            if n == 0:
+                return
+            b_mean, b_var = self.mean + float(s) / n, max(float(sq) / n - (float(s) / n) ** 2, 0.0)
+        elif n == 0:
             return
-        b_mean, b_var = float(x.mean()), float(x.var(unbiased=False))
+        else:
+            b_mean, b_var = float(x.mean()), float(x.var(unbiased=False))
         tot = self.count + n
         delta = b_mean - self.mean
         m2 = self.var * self.count + b_var * n + delta**2 * self.count * n / tot
@@ -155,6 +163,9 @@ class MinibatchAlgo:
         (advantages normalised per minibatch with ``norm_adv``); returns the summed metrics,
         the minibatches stepped and whether a NaN/inf loss stopped the update there."""
         c = self.config
+        dp = distributed.active()
+        if dp is not None:
+            return self._joint_epochs(dp, policy, flat, n, device, norm_adv)
         loss_fn = self.loss_fn or self.loss
         sums: dict[str, Tensor | float] = {}
         count = 0
@@ -177,6 +188,43 @@ class MinibatchAlgo:
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + (v.detach() if isinstance(v, Tensor) else v)
                 count += 1
+        return sums, count, False
+
+    def _joint_epochs(self, dp, policy: nn.Module, flat: dict[str, Tensor] | None, n: int, device: torch.device,
+                      norm_adv: bool) -> tuple[dict[str, Tensor | float], int, bool]:
+        """:meth:`_epochs` as one rank of a data-parallel job (:mod:`ebrl.distributed`): every
+        rank takes the same number of steps (the most any rank needs at ``minibatch_size``
+        rows), its rows split evenly over them, and each step applies the rows-weighted mean of
+        the ranks' gradients. A rank with fewer rows (or none) still takes every step."""
+        c = self.config
+        loss_fn = self.loss_fn or self.loss
+        params = [p for p in policy.parameters() if p.requires_grad]
+        steps = dp.agree_steps(n, c.minibatch_size)
+        sums: dict[str, Tensor | float] = {}
+        count = 0
+        for _ in range(c.update_epochs if steps else 0):
+            perm = torch.randperm(n, generator=self._gen).to(device)
+            for idx in torch.tensor_split(perm, steps):
+                self.optimizer.zero_grad(set_to_none=True)
+                finite, metrics = True, {}
+                if idx.numel():
+                    mb = {k: _index(v, idx) for k, v in flat.items()}
+                    if norm_adv and idx.numel() > 1:
+                        a = mb["advantages"]
+                        mb["advantages"] = (a - a.mean()) / (a.std() + 1e-8)
+                    loss, metrics = loss_fn(policy, mb)
+                    finite = bool(torch.isfinite(loss))
+                    if finite:
+                        loss.backward()
+                if not dp.reduce_grads(params, int(idx.numel()), finite):  # some rank's loss was NaN/inf
+                    return sums, count, True
+                if math.isfinite(c.max_grad_norm):
+                    nn.utils.clip_grad_norm_(policy.parameters(), c.max_grad_norm)
+                self.optimizer.step()
+                if idx.numel():
+                    for k, v in metrics.items():
+                        sums[k] = sums.get(k, 0.0) + (v.detach() if isinstance(v, Tensor) else v)
+                    count += 1
         return sums, count, False
 
 
@@ -316,10 +364,12 @@ class PPO(MinibatchAlgo):
         base = {"num_steps": float(n),
                 "lag_mean": float(lags.mean()) if n else 0.0,
                 "lag_max": float(lags.max()) if n else 0.0}
-        if n == 0:
-            return {**base, **dict.fromkeys(
-                ["policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "explained_variance"],
-                math.nan), "reward_scale": math.sqrt(self.reward_rms.var + 1e-8)}
+        empty = {**base, **dict.fromkeys(
+            ["policy_loss", "value_loss", "entropy", "approx_kl", "clipfrac", "explained_variance"],
+            math.nan), "reward_scale": math.sqrt(self.reward_rms.var + 1e-8)}
+        joint = distributed.active() is not None  # one rank of a data-parallel job: takes part even with no rows
+        if n == 0 and not joint:
+            return empty
 
         # Stats first, so bootstrap values below see the same normalisation training will.
         obs = _index(b.obs, mask)  # once: for pixel observations this is the big copy
@@ -330,8 +380,10 @@ class PPO(MinibatchAlgo):
             rewards, discounts = chunk_discounting(b.rewards, b.chunk_rewards, b.chunk_steps, c.gamma)
         rewards = self._scaled_rewards(b, rewards, discounts)
 
-        flat = self.train_data(policy, b, obs, rewards, discounts)
+        flat = self.train_data(policy, b, obs, rewards, discounts) if n else None
         sums, count, nonfinite = self._epochs(policy, flat, n, device, norm_adv=c.norm_adv)
+        if n == 0:
+            return {**empty, "nonfinite_loss": float(nonfinite), "minibatches": 0.0}
 
         # Explained variance of the behaviour values w.r.t. the GAE returns (as CleanRL).
         var_ret = flat["returns"].var(unbiased=False)

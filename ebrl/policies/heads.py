@@ -75,13 +75,28 @@ def register_moments(module: torch.nn.Module, dim: int) -> None:
 
 @torch.no_grad()
 def merge_moments(mean: Tensor, var: Tensor, count: Tensor, x: Tensor) -> None:
-    """Merge a batch ``x [N, D]`` into running mean/var buffers in place (parallel Welford, as SB3)."""
+    """Merge a batch ``x [N, D]`` into running mean/var buffers in place (parallel Welford, as SB3).
+
+    In a data-parallel update (:mod:`ebrl.distributed`) the batch is every rank's: each rank's
+    sums of deviations from the shared running mean are all-reduced first, so every rank
+    merges the same moments (and every rank must call this, with ``N = 0`` if it has no rows).
+    """
+    from ebrl.distributed import active, reduce_moments
+
     x = x.double()
     n = x.shape[0]
-    if n == 0:
-        return
-    b_mean, b_var = x.mean(0), x.var(0, unbiased=False)
     m, v = mean.double(), var.double()
+    if active() is not None:
+        d = x - m
+        n, s, sq = reduce_moments(n, d.sum(0), d.square().sum(0))
+        if n == 0:
+            return
+        b_mean = m + s / n
+        b_var = (sq / n - (s / n).square()).clamp_min(0.0)
+    elif n == 0:
+        return
+    else:
+        b_mean, b_var = x.mean(0), x.var(0, unbiased=False)
     tot = count + n
     delta = b_mean - m
     mean.copy_(m + delta * n / tot)

@@ -17,6 +17,7 @@ sees a half-written tensor.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import multiprocessing as mp
 import pickle
@@ -46,10 +47,12 @@ from ebrl.telemetry.logging import get_logger
 from ebrl.telemetry.metrics import MetricsLog
 
 if TYPE_CHECKING:
+    from ebrl.distributed import DataParallel
     from ebrl.runtime.profiler import Timeline
     from ebrl.runtime.resources.gpu import GpuStreams
 
 log = get_logger("ebrl.learner")
+JOINT_POLL_S = 0.005  # how often a data-parallel rank waiting for its queue looks for another rank's request
 CLOSE_WAIT_S = 1.0  # how long close() waits for the update in flight (see sim_local)
 ANSWER_WAIT_S = 2.0  # and for the learner process's trained state (a child still warming up takes ~1 s)
 
@@ -215,7 +218,7 @@ class Learner:
                  state: RunState, *, pause_generation: bool, remote: LearnerProcess | None = None,
                  timeline: Timeline | None = None, checkpoint: Checkpointing | None = None,
                  metrics: MetricsLog | None = None, streams: GpuStreams | None = None,
-                 nonfinite: NonFinite = NonFinite.RAISE):
+                 nonfinite: NonFinite = NonFinite.RAISE, dp: DataParallel | None = None):
         self.policy = policy
         self.algo = algo
         self.nonfinite = nonfinite  # faults.nonfinite: a NaN/inf loss or weights raise, or skip the update
@@ -238,6 +241,8 @@ class Learner:
         self.remote = remote
         self._timeline = timeline  # records lane "learner", "update" (arg: steps trained) per update
         self.checkpoint = checkpoint
+        self.dp = dp  # one rank of a data-parallel job (ebrl.distributed), or None
+        self.job: dict[str, Any] = {}  # the job's counters at the latest update's header (data-parallel)
         self._last = (0.0, 0, 0, 0)  # loop time, env steps, generated rows, generation batches at the last row
 
     @property
@@ -250,6 +255,12 @@ class Learner:
         if self.remote is None and not is_virtual(loop):
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="ebrl-learner")
             loop.run_in_executor(self._executor, warm_up)  # ahead of the first update, in the same thread
+        if self.dp is not None:
+            try:
+                await self._run_joint()
+            finally:
+                self.close()
+            return
         try:
             while not self.state.stopping:
                 await self.rollout.wait_due()
@@ -268,6 +279,51 @@ class Learner:
                 await in_thread(self.close, name="ebrl-learner-close")
         finally:
             self.close()
+
+    async def _run_joint(self) -> None:
+        """Updates as one rank of a data-parallel job (:mod:`ebrl.distributed`): every rank
+        joins every update, asked for by whichever rank's queue falls due first, with what it
+        holds; a header first shares each rank's state (done, stopping, steps) and checks that
+        the weights agree. The job ends when every rank is done, all at the same update."""
+        dp, loop = self.dp, asyncio.get_running_loop()
+        rollout = self.rollout
+        while rollout.fields is None and not (rollout.finished or self.state.stopping):
+            await asyncio.sleep(JOINT_POLL_S)  # a rank joins updates once it has a step to store
+        if rollout.fields is None:
+            raise RuntimeError(f"rank {dp.rank} ended before recording any step: it cannot take part in updates")
+        said_done = False
+        while True:
+            update = self.version + 1
+            while True:  # ask when this queue is due; join when another rank asked
+                done = rollout.finished and not said_done
+                if self.state.stopping or done or (not rollout.finished and rollout.due()):
+                    dp.request(update)
+                    said_done = said_done or rollout.finished
+                    break
+                if dp.requested(update):
+                    break
+                rollout._changed.clear()
+                try:
+                    await asyncio.wait_for(rollout._changed.wait(), JOINT_POLL_S)
+                except TimeoutError:
+                    pass
+            mine = [float(rollout.finished), float(self.state.stopping), float(self.stats.simulated),
+                    float(self.stats.trained)]
+            published = self._published if self.version else None
+            rows = await loop.run_in_executor(self._executor, dp.header, mine, published)
+            self.job = {"done": sum(r[0] for r in rows), "stopping": sum(r[1] for r in rows),
+                        "env_steps": int(sum(r[2] for r in rows)), "trained": int(sum(r[3] for r in rows)),
+                        "rank_env_steps": [int(r[2]) for r in rows]}
+            if self.job["stopping"]:
+                self.state.stop()  # every rank stops at the same update
+                rollout.poke()
+                return
+            if self.pause_generation:
+                await self.generator.pause()
+            slots = await rollout.take(self.version, joint=True)
+            await self.train(slots)
+            if self.job["done"] == dp.world_size:  # each rank handed over everything: the last update
+                return
 
     def close(self) -> None:
         """Join the learner's thread (after the update in flight, ``CLOSE_WAIT_S`` at most: then
@@ -390,6 +446,8 @@ class Learner:
                "lag_max": int(lags.max()) if lags.size else 0,
                "gen_batch_mean": (rows - last_rows) / (batches - last_batches) if batches > last_batches else math.nan,
                "dropped": sum(st.dropped.values()), "env_failures": st.env_failures}
+        if self.job:  # data-parallel: the job's env steps (every rank's, at this update's start)
+            row["job_env_steps"] = self.job["env_steps"]
         row.update((k, v) for k, v in metrics.items() if k not in row)
         return row
 
@@ -398,7 +456,9 @@ class Learner:
         learner process died with it), written off the loop."""
         cp, loop = self.checkpoint, asyncio.get_running_loop()
         cp.last = loop.time()
-        meta = {"env_steps": cp.base_env_steps + self.stats.simulated, "trained": self.stats.trained,
+        job = self.job  # a data-parallel job's counters (every rank's) at the latest update
+        meta = {"env_steps": cp.base_env_steps + job.get("env_steps", self.stats.simulated),
+                "trained": job.get("trained", self.stats.trained),
                 "updates": self.version, "periodic": True}
 
         def work() -> None:  # the learner's thread: idle between updates, so the algo is not mid-update
@@ -414,9 +474,11 @@ class Learner:
         log.info("checkpoint", path=str(cp.path), **meta)
 
     def _update(self, batch: Batch):
-        if self.streams is None:
-            return update_once(self.policy, self.algo, batch)
-        with self.streams.training():  # the stream is per thread: entered in the learner's thread
-            out = update_once(self.policy, self.algo, batch)
-            self._event = self.streams.publish()  # after the snapshot: generation waits for it
-        return out
+        # in the learner's thread: a data-parallel update's statistics and gradients are joint
+        with self.dp.active() if self.dp is not None else contextlib.nullcontext():
+            if self.streams is None:
+                return update_once(self.policy, self.algo, batch)
+            with self.streams.training():  # the stream is per thread: entered in the learner's thread
+                out = update_once(self.policy, self.algo, batch)
+                self._event = self.streams.publish()  # after the snapshot: generation waits for it
+            return out

@@ -267,23 +267,28 @@ class RolloutQueue:
             self._changed.clear()
             await self._changed.wait()
 
-    async def take(self, update: int) -> list[int] | None:
+    async def take(self, update: int, joint: bool = False) -> list[int] | None:
         """Slots for update ``update`` (see module docstring), sorted by env and age; ``None`` once
         finished and empty, or on a stop while the update waits for steps in flight. Give them
-        back with :meth:`release` after :func:`collate`."""
-        await self.wait_due()
+        back with :meth:`release` after :func:`collate`.
+
+        ``joint``: an update of a data-parallel job, which another rank may have asked for
+        (:mod:`ebrl.distributed`): no wait for this queue to fall due; every open segment is
+        handed over with the closed ones, and the list may be empty."""
+        if not joint:
+            await self.wait_due()
         limit = update - self.max_lag  # transitions of versions <= limit are due now
         self._stale_limit = limit
         try:
             while not self.finished and self._stale_inflight(limit):
-                if self.state.stopping:  # a stop: those steps may never come back (a hung env)
+                if self.state.stopping and not joint:  # a stop: those steps may never come back (a hung env)
                     return None
                 self._changed.clear()
                 await self._changed.wait()
         finally:
             self._stale_limit = None
         open_envs = np.flatnonzero(self.open_slot >= 0).tolist()
-        if self.finished:
+        if self.finished or joint:
             for env_id in open_envs:
                 self._close(env_id)
             taken = list(self.closed)
@@ -304,6 +309,8 @@ class RolloutQueue:
         if self.on_space is not None:
             self.on_space()
         if not taken:
+            if joint:
+                return []
             if self.finished:
                 return None
             raise RuntimeError("update fell due with nothing to take")  # parked envs imply closed segments
@@ -331,7 +338,7 @@ def collate(rollout: RolloutQueue, slots: list[int], learner_version: int):
     from ebrl.algos.batch import Batch
 
     ns = rollout.slot_n[slots]
-    T = int(ns.max())
+    T = int(ns.max()) if len(slots) else 1  # no slots: an empty batch (a data-parallel rank with no rows)
     mask = np.arange(T)[None, :] < ns[:, None]
     short = np.flatnonzero(ns < T).tolist()
     f = rollout.fields

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import math
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ebrl.config import DEFAULT_MAX_WAIT_S, LearnerMode, RunConfig, SegmentCut, SimBackend
+from ebrl.distributed import DataParallel, combine_results, rank_config, reseed_sampling, weight_hash
 from ebrl.runtime.drivers import Driver
 from ebrl.runtime.generation import Generator
 from ebrl.runtime.learner import Checkpointing, Learner, LearnerProcess
@@ -34,7 +34,7 @@ from ebrl.runtime.schedules import effective_lag, generation_target, is_lockstep
 from ebrl.runtime.sim_pool import make_sim_pool, probe_backend
 from ebrl.runtime.state import RunState
 from ebrl.runtime.stats import RunResult, RunStats, summarize
-from ebrl.runtime.threads import in_thread
+from ebrl.runtime.threads import in_thread, usable_cpus
 from ebrl.runtime.virtual_time import is_virtual
 from ebrl.telemetry.logging import get_logger
 from ebrl.telemetry.metrics import MetricsLog
@@ -60,6 +60,23 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
     cfg = trainer.config
     loop = asyncio.get_running_loop()
     virtual = is_virtual(loop)
+    # under torchrun (WORLD_SIZE > 1) this run is one rank of a data-parallel job
+    dp = None if virtual else DataParallel.from_env(timeout_s=cfg.faults.collective_timeout_s)
+    clean = False
+    try:
+        if dp is not None:
+            cfg = rank_config(cfg, dp)
+            dp.broadcast_module(trainer.policy)  # every rank starts from rank 0's weights
+        result = await _run(trainer, cfg, dp, loop, virtual, stop=stop, progress=progress, timeline=timeline)
+        clean = True
+    finally:
+        if dp is not None:
+            dp.close(clean)
+    return result
+
+
+async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop, virtual: bool, *,
+               stop: asyncio.Event | None, progress: Progress | None, timeline: "Timeline | None") -> RunResult:
     # AUTO is probed off the loop: the caller's tasks run on meanwhile
     backend, lanes = (SimBackend.INLINE, None) if virtual else await probe_backend(trainer.env_fn, cfg.sim, cfg.num_envs)
     old_threads = torch.get_num_threads()
@@ -76,7 +93,10 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
     mode = learner_mode(cfg, trainer.policy, virtual)
     learner_threads = cfg.resources.learner_threads or cfg.torch_threads  # the learner process's
     streams = gpu_streams(trainer.policy) if mode is LearnerMode.THREAD and not virtual else None
-    generator = Generator(copy.deepcopy(trainer.policy), batch_target=generation_target(cfg),
+    acting = copy.deepcopy(trainer.policy)
+    if dp is not None:  # the ranks' weights are one, their exploration noise is not
+        reseed_sampling(acting, cfg.seed)
+    generator = Generator(acting, batch_target=generation_target(cfg),
                           max_wait_s=_or(cfg.generation.max_wait_s, DEFAULT_MAX_WAIT_S), state=state,
                           offload=cfg.generation.offload, inline_below_s=cfg.generation.inline_below_s,
                           on_batch=rollout.mark_inflight, timeline=timeline, streams=streams)
@@ -88,7 +108,7 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
     metrics = MetricsLog(cfg.log_dir)
     learner = Learner(trainer.policy, trainer.algo, rollout, generator, stats, state,
                       pause_generation=lockstep or lag == 0, timeline=timeline, checkpoint=checkpoint,
-                      metrics=metrics, streams=streams, nonfinite=cfg.faults.nonfinite)
+                      metrics=metrics, streams=streams, nonfinite=cfg.faults.nonfinite, dp=dp)
     driver = Driver(cfg, pool, generator, rollout, stats, state, timeline)
     manager: ResourceManager | None = None
     log.info("run_start", schedule=cfg.schedule.value, num_envs=cfg.num_envs, sim_backend=pool.backend.value,
@@ -162,6 +182,8 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
         result.busy = {"generator": generator.busy_s / result.wall_s, "learner": learner.busy_s / result.wall_s}
         if timeline is not None:
             result.busy["sim"] = timeline.busy_fraction("env", t0, t_end, name="sim")
+    if dp is not None:  # every rank's counters, summed; the weights' hash of every rank
+        result = combine_results(dp, result, weight_hash(trainer.policy))
     metrics.write_result(result)
     log.info("run_end", env_steps=result.env_steps, steps_per_s=round(result.env_steps_per_s, 1),
              updates=result.updates, lag_max=result.lag_max, dropped=result.dropped,
@@ -199,7 +221,7 @@ def learner_mode(cfg: RunConfig, policy, virtual: bool) -> LearnerMode:
         return cfg.learner
     device = policy_device(policy)
     on_cpu = device is not None and device.type == "cpu"
-    return LearnerMode.PROCESS if on_cpu and (os.cpu_count() or 1) >= 2 else LearnerMode.THREAD
+    return LearnerMode.PROCESS if on_cpu and usable_cpus() >= 2 else LearnerMode.THREAD
 
 
 async def _watch_stop(stop: asyncio.Event, state: RunState, rollout: RolloutQueue) -> None:

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
-import os
 import time
 from dataclasses import dataclass
 
@@ -60,7 +59,7 @@ from ebrl.runtime.sim_types import (
     step_env,
 )
 from ebrl.runtime.sim_workers import ProcessSimPool
-from ebrl.runtime.threads import ignore_stop_signals, in_thread
+from ebrl.runtime.threads import ignore_stop_signals, in_thread, usable_cpus
 from ebrl.spaces import all_finite, copy_tree
 from ebrl.telemetry.logging import get_logger
 
@@ -134,7 +133,7 @@ def decide_backend(profile: StepProfile, cfg: SimConfig, cpus: int | None = None
     """The AUTO rule: inline if a step is cheaper than a thread hop; threads if the step mostly
     waits (CPU time under half its wall time), or the env says it releases the GIL, or there is
     one core; worker processes otherwise (a GIL-bound Python env)."""
-    cpus = cpus if cpus is not None else (os.cpu_count() or 1)
+    cpus = cpus if cpus is not None else usable_cpus()
     if profile.wall_s < cfg.inline_below_s:
         return SimBackend.INLINE
     if profile.releases_gil or cpus < 2 or profile.busy < WAITS_BELOW:
@@ -146,7 +145,7 @@ def decide_lanes(profile: StepProfile, num_envs: int, cpus: int | None = None) -
     """Thread lanes when ``sim.num_threads`` is not set: a lane keeps ``busy`` of a core busy, so
     ``cpus / busy`` lanes keep every core busy without an env waiting for a lane; at most one lane
     per env (a sleeping env gets a lane of its own), at least one per core."""
-    cpus = cpus if cpus is not None else (os.cpu_count() or 1)
+    cpus = cpus if cpus is not None else usable_cpus()
     want = math.ceil(cpus / max(profile.busy, 1.0 / max(num_envs, 1)))
     return max(1, min(num_envs, max(cpus, want)))
 
@@ -239,11 +238,11 @@ def make_sim_pool(env_fn: EnvFn, num_envs: int, cfg: SimConfig, backend: SimBack
             raise ConfigError("sim.backend", "mixed", f"vector envs (sim.vector_size={size}) step in this "
                               "process: use 'thread', 'inline' or 'auto'")
         start = SimBackend.PROCESS if backend is SimBackend.PROCESS else SimBackend.THREAD
-        return MixedSimPool(env_fn, num_envs, lanes, cfg.num_workers or os.cpu_count() or 1, start,
+        return MixedSimPool(env_fn, num_envs, lanes, cfg.num_workers or usable_cpus(), start,
                             cfg.start_method, reply_hold_s=cfg.reply_hold_s)
     if backend is SimBackend.INLINE:
         return InlineSimPool(env_fn, num_envs, num_lanes=lanes, vector_size=size)
     if backend is SimBackend.THREAD:
         return ThreadSimPool(env_fn, num_envs, lanes, vector_size=size)
-    return ProcessSimPool(env_fn, num_envs, cfg.num_workers or os.cpu_count() or 1, cfg.start_method,
+    return ProcessSimPool(env_fn, num_envs, cfg.num_workers or usable_cpus(), cfg.start_method,
                           reply_hold_s=cfg.reply_hold_s)

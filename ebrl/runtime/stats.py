@@ -95,6 +95,14 @@ class RunResult:
     skipped_updates: int = 0  # undone for a NaN/inf loss or weights; their steps are dropped (nonfinite_update)
     timeouts: int = 0  # steps abandoned past faults.step_timeout_s
     respawns: int = 0  # sim worker processes replaced after dying (or being killed for a hung step)
+    # a data-parallel job (ebrl.distributed): every counter above is the job's (summed over
+    # ranks); the SHA-256 of each rank's final weights, each rank's own figures, and how many
+    # updates began with the ranks' weights checked equal
+    world_size: int = 1
+    rank: int = 0
+    rank_weight_hashes: list[str] = field(default_factory=list)
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    weight_checks: int = 0
 
     def accounting_ok(self) -> bool:
         return self.env_steps == self.trained + sum(self.dropped.values()) + self.in_flight_at_stop

@@ -34,6 +34,14 @@ async def in_thread(fn: Callable[..., T], *args: Any, name: str = "ebrl-offloop"
         executor.shutdown(wait=True)
 
 
+def usable_cpus() -> int:
+    """Cores this process may run on (its CPU affinity: a pinned rank has one), not the machine's."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # no sched_getaffinity (macOS)
+        return os.cpu_count() or 1
+
+
 def ignore_stop_signals() -> None:
     """In a child process (sim worker, learner, probe): Ctrl-C and SIGTERM are the parent's to
     act on. A terminal's Ctrl-C, or a scheduler's SIGTERM (Slurm, Kubernetes, ``timeout``),
@@ -46,11 +54,17 @@ def ignore_stop_signals() -> None:
     # the parent's pid as recorded before the fork: a parent killed before this line runs has
     # already handed us to init (getppid() would then name init and we would wait for ever)
     known = multiprocessing.parent_process()
-    parent = known.pid if known is not None and known.pid is not None else os.getppid()
+    exit_with_parent(known.pid if known is not None and known.pid is not None else os.getppid())
+
+
+def exit_with_parent(parent: int) -> None:
+    """Exit (``os._exit(1)``) within about half a second once process ``parent`` is no longer
+    this one's parent: it died, and no one will read our results or stop us. A daemon thread
+    watches; a data-parallel rank watches its launcher this way."""
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(0.5)
-        os._exit(1)  # orphaned: no one will read our results or stop us
+        os._exit(1)
 
     threading.Thread(target=watch, name="ebrl-parent-watch", daemon=True).start()

@@ -40,6 +40,7 @@ from ebrl.runtime.resources.controller import Decision, Knobs, Limits, Memory, d
 from ebrl.runtime.resources.gpu import GpuStreams, StreamMode
 from ebrl.runtime.resources.profiler import EpochProfile, LiveProfiler
 from ebrl.runtime.sim_mixed import LOCAL, MixedSimPool
+from ebrl.runtime.threads import usable_cpus
 from ebrl.telemetry.logging import get_logger
 
 log = get_logger("ebrl.resources")
@@ -81,7 +82,7 @@ class ResourceManager:
         self._retire_to: int | None = None  # workers to keep once the envs moving off the rest have moved
         self._grow_to: int | None = None  # workers to start (forks run off the loop, in run())
         self.limits = Limits(num_units=cfg.num_envs // cfg.sim.vector_size, num_envs=cfg.num_envs,
-                             cpus=len(self._cores) if self._cores else os.cpu_count() or 1,
+                             cpus=len(self._cores) if self._cores else usable_cpus(),
                              fixed=fixed_knobs(cfg), lane_wait_above=cfg.resources.lane_wait_above,
                              imbalance_above=cfg.resources.imbalance_above,
                              total_sms=self.streams.total_sms if self.streams else 0,
