@@ -202,8 +202,9 @@ class FaultConfig:
     # processes: the worker is killed and respawned); None: wait for ever
     step_timeout_s: float | None = 60.0
     # data-parallel jobs (ebrl.distributed): a collective waiting longer than this for another
-    # rank (dead or hung) fails, and the job ends
-    collective_timeout_s: float = 60.0
+    # rank fails, and the job ends (a dead rank ends it at once: its sockets close). Above
+    # step_timeout_s, so a rank replacing a hung env is not taken for a hung rank
+    collective_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         _check_int("faults.max_env_failures", self.max_env_failures, 0)

@@ -10,7 +10,7 @@ Launch a job with any of::
 and in a script started by ``torchrun``, ``await ebrl.run(trainer)`` joins the job from
 torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); nothing
 else changes. Each rank runs its own envs, sim pool, generator and resource controller, with
-``seed + rank * 10**9`` and ``total_env_steps / world_size`` env steps (the budget is the
+a seed of its own (:func:`rank_seed`) and ``total_env_steps / world_size`` env steps (the budget is the
 job's). Rank 0 writes the log directory (history, TensorBoard, checkpoints, ``result.json``).
 
 **Updates.** Rollout stays asynchronous per rank; only updates are joint. A rank whose queue
@@ -24,7 +24,8 @@ reward statistics merge the same way, so every rank holds the same weights after
 update; the runtime checks that after each one (a hash of the weights in the next update's
 header) and fails the job on a mismatch.
 
-**Faults.** Collectives time out after ``timeout_s`` (60 s): a rank that dies or hangs ends
+**Faults.** A rank that dies ends the job as soon as its sockets close; collectives time out
+after ``timeout_s`` (``faults.collective_timeout_s``, 120 s, above the step timeout): a rank that hangs ends
 the job with one error naming what was lost, and every rank's children exit with it.
 
     >>> from ebrl.distributed import DataParallel
@@ -47,8 +48,7 @@ from typing import Any
 
 import torch
 
-DEFAULT_TIMEOUT_S = 60.0
-RANK_SEED_STRIDE = 10**9  # rank r's envs and sampling use seed + r * this
+DEFAULT_TIMEOUT_S = 120.0  # RunConfig.faults.collective_timeout_s's default
 _joins = 0  # runs joined by this process
 
 # set in the learner's thread during a data-parallel update: merge_moments and the reward
@@ -65,9 +65,11 @@ class RanksDivergedError(RuntimeError):
 
 
 def in_job(environ: dict | None = None) -> bool:
-    """Whether this process is one rank of a job of two or more (torchrun's environment)."""
+    """Whether this process is one rank of a job of two or more (torchrun's environment), and
+    ``EBRL_DATA_PARALLEL=0`` does not keep its runs single-process (a script that calls
+    ``ebrl.run`` on one rank of someone else's job)."""
     env = os.environ if environ is None else environ
-    return int(env.get("WORLD_SIZE", "1")) > 1
+    return int(env.get("WORLD_SIZE", "1")) > 1 and env.get("EBRL_DATA_PARALLEL", "1") != "0"
 
 
 _stores: dict[tuple, Any] = {}
@@ -155,9 +157,12 @@ class DataParallel:
     # ---------------------------------------------------------------- joining and leaving
 
     @classmethod
-    def from_env(cls, environ: dict | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> DataParallel | None:
+    def from_env(cls, environ: dict | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 device: torch.device | None = None) -> DataParallel | None:
         """Join the job torchrun (or ``ebrl launch``) described in the environment; None when
-        the world is one process. Uses a process group the script made already, if any."""
+        the world is one process. Uses a process group the script made already, if any.
+        ``device``: the policy's; NCCL on a CUDA one (``EBRL_BACKEND=gloo`` keeps gloo), gloo
+        otherwise."""
         env = os.environ if environ is None else environ
         if not in_job(env):
             return None
@@ -169,18 +174,21 @@ class DataParallel:
         timeout = timedelta(seconds=timeout_s)
         global _joins
         _joins += 1  # each run() of a script is a new group: its keys never meet an earlier run's
-        tag = f"ebrl/{_joins}"
+        # ... nor an earlier attempt's, when torchrun restarts the job in its store
+        tag = f"ebrl/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_joins}"
         owns = not dist.is_initialized()
         if owns:
             store = job_store(env, timeout_s)
-            backend = "nccl" if torch.cuda.is_available() and env.get("EBRL_BACKEND", "") != "gloo" else "gloo"
+            cuda = device is not None and device.type == "cuda"
+            backend = "nccl" if cuda and env.get("EBRL_BACKEND", "") != "gloo" else "gloo"
             if backend == "nccl":
-                torch.cuda.set_device(int(env.get("LOCAL_RANK", "0")))
+                torch.cuda.set_device(device)
             dist.init_process_group(backend, store=dist.PrefixStore(f"{tag}/pg", store), rank=rank,
                                     world_size=world, timeout=timeout)
         else:
             store = dist.distributed_c10d._get_default_store()  # the script's: one store per job
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        # (NCCL's collectives are asynchronous: a hang ends in its watchdog's abort, not RankLostError)
         return cls(rank, world, dist.PrefixStore(f"{tag}/updates", store), device, timeout_s, owns)
 
     def close(self, clean: bool = True) -> None:
@@ -243,12 +251,14 @@ class DataParallel:
 
     # ---------------------------------------------------------------- update rounds
 
-    def request(self, update: int) -> None:
-        """Ask every rank for update ``update`` (idempotent)."""
-        self._collective("asking for an update", self.store.add, f"u{update}", 1)
+    def request(self, round_: int, stop: bool = False) -> None:
+        """This rank is ready for update round ``round_`` (once per rank and round); a stop
+        counts for every rank, so it starts the round whoever else is ready."""
+        self._collective("asking for an update", self.store.add, f"r{round_}", self.world_size if stop else 1)
 
-    def requested(self, update: int) -> bool:
-        return bool(self._collective("reading the job's store", self.store.check, [f"u{update}"]))
+    def requested(self, round_: int, ranks: int = 1) -> bool:
+        """Whether at least ``ranks`` ranks are ready for round ``round_`` (or one stopped)."""
+        return int(self._collective("reading the job's store", self.store.add, f"r{round_}", 0)) >= ranks
 
     def header(self, values: list[float], state: dict | None) -> list[list[float]]:
         """The start of an update: every rank's ``values`` (row ``r`` is rank ``r``'s), after
@@ -279,15 +289,16 @@ class DataParallel:
         sum_r rows_r``); False (and no gradients) if any rank's loss was NaN/inf. A parameter
         no rank has a gradient for keeps none, as in one process."""
         ref = params[0]
+        dtype = torch.promote_types(ref.dtype, torch.float32)  # row counts and flags exact, no fp16 overflow
         parts, has = [], []
         for p in params:
             if p.grad is not None and rows and finite:
-                parts.append(p.grad.detach().reshape(-1) * rows)
+                parts.append(p.grad.detach().reshape(-1).to(dtype) * rows)
                 has.append(1.0)
             else:
-                parts.append(torch.zeros(p.numel(), dtype=ref.dtype, device=ref.device))
+                parts.append(torch.zeros(p.numel(), dtype=dtype, device=ref.device))
                 has.append(0.0)
-        tail = torch.tensor([*has, float(rows if finite else 0), 0.0 if finite else 1.0], dtype=ref.dtype,
+        tail = torch.tensor([*has, float(rows if finite else 0), 0.0 if finite else 1.0], dtype=dtype,
                             device=ref.device)
         flat = self.all_sum(torch.cat(parts + [tail]), "a gradient all-reduce")
         total, bad = float(flat[-2]), float(flat[-1])
@@ -333,6 +344,21 @@ def reduce_moments(n: int, shifted_sum: torch.Tensor, shifted_sq: torch.Tensor) 
 # ---------------------------------------------------------------- a rank's run
 
 
+def rank_seed(seed: int, rank: int) -> int:
+    """Rank ``rank``'s run seed: ``seed`` on rank 0 (a one-rank job is the one-process run),
+    else one drawn from ``(seed, rank)``, below 2**31 so that ``seed + env + resets`` stays a
+    32-bit seed (legacy ``RandomState`` seeding, as dm_control's, needs one).
+
+        >>> rank_seed(7, 0), rank_seed(7, 1) == rank_seed(7, 1), rank_seed(7, 1) != rank_seed(7, 2)
+        (7, True, True)
+    """
+    if rank == 0:
+        return seed
+    import numpy as np
+
+    return int(np.random.SeedSequence([seed, rank]).generate_state(1)[0]) >> 1
+
+
 def rank_config(cfg, dp: DataParallel):
     """Rank ``dp.rank``'s RunConfig: its share of the env steps, its own seeds, the log
     directory on rank 0 only, and the learner in a thread (collectives need this process)."""
@@ -343,9 +369,15 @@ def rank_config(cfg, dp: DataParallel):
     if cfg.learner is LearnerMode.PROCESS:
         raise ConfigError("learner", cfg.learner.value, "a data-parallel rank trains in its own process (its "
                           "collectives live there): use learner='thread' or 'auto'")
+    if cfg.total_env_steps < dp.world_size:
+        raise ConfigError("total_env_steps", cfg.total_env_steps, f"gives some of the {dp.world_size} ranks no step")
+    step = cfg.faults.step_timeout_s
+    if step is not None and cfg.faults.collective_timeout_s <= step:
+        raise ConfigError("faults.collective_timeout_s", cfg.faults.collective_timeout_s,
+                          f"must exceed faults.step_timeout_s ({step:g}): a rank replacing a hung env is not dead")
     return dataclasses.replace(
         cfg, total_env_steps=rank_share(cfg.total_env_steps, dp.rank, dp.world_size),
-        seed=cfg.seed + dp.rank * RANK_SEED_STRIDE, learner=LearnerMode.THREAD,
+        seed=rank_seed(cfg.seed, dp.rank), learner=LearnerMode.THREAD,
         log_dir=cfg.log_dir if dp.rank == 0 else None,
         checkpoint_every_s=cfg.checkpoint_every_s if dp.rank == 0 else None)
 

@@ -22,6 +22,7 @@ import sys
 import uuid
 
 STOPPED = 130  # a rank stopped by SIGINT/SIGTERM (ebrl train's exit code for "stopped early")
+STOP_WAIT_S = 60.0  # how long a stopped Ray job's ranks get to finish their update and save
 
 
 def describe_exit(code: int) -> str:
@@ -44,6 +45,8 @@ def launch_local(nproc: int, argv: list[str]) -> int:
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.2)
+    # the ranks inherit the agent's environment: set for them, restored for the caller
+    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "EBRL_LAUNCHER_PID")}
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets per rank (and warns about)
     os.environ["EBRL_LAUNCHER_PID"] = str(os.getpid())  # the ranks exit if the launcher dies
     try:
@@ -58,6 +61,12 @@ def launch_local(nproc: int, argv: list[str]) -> int:
         return failure.exitcode if failure.exitcode > 0 else 1
     except SignalException:  # Ctrl-C or SIGTERM to the launcher: the agent stopped the ranks
         return STOPPED
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return 0
 
 
@@ -95,7 +104,7 @@ def launch_ray(address: str | None, nproc: int, argv: list[str], *, gpus_per_ran
             remove_placement_group(group)
             raise RuntimeError(f"Ray could not place {nproc} ranks of {bundle} each (cluster: "
                                f"{ray.cluster_resources()})") from None
-        Rank = ray.remote(_RankActor)
+        Rank = ray.remote(max_concurrency=2)(_RankActor)  # run() and stop() at once
         actors = [Rank.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
                                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=r)
                                ).remote() for r in range(nproc)]
@@ -103,23 +112,30 @@ def launch_ray(address: str | None, nproc: int, argv: list[str], *, gpus_per_ran
             host, port = ray.get(actors[0].address.remote())
             env = {"WORLD_SIZE": str(nproc), "MASTER_ADDR": host, "MASTER_PORT": str(port),
                    "TORCHELASTIC_RUN_ID": str(uuid.uuid4())}
-            runs = {actors[r].run.remote({**env, "RANK": str(r), "LOCAL_RANK": "0"}, argv): r for r in range(nproc)}
+            cpus = str(int(bundle["CPU"]))  # a rank sizes its pools to its bundle, not to the node
+            runs = {actors[r].run.remote({**env, "RANK": str(r), "LOCAL_RANK": "0", "EBRL_CPUS": cpus}, argv): r
+                    for r in range(nproc)}
             codes: dict[int, int] = {}
             pending = list(runs)
-            while pending:
-                done, pending = ray.wait(pending, num_returns=1)
-                for ref in done:
-                    r = runs[ref]
-                    try:
-                        codes[r] = ray.get(ref)
-                    except Exception as exc:  # the actor died (its node, an OOM kill)
-                        print(f"ebrl: rank {r} of {nproc} was lost ({type(exc).__name__}); the job stopped",
-                              file=sys.stderr)
-                        return 1
-                    if codes[r] not in (0, STOPPED):
-                        print(f"ebrl: rank {r} of {nproc} failed ({describe_exit(codes[r])}); the job stopped",
-                              file=sys.stderr)
-                        return codes[r] if codes[r] > 0 else 1
+            try:
+                while pending:
+                    done, pending = ray.wait(pending, num_returns=1)
+                    for ref in done:
+                        r = runs[ref]
+                        try:
+                            codes[r] = ray.get(ref)
+                        except Exception as exc:  # the actor died (its node, an OOM kill)
+                            print(f"ebrl: rank {r} of {nproc} was lost ({type(exc).__name__}); the job stopped",
+                                  file=sys.stderr)
+                            return 1
+                        if codes[r] not in (0, STOPPED):
+                            print(f"ebrl: rank {r} of {nproc} failed ({describe_exit(codes[r])}); the job stopped",
+                                  file=sys.stderr)
+                            return codes[r] if codes[r] > 0 else 1
+            except KeyboardInterrupt:  # Ctrl-C (SIGINT) to the launcher: each rank stops cleanly, then exits
+                ray.get([a.stop.remote() for a in actors], timeout=10)
+                ray.wait(pending, num_returns=len(pending), timeout=STOP_WAIT_S)
+                return STOPPED
             return STOPPED if any(c == STOPPED for c in codes.values()) else 0
         finally:
             for a in actors:
@@ -131,7 +147,12 @@ def launch_ray(address: str | None, nproc: int, argv: list[str], *, gpus_per_ran
 
 
 class _RankActor:
-    """Hosts one rank: ``address`` on rank 0 picks the job's store address; ``run`` runs the rank."""
+    """Hosts one rank: ``address`` on rank 0 picks the job's store address; ``run`` runs the
+    rank; ``stop`` (called while ``run`` waits: the actor takes two calls at once) sends it
+    SIGINT, which stops it cleanly (rank 0 saves the checkpoint)."""
+
+    def __init__(self):
+        self.proc: subprocess.Popen | None = None
 
     def address(self) -> tuple[str, int]:
         import ray
@@ -140,4 +161,9 @@ class _RankActor:
 
     def run(self, env: dict[str, str], argv: list[str]) -> int:
         child_env = {**os.environ, **env, "EBRL_LAUNCHER_PID": str(os.getpid()), "OMP_NUM_THREADS": "1"}
-        return subprocess.run([sys.executable, "-m", "ebrl", *argv], env=child_env).returncode
+        self.proc = subprocess.Popen([sys.executable, "-m", "ebrl", *argv], env=child_env)
+        return self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)

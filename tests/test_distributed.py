@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from ebrl.config import ConfigError, RunConfig
-from ebrl.distributed import DataParallel, rank_config, rank_share, weight_hash
+from ebrl.distributed import DataParallel, rank_config, rank_seed, rank_share, weight_hash
 
 MOCK = ["--set", "env=mock/3", "--set", "run.num_envs=4", "--set", "run.segment_len=16",
         "--set", "env_kwargs.episode_len=8"]
@@ -60,6 +60,19 @@ def test_two_ranks_keep_identical_weights_and_sum_their_counters(tmp_path):
     assert (tmp_path / "events-rank1.jsonl").exists() and (tmp_path / "checkpoint.pt").exists()
     ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert ckpt["meta"]["env_steps"] == 4000 and ckpt["meta"]["world_size"] == 2
+
+
+def test_grpo_under_sync_trains_whole_episodes_on_every_rank(tmp_path):
+    # sync: a round waits for every rank, and a joint take never cuts a segment the lag bound
+    # does not, so each rank brings whole episodes in whole groups
+    out = train(tmp_path, "--set", "algo.kind=grpo", "--set", "run.segment_len=8", total=3200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = result(tmp_path)
+    assert r["schedule"] == "sync" and r["rank_weight_hashes"][0] == r["rank_weight_hashes"][1]
+    assert r["env_steps"] == r["trained"] + sum(r["dropped"].values()) + r["in_flight_at_stop"]
+    rows = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
+    assert rows and all(row["segments_unused"] == 0 for row in rows)
+    assert sum(row["segments_used"] for row in rows) == 1600 / 8  # rank 0's every episode
 
 
 def test_resume_continues_the_job_across_ranks(tmp_path):
@@ -246,11 +259,17 @@ def test_rank_config_splits_the_budget_and_refuses_a_learner_process():
         rank, world_size = 1, 3
 
     cfg = rank_config(RunConfig(total_env_steps=10, seed=5, log_dir="runs/x", checkpoint_every_s=60.0), FakeDP())
-    assert cfg.total_env_steps == 3 == rank_share(10, 1, 3) and cfg.seed == 5 + 10**9
+    assert cfg.total_env_steps == 3 == rank_share(10, 1, 3) and cfg.seed == rank_seed(5, 1) != 5
+    assert 0 <= cfg.seed < 2**31
     assert cfg.log_dir is None and cfg.checkpoint_every_s is None and cfg.learner == "thread"
     with pytest.raises(ConfigError, match="learner"):
         rank_config(RunConfig(learner="process"), FakeDP())
+    with pytest.raises(ConfigError, match="total_env_steps"):
+        rank_config(RunConfig(total_env_steps=2), FakeDP())
+    with pytest.raises(ConfigError, match="collective_timeout_s"):
+        rank_config(RunConfig(faults={"collective_timeout_s": 30.0}), FakeDP())
     assert DataParallel.from_env({"WORLD_SIZE": "1"}) is None
+    assert DataParallel.from_env({"WORLD_SIZE": "2", "EBRL_DATA_PARALLEL": "0"}) is None  # the opt-out
 
 
 def test_weight_hash_changes_with_any_weight():

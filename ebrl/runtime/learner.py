@@ -289,24 +289,23 @@ class Learner:
         rollout = self.rollout
         while rollout.fields is None and not (rollout.finished or self.state.stopping):
             await asyncio.sleep(JOINT_POLL_S)  # a rank joins updates once it has a step to store
-        if rollout.fields is None:
-            raise RuntimeError(f"rank {dp.rank} ended before recording any step: it cannot take part in updates")
+        # lockstep schedules and lag 0 pause generation to train, so a rank's queue stays due
+        # until it trains: an update waits for every rank (a job-wide sync), else for the first
+        everyone = self.pause_generation
         said_done = False
+        rounds = 0  # keys are per round, not per version: a skipped update must not re-fire its key
         while True:
-            update = self.version + 1
-            while True:  # ask when this queue is due; join when another rank asked
-                done = rollout.finished and not said_done
-                if self.state.stopping or done or (not rollout.finished and rollout.due()):
-                    dp.request(update)
-                    said_done = said_done or rollout.finished
+            rounds += 1
+            asked = False
+            while True:  # ask when this queue is due; join when another rank asked (every rank, under sync)
+                # a rank that is done asks once (under sync: every round, where it never holds one up)
+                done = rollout.finished and (everyone or not said_done)
+                if not asked and (self.state.stopping or done or (not rollout.finished and rollout.due())):
+                    dp.request(rounds, stop=self.state.stopping)
+                    said_done, asked = said_done or rollout.finished, True
+                if dp.requested(rounds, dp.world_size if everyone else 1):
                     break
-                if dp.requested(update):
-                    break
-                rollout._changed.clear()
-                try:
-                    await asyncio.wait_for(rollout._changed.wait(), JOINT_POLL_S)
-                except TimeoutError:
-                    pass
+                await rollout.wait_changed(JOINT_POLL_S)
             mine = [float(rollout.finished), float(self.state.stopping), float(self.stats.simulated),
                     float(self.stats.trained)]
             published = self._published if self.version else None
@@ -318,6 +317,8 @@ class Learner:
                 self.state.stop()  # every rank stops at the same update
                 rollout.poke()
                 return
+            if rollout.fields is None:  # a rank must have stored a step to bring its (empty) batch
+                raise RuntimeError(f"rank {dp.rank} ended before recording any step: it cannot take part in updates")
             if self.pause_generation:
                 await self.generator.pause()
             slots = await rollout.take(self.version, joint=True)
@@ -437,6 +438,7 @@ class Learner:
         row = {"update": self.version, "env_steps": st.simulated, "trained": st.trained, "time": elapsed,
                "mean_return": st.mean_return,
                "success_once": (sum(st.success_once) / len(st.success_once)) if st.success_once else None,
+               "success_at_end": (sum(st.success_at_end) / len(st.success_at_end)) if st.success_at_end else None,
                "episodes": st.episodes,
                "episode_length": (sum(st.lengths) / len(st.lengths)) if st.lengths else math.nan,
                "env_steps_per_s": (st.simulated - last_steps) / interval if interval > 0 else math.nan,

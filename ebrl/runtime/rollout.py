@@ -262,6 +262,15 @@ class RolloutQueue:
         or a stop (the learner then ends without waiting for more)."""
         return self.finished or len(self.closed) >= self.S or self.state.all_parked or self.state.stopping
 
+    async def wait_changed(self, timeout_s: float) -> None:
+        """Until the learner's wake-up fires (a segment closed, envs parked, the end) or
+        ``timeout_s`` passes: how a data-parallel rank waits while it also watches its peers."""
+        self._changed.clear()
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout_s)
+        except TimeoutError:
+            pass
+
     async def wait_due(self) -> None:
         while not self.due():
             self._changed.clear()
@@ -273,8 +282,9 @@ class RolloutQueue:
         back with :meth:`release` after :func:`collate`.
 
         ``joint``: an update of a data-parallel job, which another rank may have asked for
-        (:mod:`ebrl.distributed`): no wait for this queue to fall due; every open segment is
-        handed over with the closed ones, and the list may be empty."""
+        (:mod:`ebrl.distributed`): no wait for this queue to fall due, and the list may be
+        empty; otherwise the same rule (closed segments, and open ones only where the lag
+        bound cuts them), so a rank's segments are never cut shorter than on one process."""
         if not joint:
             await self.wait_due()
         limit = update - self.max_lag  # transitions of versions <= limit are due now
@@ -288,7 +298,7 @@ class RolloutQueue:
         finally:
             self._stale_limit = None
         open_envs = np.flatnonzero(self.open_slot >= 0).tolist()
-        if self.finished or joint:
+        if self.finished:
             for env_id in open_envs:
                 self._close(env_id)
             taken = list(self.closed)

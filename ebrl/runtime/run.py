@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ebrl.config import DEFAULT_MAX_WAIT_S, LearnerMode, RunConfig, SegmentCut, SimBackend
+from ebrl.algos.ppo import MinibatchAlgo
+from ebrl.config import DEFAULT_MAX_WAIT_S, ConfigError, LearnerMode, RunConfig, SegmentCut, SimBackend
 from ebrl.distributed import DataParallel, combine_results, rank_config, reseed_sampling, weight_hash
 from ebrl.runtime.drivers import Driver
 from ebrl.runtime.generation import Generator
@@ -61,10 +62,14 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
     loop = asyncio.get_running_loop()
     virtual = is_virtual(loop)
     # under torchrun (WORLD_SIZE > 1) this run is one rank of a data-parallel job
-    dp = None if virtual else DataParallel.from_env(timeout_s=cfg.faults.collective_timeout_s)
+    dp = None if virtual else DataParallel.from_env(timeout_s=cfg.faults.collective_timeout_s,
+                                                    device=policy_device(trainer.policy))
     clean = False
     try:
         if dp is not None:
+            if not isinstance(trainer.algo, MinibatchAlgo):  # its minibatch loop is where the gradients meet
+                raise ConfigError("algo", type(trainer.algo).__name__, "data-parallel training needs an algorithm "
+                                  "derived from ebrl.algos.ppo.MinibatchAlgo (PPO, DecoupledPPO, VTrace, GRPO)")
             cfg = rank_config(cfg, dp)
             dp.broadcast_module(trainer.policy)  # every rank starts from rank 0's weights
         result = await _run(trainer, cfg, dp, loop, virtual, stop=stop, progress=progress, timeline=timeline)

@@ -35,11 +35,17 @@ async def in_thread(fn: Callable[..., T], *args: Any, name: str = "ebrl-offloop"
 
 
 def usable_cpus() -> int:
-    """Cores this process may run on (its CPU affinity: a pinned rank has one), not the machine's."""
+    """Cores this process may use: its CPU affinity (a pinned rank has one), not the machine's;
+    shared with the other ranks of a data-parallel job on this machine (torchrun's
+    ``LOCAL_WORLD_SIZE``), or as many as a launcher gave it (``EBRL_CPUS``, Ray's bundles)."""
+    if os.environ.get("EBRL_CPUS", "").isdigit() and int(os.environ["EBRL_CPUS"]) > 0:
+        return int(os.environ["EBRL_CPUS"])
     try:
-        return len(os.sched_getaffinity(0)) or 1
+        n = len(os.sched_getaffinity(0)) or 1
     except (AttributeError, OSError):  # no sched_getaffinity (macOS)
-        return os.cpu_count() or 1
+        n = os.cpu_count() or 1
+    local = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    return max(1, n // int(local)) if local.isdigit() and int(local) > 1 else n
 
 
 def ignore_stop_signals() -> None:

@@ -41,6 +41,7 @@ TAGS = {
     "mean_return": "charts/mean_return",
     "episode_length": "charts/episode_length",
     "success_once": "charts/success_rate",
+    "success_at_end": "charts/success_at_end",
     "episodes": "charts/episodes",
     "env_steps_per_s": "perf/env_steps_per_s",
     "env_steps_per_s_overall": "perf/env_steps_per_s_overall",
