@@ -166,8 +166,13 @@ def build_trainer(spec: dict[str, Any]):
         raise ConfigError("env_kwargs", env_kwargs, str(exc)) from None
     try:
         policy = build_policy(*single_spaces(probe), spec["policy"])
+        limit = getattr(getattr(probe, "spec", None), "max_episode_steps", None)
     finally:
         probe.close()
+    if spec["algo"].get("kind") == "grpo" and limit and run_cfg.segment_len < limit:
+        # GRPO compares whole episodes: a segment shorter than the time limit cuts every long
+        # episode in two, and neither half can be used
+        run_cfg = dataclasses.replace(run_cfg, segment_len=int(limit))
     return ebrl.Trainer(env_fn=env_fn, policy=policy, algo=build_algo(spec), config=run_cfg)
 
 

@@ -33,6 +33,9 @@ def test_algo_and_policy_kinds_each_with_its_own_table():
     assert trainer.config.schedule == "sync"
     mine = build_trainer(build_spec(None, [*base, "algo.kind=grpo", 'run.schedule="async"']))
     assert mine.config.schedule == "async"  # what the run sets wins
+    # GRPO's segments hold whole episodes: at least the env's time limit (FetchReach: 50 steps)
+    fetch = build_trainer(build_spec(None, ["env=robotics/FetchReach-v4", "algo.kind=grpo", "run.num_envs=8"]))
+    assert fetch.config.segment_len == 50 and build_spec(None, [])["run"]["segment_len"] == 32
     flow = build_trainer(build_spec(None, [*base, "policy.kind=flow", "env_kwargs.chunk=4"]))
     assert isinstance(flow.policy, FlowPolicy) and flow.policy.chunk_shape == (4, 3)
     with pytest.raises(ConfigError, match="algo.kind"):
