@@ -470,7 +470,7 @@ def test_fewer_workers_retire_only_after_their_envs_have_moved_off():
             self.resized.append(n)
             self.size = n
 
-    pool, driver = Pool(), SimpleNamespace(moves={})
+    pool, driver = Pool(), SimpleNamespace(moves={}, migrating=set())
     gen = SimpleNamespace(max_wait_s=0.002, batch_target=8, offload_mode=Offload.INLINE)
     cfg = ebrl.RunConfig(num_envs=8, sim={"backend": "process"})
     profiler = SimpleNamespace(take=lambda: profile(n=8, placement=pool.placement), close=lambda: None)

@@ -148,3 +148,28 @@ def test_an_auto_run_on_a_mix_of_envs_moves_the_computing_ones_to_workers_and_co
     if not any("reverted" in d["reason"] for d in moved):
         assert result.sim_backend == "mixed" and result.migrations >= 4
     assert sum(result.steps_per_env) == result.env_steps
+
+
+def test_a_move_decided_from_a_stale_placement_is_skipped(monkeypatch):
+    """A decision made while an earlier move was in flight read the old placement, so it may
+    ask to move an env to where it already is: that move is skipped, not a crash."""
+    import ebrl.runtime.run as run_module
+    from ebrl.runtime.drivers import Driver
+
+    class StaleMoves(Driver):
+        stale: dict | None = None
+
+        def _on_block(self, block):
+            if StaleMoves.stale is None and hasattr(self.pool, "placement"):
+                StaleMoves.stale = {i: int(w) for i, w in enumerate(self.pool.placement)}  # where each already is
+                self.moves = dict(StaleMoves.stale)
+            super()._on_block(block)
+
+    monkeypatch.setattr(run_module, "Driver", StaleMoves)
+    trainer = ebrl.Trainer(env_fn=lambda i: MockEnv(dim=3, episode_len=10, latency=Latency.constant(0.001)),
+                           policy=MockPolicy(act_dim=3), algo=NoopAlgo(),
+                           config=ebrl.RunConfig(num_envs=4, segment_len=8, total_env_steps=800,
+                                                 resources={"epoch_s": 10.0}))
+    result = ebrl.run_sync(trainer)
+    assert StaleMoves.stale == {i: LOCAL for i in range(4)}  # a mixed pool, every env on the lanes
+    assert result.accounting_ok() and result.dropped == {} and result.migrations == 0

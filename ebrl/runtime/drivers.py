@@ -97,6 +97,7 @@ class Driver:
         self.timeouts = 0  # steps abandoned past faults.step_timeout_s
         # placement changes the controller asked for: env -> worker, done at the env's next episode end
         self.moves: dict[int, int] = {}
+        self.migrating: set[int] = set()  # envs whose move is under way (the pool's placement is not yet theirs)
         self.migrations = 0
         # when each env became ready (or parked) and was submitted, and its waits since the start
         # by cause (seconds, read by the live profiler): the round trip of its sim steps (the step,
@@ -200,9 +201,17 @@ class Driver:
     def _start_moves(self, block: Block, go: np.ndarray) -> np.ndarray:
         """Envs due to move whose episode just ended migrate now; the rest of ``go`` goes on."""
         ended = block.ids[block.terminated | block.truncated]
-        moving = [i for i in ended.tolist() if i in self.moves]
-        for i in moving:
-            self._spawn(self._migrate(i, self.moves.pop(i)))
+        moving = []
+        for i in ended.tolist():
+            if i not in self.moves:
+                continue
+            target = self.moves.pop(i)
+            if int(self.pool.placement[i]) == target:  # a decision made while an earlier move was in flight
+                log.info("env_move_skipped", env=i, where=target)
+                continue
+            moving.append(i)
+            self.migrating.add(i)
+            self._spawn(self._migrate(i, target))
         return go[~np.isin(go, moving)] if moving else go
 
     async def _migrate(self, env_id: int, worker: int) -> None:
@@ -217,6 +226,8 @@ class Driver:
             log.info("env_migrated", env=env_id, worker=worker)
         except EnvStepError as exc:
             log.warning("env_migration_failed", env=env_id, worker=worker, error=exc.detail)
+        finally:
+            self.migrating.discard(env_id)
         self.t_ready[env_id] = self._loop.time()
         self._arrive(np.array([env_id]))
 

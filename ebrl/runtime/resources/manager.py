@@ -144,9 +144,10 @@ class ResourceManager:
         self.knobs = self._current()
         if not self.cfg.resources.adapt:
             return []
-        if self._retire_to is not None and not self.driver.moves:
+        moving = self.driver.moves or self.driver.migrating  # a placement read now would be stale
+        if self._retire_to is not None and not moving:
             self._retire()
-        if self.driver.moves or self._grow_to is not None:  # a change under way: nothing else changes
+        if moving or self._grow_to is not None:  # a change under way: nothing else changes
             postpone_trials(self.memory, profile.epoch)
             return []
         decisions = decide(profile, self.knobs, self.limits, self.memory)
