@@ -179,12 +179,11 @@ def test_a_script_under_torchrun_weights_unequal_ranks_by_their_rows(tmp_path):
     assert r0["hashes"] == r1["hashes"] and r0["hashes"][0] == r0["hashes"][1]
     assert r0["updates"] == r1["updates"] and r0["checks"] == r0["updates"] - 1
     assert r0["ok"] and r0["env_steps"] == 3000
-    # the ranks joined every update with what each had: the slow rank with fewer rows, so the
-    # fast one never waited for its steps (rank 0 finished its share first, then brought none)
+    # the ranks joined every update with what each had, so their rows differ from update to
+    # update (neither waited for the other's steps), and each trained its whole share
     assert len(r0["num_steps"]) == len(r1["num_steps"])
     assert sum(r0["num_steps"]) == 1500 == sum(r1["num_steps"])
-    assert any(a > b for a, b in zip(r0["num_steps"], r1["num_steps"]))
-    assert r1["num_steps"][-1] > 0 and 0 in r0["num_steps"]
+    assert any(a != b for a, b in zip(r0["num_steps"], r1["num_steps"]))
 
 
 def test_plain_torchrun_runs_ebrl_train_in_one_log_dir(tmp_path):
