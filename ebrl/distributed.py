@@ -217,19 +217,18 @@ class DataParallel:
                                 f"for over {self.timeout_s:g} s or left the job ({type(exc).__name__}: "
                                 f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
 
-    def all_sum(self, x: torch.Tensor, what: str = "an all-reduce") -> torch.Tensor:
+    def _all_reduce(self, x: torch.Tensor, op: str, what: str) -> torch.Tensor:
         import torch.distributed as dist
 
         t = x.to(self.device)
-        self._collective(what, dist.all_reduce, t, op=dist.ReduceOp.SUM)
+        self._collective(what, dist.all_reduce, t, op=getattr(dist.ReduceOp, op))
         return t.to(x.device)
+
+    def all_sum(self, x: torch.Tensor, what: str = "an all-reduce") -> torch.Tensor:
+        return self._all_reduce(x, "SUM", what)
 
     def all_max(self, x: torch.Tensor, what: str = "an all-reduce") -> torch.Tensor:
-        import torch.distributed as dist
-
-        t = x.to(self.device)
-        self._collective(what, dist.all_reduce, t, op=dist.ReduceOp.MAX)
-        return t.to(x.device)
+        return self._all_reduce(x, "MAX", what)
 
     def gather(self, obj: Any, what: str = "gathering the ranks' results") -> list[Any]:
         import torch.distributed as dist

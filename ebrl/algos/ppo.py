@@ -157,55 +157,28 @@ class MinibatchAlgo:
 
         return Batch(**{f.name: tree_map(to, getattr(batch, f.name)) for f in dataclasses.fields(batch)})
 
-    def _epochs(self, policy: nn.Module, flat: dict[str, Tensor], n: int, device: torch.device,
+    def _epochs(self, policy: nn.Module, flat: dict[str, Tensor] | None, n: int, device: torch.device,
                 norm_adv: bool = False) -> tuple[dict[str, Tensor | float], int, bool]:
         """``update_epochs`` passes over the ``n`` rows of ``flat`` in shuffled minibatches
         (advantages normalised per minibatch with ``norm_adv``); returns the summed metrics,
-        the minibatches stepped and whether a NaN/inf loss stopped the update there."""
+        the minibatches stepped and whether a NaN/inf loss stopped the update there.
+
+        As one rank of a data-parallel job (:mod:`ebrl.distributed`) every rank takes the same
+        number of steps (the most any rank needs at ``minibatch_size`` rows), its rows split
+        evenly over them, and each step applies the rows-weighted mean of the ranks' gradients;
+        a rank with fewer rows (or none) still takes every step."""
         c = self.config
         dp = distributed.active()
-        if dp is not None:
-            return self._joint_epochs(dp, policy, flat, n, device, norm_adv)
         loss_fn = self.loss_fn or self.loss
+        params = [p for p in policy.parameters() if p.requires_grad] if dp is not None else []
+        steps = dp.agree_steps(n, c.minibatch_size) if dp is not None else None
         sums: dict[str, Tensor | float] = {}
         count = 0
-        for _ in range(c.update_epochs):
+        for _ in range(c.update_epochs if steps is None or steps else 0):
             perm = torch.randperm(n, generator=self._gen).to(device)
-            for start in range(0, n, c.minibatch_size):
-                idx = perm[start:start + c.minibatch_size]
-                mb = {k: _index(v, idx) for k, v in flat.items()}
-                if norm_adv and idx.numel() > 1:
-                    a = mb["advantages"]
-                    mb["advantages"] = (a - a.mean()) / (a.std() + 1e-8)
-                loss, metrics = loss_fn(policy, mb)
-                if not bool(torch.isfinite(loss)):  # never step on NaN/inf: the rest of the update is skipped
-                    return sums, count, True
-                self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                if math.isfinite(c.max_grad_norm):
-                    nn.utils.clip_grad_norm_(policy.parameters(), c.max_grad_norm)
-                self.optimizer.step()
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + (v.detach() if isinstance(v, Tensor) else v)
-                count += 1
-        return sums, count, False
-
-    def _joint_epochs(self, dp, policy: nn.Module, flat: dict[str, Tensor] | None, n: int, device: torch.device,
-                      norm_adv: bool) -> tuple[dict[str, Tensor | float], int, bool]:
-        """:meth:`_epochs` as one rank of a data-parallel job (:mod:`ebrl.distributed`): every
-        rank takes the same number of steps (the most any rank needs at ``minibatch_size``
-        rows), its rows split evenly over them, and each step applies the rows-weighted mean of
-        the ranks' gradients. A rank with fewer rows (or none) still takes every step."""
-        c = self.config
-        loss_fn = self.loss_fn or self.loss
-        params = [p for p in policy.parameters() if p.requires_grad]
-        steps = dp.agree_steps(n, c.minibatch_size)
-        sums: dict[str, Tensor | float] = {}
-        count = 0
-        for _ in range(c.update_epochs if steps else 0):
-            perm = torch.randperm(n, generator=self._gen).to(device)
-            for idx in torch.tensor_split(perm, steps):
-                self.optimizer.zero_grad(set_to_none=True)
+            chunks = (torch.tensor_split(perm, steps) if steps is not None
+                      else [perm[start:start + c.minibatch_size] for start in range(0, n, c.minibatch_size)])
+            for idx in chunks:
                 finite, metrics = True, {}
                 if idx.numel():
                     mb = {k: _index(v, idx) for k, v in flat.items()}
@@ -214,9 +187,12 @@ class MinibatchAlgo:
                         mb["advantages"] = (a - a.mean()) / (a.std() + 1e-8)
                     loss, metrics = loss_fn(policy, mb)
                     finite = bool(torch.isfinite(loss))
-                    if finite:
-                        loss.backward()
-                if not dp.reduce_grads(params, int(idx.numel()), finite):  # some rank's loss was NaN/inf
+                if not finite and dp is None:  # never step on NaN/inf: the rest of the update is skipped
+                    return sums, count, True
+                self.optimizer.zero_grad(set_to_none=True)
+                if idx.numel() and finite:
+                    loss.backward()
+                if dp is not None and not dp.reduce_grads(params, int(idx.numel()), finite):  # some rank's was NaN/inf
                     return sums, count, True
                 if math.isfinite(c.max_grad_norm):
                     nn.utils.clip_grad_norm_(policy.parameters(), c.max_grad_norm)

@@ -40,6 +40,7 @@ clearing (``RunStats.learner_wakeups`` counts them).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -266,10 +267,8 @@ class RolloutQueue:
         """Until the learner's wake-up fires (a segment closed, envs parked, the end) or
         ``timeout_s`` passes: how a data-parallel rank waits while it also watches its peers."""
         self._changed.clear()
-        try:
+        with contextlib.suppress(TimeoutError):  # the timeout is the usual way out: the caller looks again
             await asyncio.wait_for(self._changed.wait(), timeout_s)
-        except TimeoutError:
-            pass
 
     async def wait_due(self) -> None:
         while not self.due():
