@@ -57,11 +57,33 @@ def test_chain_is_euler_plus_bounded_noise_and_ends_in_the_env_action():
     chain = torch.from_numpy(out.actions)
     with torch.no_grad():
         mean, sigma = policy.step_params(torch.from_numpy(obs), chain[:, 0], 0)
-    assert ((sigma >= 0.01) & (sigma <= 0.5)).all()
-    assert torch.allclose(sigma, torch.full_like(sigma, 0.1), atol=0.02)  # starts near init_sigma
+    assert ((sigma >= 0.01) & (sigma <= 1.0)).all()
+    assert torch.allclose(sigma, torch.full_like(sigma, 0.5), atol=0.05)  # starts near init_sigma
     assert ((chain[:, 1] - mean).abs() / sigma).max() < 6.0  # x_1 ~ N(mean_0, sigma_0^2)
     x_n = np.clip(out.actions[:, -1].reshape(8, 4, 2), -1, 1)
     np.testing.assert_allclose(out.env_actions, -2.0 + (x_n + 1) / 2 * 3.0, atol=1e-6)
+
+
+@pytest.mark.parametrize("predict", ["action", "velocity"])
+def test_each_step_mean_follows_the_prediction(predict):
+    # "action": the network predicts the final chunk x1_hat and the velocity is
+    # (x1_hat - x) / (1 - tau), so step k moves 1 / (N - k) of the way and the last lands on it;
+    # "velocity": the network's output is the velocity itself
+    policy = small(denoise_steps=4, predict=predict)
+    obs = torch.from_numpy(obs_batch(6))
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(1))
+    feat = policy._features(obs)
+    for k in range(4):
+        tau = torch.full((6,), k / 4)
+        with torch.no_grad():
+            out = policy.velocity(torch.cat([x, feat, policy._time_embed(tau)], -1))
+            mean, _ = policy.step_params(obs, x, k)
+        expected = x + (out - x) / (4 - k) if predict == "action" else x + out / 4
+        assert torch.allclose(mean, expected, atol=1e-6)
+    if predict == "action":
+        assert torch.allclose(mean, out, atol=1e-6)  # k = N - 1: the mean is the prediction
+    with pytest.raises(ValueError, match="predict="):
+        small(predict="noise")
 
 
 def test_shapes_and_bounds():
@@ -127,21 +149,27 @@ def test_ppo_update_is_finite_and_changes_the_weights():
     assert any(k.startswith("velocity") for k in changed) and any(k.startswith("noise") for k in changed)
 
 
-def test_flow_matching_loss_decreases_on_a_toy_dataset():
+@pytest.mark.parametrize("predict", ["action", "velocity"])
+def test_flow_matching_loss_trains_the_sampler_onto_the_demonstrations(predict):
     torch.manual_seed(0)
-    policy = small(hidden=(64, 64))
+    # little injected noise, so that the sampler's chunks show what the velocity field learnt
+    policy = small(hidden=(64, 64), predict=predict, sigma_min=0.001, init_sigma=0.01, sigma_max=0.02)
     obs = torch.from_numpy(obs_batch(64))
     chunks = (obs[:, :2, None] * torch.linspace(0.2, 1.0, 4)).transpose(1, 2).clamp(-1, 1)  # [64, 4, 2]
+    chunks = -2.0 + (chunks + 1) / 2 * 3.0  # into the Box [-2, 1]
+    error_before = np.abs(policy.act(obs.numpy()).env_actions - chunks.numpy()).mean()
     opt = torch.optim.Adam(policy.velocity.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(1)
     losses = []
-    for _ in range(100):
+    for _ in range(300):
         loss = policy.flow_matching_loss(obs, chunks, generator=gen)
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(loss.item())
     assert np.mean(losses[-10:]) < 0.5 * np.mean(losses[:10])
+    error_after = np.abs(policy.act(obs.numpy()).env_actions - chunks.numpy()).mean()
+    assert error_after < 0.5 * error_before, (error_before, error_after)
 
 
 def test_seeding_is_reproducible():

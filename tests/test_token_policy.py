@@ -48,8 +48,11 @@ def test_default_parameter_count_for_mock_env_spaces():
     policy = TokenPolicy.from_spaces(env.observation_space, env.action_space)
     count = sum(p.numel() for p in policy.parameters())
     print(f"TokenPolicy default parameters (MockEnv dim=4): {count:,}")
-    # d_model=128, 4 blocks of ~198k, 256-bin embedding and head, the rest small
-    assert count == 860_673
+    # d_model=128, 4 blocks of ~198k; the token embedding and head read 32 bin cosines (4k each)
+    assert count == 803_105
+    plain = TokenPolicy.from_spaces(env.observation_space, env.action_space, bin_basis=0)
+    # one free embedding row and logit per bin: 256 * 128 each way, plus the 256 biases
+    assert sum(p.numel() for p in plain.parameters()) == count + 2 * 256 * 128 + 256 - 2 * 32 * 128 - 32
     assert count < 5_000_000
 
 
@@ -83,15 +86,16 @@ def test_act_logprobs_are_the_sum_of_teacher_forced_token_logprobs(space):
     assert entropy.shape == (6,) and bool((entropy > 0).all())
 
 
+@pytest.mark.parametrize("bin_basis", [32, 0])
 @pytest.mark.parametrize("space", ["flat", "chunk", "dict"])
-def test_kv_cache_decode_equals_the_full_pass(space):
+def test_kv_cache_decode_equals_the_full_pass(space, bin_basis):
     if space == "dict":
         obs_space, act_space, obs = dict_space(), gym.spaces.Box(-1.0, 1.0, (4,)), dict_obs(5)
     else:
         obs_space = gym.spaces.Box(-1.0, 1.0, (3,))
         act_space = gym.spaces.Box(-1.0, 1.0, (4,) if space == "flat" else (3, 2))
         obs = np.random.default_rng(1).standard_normal((5, 3)).astype(np.float32)
-    policy = sharpen(TokenPolicy.from_spaces(obs_space, act_space, **SMALL, state_tokens=2))
+    policy = sharpen(TokenPolicy.from_spaces(obs_space, act_space, **SMALL, state_tokens=2, bin_basis=bin_basis))
     forced = torch.randint(0, 256, (5, *act_space.shape), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         full_logits, full_values = policy.token_logits(torch_obs(obs), forced)
@@ -105,6 +109,28 @@ def test_kv_cache_decode_equals_the_full_pass(space):
     sampled, logits, _ = policy.decode(obs)
     with torch.no_grad():
         torch.testing.assert_close(logits, policy.token_logits(torch_obs(obs), sampled)[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bin_basis", [32, 0])
+def test_raising_one_bins_logprob_moves_its_neighbours_alike_only_with_a_bin_basis(bin_basis):
+    policy = TokenPolicy.from_spaces(gym.spaces.Box(-1.0, 1.0, (3,)), gym.spaces.Box(-1.0, 1.0, (2,)),
+                                     **SMALL, bin_basis=bin_basis)
+    obs = torch.from_numpy(np.random.default_rng(0).standard_normal((8, 3)).astype(np.float32))
+    tokens = torch.full((8, 2), 100)
+    before = policy.token_logits(obs, tokens)[0].detach().softmax(-1)[:, 0]  # dimension 0: [8, bins]
+    opt = torch.optim.SGD(policy.parameters(), lr=0.05)
+    (-policy.evaluate(obs, tokens)[0].mean()).backward()
+    opt.step()
+    after = policy.token_logits(obs, tokens)[0].detach().softmax(-1)[:, 0]
+    gain = (after / before).mean(0)
+    assert gain[100] > 1.01  # the trained bin
+    if bin_basis:  # a smooth tilt towards the trained bin: its neighbours rise with it, the far side falls
+        assert torch.allclose(gain[98:103], gain[100].expand(5), rtol=0.02) and gain[255] < 1.0
+    else:  # one free logit per bin: every other bin falls alike
+        others = torch.cat([gain[:100], gain[101:]])
+        assert (others < 1.0).all() and torch.allclose(others, others[0].expand_as(others), rtol=1e-4)
+    with pytest.raises(ValueError, match="bin_basis"):
+        TokenPolicy.from_spaces(gym.spaces.Box(-1.0, 1.0, (3,)), gym.spaces.Box(-1.0, 1.0, (2,)), bin_basis=300)
 
 
 def test_env_actions_are_bin_centres_inside_the_bounds():

@@ -15,6 +15,14 @@ causal. ``act`` samples with an explicit KV cache: one pass over prefix + BOS (w
 first token's logits), then one single-position step per further token, batched over B.
 ``evaluate`` is a single teacher-forced pass.
 
+The tokens are OpenVLA's 256 bins, but by default the head does not give each bin a free logit:
+it predicts the coefficients of 32 cosines over the bins, damped as ``1 / k^2`` (``bin_basis``,
+see :meth:`TokenPolicy.bin_logits`), and a token's input embedding reads the same cosines. A
+policy learning by RL from scratch then moves probability between nearby bins together. On
+FetchReachDense-v4 (PPO, 100 s) success_once reached 0.2 with free logits, 0.4 with undamped
+cosines and 0.57 with damped ones. ``bin_basis=0`` restores one free logit and embedding per bin,
+as a pretrained VLA's language-model head has.
+
 Example::
 
     >>> import gymnasium as gym, numpy as np
@@ -105,7 +113,7 @@ class TokenPolicy(Pretrained, nn.Module):
     def __init__(self, action_low, action_high, *, state_dim: int = 0, pixels_shape: Sequence[int] | None = None,
                  instruction_dim: int = 0, dict_obs: bool = False, d_model: int = 128, layers: int = 4,
                  heads: int = 4, mlp_ratio: int = 4, bins: int = 256, state_tokens: int = 1,
-                 pixel_grid: int = 2, normalize_obs: bool = True, seed: int = 0):
+                 pixel_grid: int = 2, bin_basis: int = 32, normalize_obs: bool = True, seed: int = 0):
         super().__init__()
         low, high = np.asarray(action_low, np.float32), np.asarray(action_high, np.float32)
         if low.shape != high.shape or low.ndim not in (1, 2) or low.size == 0:
@@ -117,6 +125,8 @@ class TokenPolicy(Pretrained, nn.Module):
             raise ValueError(f"d_model={d_model} must be divisible by heads={heads}")
         if bins < 2:
             raise ValueError(f"bins={bins} must be at least 2")
+        if not 0 <= bin_basis <= bins:
+            raise ValueError(f"bin_basis={bin_basis} must lie in [0, bins={bins}] (0: one free logit per bin)")
         if pixels_shape is not None and len(pixels_shape) != 3:
             raise ValueError(f"pixels_shape must be (H, W, C), got {tuple(pixels_shape)}")
         if not dict_obs and (pixels_shape is not None or instruction_dim):
@@ -127,7 +137,7 @@ class TokenPolicy(Pretrained, nn.Module):
             "pixels_shape": None if pixels_shape is None else [int(s) for s in pixels_shape],
             "instruction_dim": int(instruction_dim), "dict_obs": bool(dict_obs), "d_model": int(d_model),
             "layers": int(layers), "heads": int(heads), "mlp_ratio": int(mlp_ratio), "bins": int(bins),
-            "state_tokens": int(state_tokens), "pixel_grid": int(pixel_grid),
+            "state_tokens": int(state_tokens), "pixel_grid": int(pixel_grid), "bin_basis": int(bin_basis),
             "normalize_obs": bool(normalize_obs), "seed": int(seed)}
         self.action_shape = tuple(low.shape)
         self.num_tokens = low.size  # D: tokens per action
@@ -162,11 +172,22 @@ class TokenPolicy(Pretrained, nn.Module):
         self.num_prefix = num_prefix  # P
         self.prefix_pos = nn.Parameter(torch.zeros(num_prefix, d_model))
         self.bos = nn.Parameter(torch.zeros(d_model))
-        self.token_embed = nn.Embedding(bins, d_model)
         self.action_pos = nn.Parameter(torch.zeros(self.num_tokens, d_model))  # input position j predicts dim j
         self.blocks = nn.ModuleList(_Block(d_model, heads, mlp_ratio) for _ in range(layers))
         self.final_norm = nn.LayerNorm(d_model)
-        self.token_head = nn.Linear(d_model, bins)
+        if bin_basis:
+            # logits are a smooth function of the bin's place in [low, high]: the head predicts the
+            # coefficients of the lowest DCT-II frequencies over the bins (why: see bin_logits)
+            place = (torch.arange(bins, dtype=torch.float32) + 0.5) / bins
+            freq = torch.arange(1, bin_basis + 1, dtype=torch.float32)[:, None]
+            basis = torch.cos(math.pi * freq * place) / freq.square()
+            self.register_buffer("bin_basis_matrix", basis, persistent=False)  # [bin_basis, bins]
+            self.token_head = nn.Linear(d_model, bin_basis)
+            self.token_embed = nn.Linear(bin_basis, d_model, bias=False)  # a token's input: its bin's cosines
+        else:
+            self.bin_basis_matrix = None
+            self.token_head = nn.Linear(d_model, bins)
+            self.token_embed = nn.Embedding(bins, d_model)
         self.value_head = nn.Linear(d_model, 1)
         if self.normalize_obs:
             register_moments(self, self.state_dim)
@@ -184,7 +205,8 @@ class TokenPolicy(Pretrained, nn.Module):
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, 0.0, 0.02, generator=gen)
-                nn.init.zeros_(module.bias)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Conv2d):
                 nn.init.kaiming_normal_(module.weight, nonlinearity="relu", generator=gen)
                 nn.init.zeros_(module.bias)
@@ -318,9 +340,32 @@ class TokenPolicy(Pretrained, nn.Module):
         """:meth:`token_logits` on checked ids ``[N, D]``."""
         inputs = self._prefix_and_bos(obs)
         if self.num_tokens > 1:
-            inputs = torch.cat([inputs, self.token_embed(ids[:, :-1]) + self.action_pos[1:]], 1)
+            inputs = torch.cat([inputs, self.embed_tokens(ids[:, :-1]) + self.action_pos[1:]], 1)
         h = self._transform(inputs)[:, self.num_prefix:]  # from BOS on: the output before each dimension
-        return self.token_head(h), self.value_head(h[:, 0]).squeeze(-1)
+        return self.bin_logits(h), self.value_head(h[:, 0]).squeeze(-1)
+
+    def bin_logits(self, h: Tensor) -> Tensor:
+        """Logits ``[..., bins]`` over one dimension's bins from the transformer output ``h [..., d]``.
+
+        With ``bin_basis = m > 0`` (the default, 32) the logits are ``c(h) @ B``, where row ``k``
+        of ``B`` is ``cos(pi k u) / k^2`` over the bins' places ``u`` in ``(0, 1)``, ``k = 1..m``.
+        The logit is then a smooth function of the bin's value, so a gradient step that raises a
+        sampled bin's probability raises its neighbours' as well (a smooth tilt towards it). The
+        damping keeps Adam, which steps every coefficient alike, from making the logits rough.
+        RL from scratch needs this: with one free logit per bin (``bin_basis=0``, the
+        language-model head OpenVLA fine-tunes) each of the 256 bins is sampled a few times per
+        update and the policy stays near uniform for tens of updates. The input embedding of a
+        token (:meth:`embed_tokens`) reads the same cosines. The tokens stay 256 bins.
+        """
+        out = self.token_head(h)
+        return out if self.bin_basis_matrix is None else out @ self.bin_basis_matrix
+
+    def embed_tokens(self, ids: Tensor) -> Tensor:
+        """Input embeddings ``[..., d]`` of token ids: with a bin basis, a linear map of the bin's
+        cosines, so that nearby bins condition the later dimensions alike."""
+        if self.bin_basis_matrix is None:
+            return self.token_embed(ids)
+        return self.token_embed(self.bin_basis_matrix.T[ids])
 
     @torch.no_grad()
     def decode(self, obs: Any, tokens: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -342,7 +387,7 @@ class TokenPolicy(Pretrained, nn.Module):
         values = self.value_head(h).squeeze(-1)
         chosen, all_logits = [], []
         for j in range(self.num_tokens):
-            logits = self.token_head(h)
+            logits = self.bin_logits(h)
             all_logits.append(logits)
             if forced is None:
                 token = torch.multinomial(logits.softmax(-1), 1, generator=self._gen).squeeze(-1)
@@ -350,7 +395,7 @@ class TokenPolicy(Pretrained, nn.Module):
                 token = forced[:, j]
             chosen.append(token)
             if j + 1 < self.num_tokens:
-                step = (self.token_embed(token) + self.action_pos[j + 1])[:, None]
+                step = (self.embed_tokens(token) + self.action_pos[j + 1])[:, None]
                 h = self._transform(step, self.num_prefix + 1 + j, cache)[:, -1]
         return torch.stack(chosen, 1), torch.stack(all_logits, 1), values
 
