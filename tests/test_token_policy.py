@@ -228,6 +228,27 @@ def test_save_pretrained_round_trips_exactly(tmp_path):
         TokenPolicy.from_pretrained(tmp_path / "nowhere")
 
 
+@pytest.mark.parametrize("cls", ["token", "flow"])
+def test_weights_saved_before_a_config_key_existed_still_load(tmp_path, cls):
+    import json
+
+    from ebrl.policies.flow import FlowPolicy
+
+    obs_space, act_space = gym.spaces.Box(-1.0, 1.0, (3,)), gym.spaces.Box(-1.0, 1.0, (2,))
+    if cls == "token":
+        old, key = TokenPolicy.from_spaces(obs_space, act_space, **SMALL, bin_basis=0), "bin_basis"
+    else:
+        old, key = FlowPolicy.from_spaces(obs_space, act_space, hidden=(16,), predict="velocity"), "predict"
+    old.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config[key]  # as written before the key existed
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = type(old).from_pretrained(tmp_path)
+    assert loaded.config[key] == old.config[key]
+    for k, v in old.state_dict().items():
+        assert torch.equal(v, loaded.state_dict()[k]), k
+
+
 def test_dict_observations_with_pixels_state_and_instruction():
     policy = sharpen(TokenPolicy.from_spaces(dict_space(), gym.spaces.Box(-1.0, 1.0, (3,)), **SMALL, pixel_grid=3))
     assert policy.num_prefix == 1 + 9 + 1

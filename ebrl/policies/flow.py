@@ -91,8 +91,11 @@ class FlowPolicy(Pretrained, nn.Module):
     ``action_high`` (finite, broadcastable to it) define the map from the normalised ``[-1, 1]``
     space the flow lives in. ``sigma`` is bounded in ``[sigma_min, sigma_max]`` by a sigmoid and
     starts near ``init_sigma``. ``predict`` is ``"action"`` (the network predicts the final
-    chunk) or ``"velocity"`` (it predicts the velocity field). ``seed`` fixes the initial weights and the sampling stream.
+    chunk) or ``"velocity"`` (it predicts the velocity field). ``seed`` fixes the initial
+    weights and the sampling stream.
     """
+
+    CONFIG_BEFORE_KEY = {"predict": "velocity"}  # weights saved before `predict` predicted the velocity
 
     def __init__(
         self,

@@ -26,6 +26,9 @@ class Pretrained:
     """Mixin for an ``nn.Module`` whose ``config`` dict rebuilds it (``cls(**config)``)."""
 
     config: dict
+    # constructor arguments added after weights were first saved, with the value that reproduces
+    # those older weights: a config.json without the key loads as it did when it was written
+    CONFIG_BEFORE_KEY: dict = {}
 
     def save_pretrained(self, path: str | Path) -> None:
         """Write ``model.safetensors`` (the state_dict) and ``config.json`` (the constructor arguments)."""
@@ -50,6 +53,6 @@ class Pretrained:
         kind = config.pop("policy", cls.__name__)
         if kind != cls.__name__:
             raise ValueError(f"{path / CONFIG_NAME} holds a {kind}, not a {cls.__name__}")
-        policy = cls(**config)
+        policy = cls(**{**cls.CONFIG_BEFORE_KEY, **config})
         policy.load_state_dict(load_file(str(path / WEIGHTS_NAME)))
         return policy

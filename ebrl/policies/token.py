@@ -110,6 +110,8 @@ class TokenPolicy(Pretrained, nn.Module):
     the sampling stream: two policies built alike act identically on identical inputs.
     """
 
+    CONFIG_BEFORE_KEY = {"bin_basis": 0}  # weights saved before the bin basis had a free logit per bin
+
     def __init__(self, action_low, action_high, *, state_dim: int = 0, pixels_shape: Sequence[int] | None = None,
                  instruction_dim: int = 0, dict_obs: bool = False, d_model: int = 128, layers: int = 4,
                  heads: int = 4, mlp_ratio: int = 4, bins: int = 256, state_tokens: int = 1,
