@@ -262,6 +262,17 @@ def test_worker_processes_multiply_when_their_steps_wait_and_halve_to_the_cores_
     assert workers_rule(idle, Knobs("process", workers=2, placement=tuple(placement)), limits, Memory()) is None
     fixed = Limits(num_units=16, cpus=2, fixed=frozenset({"workers"}))
     assert workers_rule(sleeping, Knobs("process", workers=2, placement=tuple(placement)), fixed, Memory()) is None
+    # steps at 40% of their wall time: a wait while cores idle, a starved compute on saturated cores
+    starved = profile(wall=0.12, cpu=0.048, placement=placement)
+    starved.system = {"cpu_util_mean": 50.0}
+    assert workers_rule(starved, Knobs("process", workers=2, placement=tuple(placement)), limits, Memory()).new == 8
+    starved.system = {"cpu_util_mean": 97.0}
+    assert workers_rule(starved, Knobs("process", workers=2, placement=tuple(placement)), limits, Memory()) is None
+    crowded = profile(wall=0.03, cpu=0.012, placement=[0, 1, 2, 3, 4, 5, 6, 7] * 2)  # 8 workers, 40% each
+    crowded.system = {"cpu_util_mean": 100.0}
+    d = workers_rule(crowded, Knobs("process", workers=8, placement=tuple([0, 1, 2, 3, 4, 5, 6, 7] * 2)),
+                     limits, Memory())
+    assert d.new == 4  # they compute, time-sliced: halved
 
 
 # ---------------------------------------------------------------- the loop, in virtual time

@@ -114,6 +114,18 @@ def test_waiting_envs_leave_workers_for_the_lanes():
     assert d.new == (0, LOCAL, 0, LOCAL) and "wait" in d.reason
 
 
+def test_on_saturated_cores_a_starved_worker_step_is_not_taken_for_a_wait():
+    # FetchReach in two workers beside the generator and learner on two busy cores: its steps get
+    # 45% of their wall time on a CPU. They compute; only the sleeping env (1%) goes to the lanes
+    p = profile(n=4, steps=400, wall=0.9, cpu=np.array([0.405, 0.009, 0.405, 0.405]))
+    knobs = Knobs("mixed", lanes=2, workers=2, placement=(0, 1, 0, 1), mixed=True)
+    p.system = {"cpu_util_mean": 99.0}
+    d = backend_rule(p, knobs, Limits(num_units=4, cpus=2), Memory())
+    assert d.new == (0, LOCAL, 0, 1) and "cores were 99% busy" in d.reason
+    p.system = {"cpu_util_mean": 60.0}  # with idle cores the same 45% is a wait: all four move
+    assert backend_rule(p, knobs, Limits(num_units=4, cpus=2), Memory()).new == (LOCAL,) * 4
+
+
 def test_nothing_moves_without_a_mixed_pool_a_loaded_gil_or_a_second_core():
     p, _ = _mixed_window()
     knobs = Knobs("thread", lanes=16, workers=0, placement=(LOCAL,) * 16, mixed=True)

@@ -399,6 +399,25 @@ def batch_target_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memor
     return None
 
 
+SATURATED_ABOVE = 90.0  # % of the cores busy: a step's CPU share of its wall time includes its wait for a core
+WAITS_BELOW_SATURATED = 0.2  # so on saturated cores only a step under this share waits (sleeps measure < 5%)
+
+
+def _wait_bar(profile: EpochProfile) -> tuple[float, str]:
+    """The CPU/wall share under which a worker's steps count as waiting, and a note for the reason.
+
+    A worker whose steps get half of their wall time on the CPU may be waiting (I/O, sleeps),
+    or starved: on cores that are all busy a compute-bound step gets only its share of a core.
+    FetchReach's steps in two workers next to the generator and learner measured 36-50% on two
+    saturated cores; moving them to thread lanes, as if they waited, put them behind the GIL and
+    halved the run's steps/s. So on saturated cores (over ``SATURATED_ABOVE`` percent busy, when
+    the system sampler measured them) the bar drops to ``WAITS_BELOW_SATURATED``."""
+    util = profile.system.get("cpu_util_mean")
+    if util is not None and util >= SATURATED_ABOVE:
+        return WAITS_BELOW_SATURATED, f" (the cores were {util:.0f}% busy)"
+    return WAITS_BELOW, ""
+
+
 def workers_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> Decision | None:
     """The number of sim worker processes (each steps its envs one after another).
 
@@ -417,12 +436,13 @@ def workers_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Me
     placement = np.asarray(knobs.placement)
     busy = np.bincount(placement, weights=profile.wall_s, minlength=w) / profile.window_s
     cpu = float(profile.cpu_s.sum()) / max(float(profile.wall_s.sum()), 1e-12)
-    if busy.mean() > 0.9 and cpu < WAITS_BELOW and w < limits.num_units:
+    bar, note = _wait_bar(profile)
+    if busy.mean() > 0.9 and cpu < bar and w < limits.num_units:
         new = min(limits.num_units, 4 * w)
         return Decision(profile.epoch, "workers", w, new,
                         f"the {w} workers stepped {busy.mean():.0%} of the window, their steps computing only "
-                        f"{cpu:.0%} of that time (they wait): {new} workers overlap the waits")
-    if w > limits.cpus and cpu >= WAITS_BELOW:
+                        f"{cpu:.0%} of that time{note} (they wait): {new} workers overlap the waits")
+    if w > limits.cpus and cpu >= bar:
         new = max(limits.cpus, math.ceil(w / 2))
         return Decision(profile.epoch, "workers", w, new,
                         f"{w} workers on {limits.cpus} cores, their steps computing {cpu:.0%} of their time: "
@@ -439,8 +459,9 @@ def backend_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Me
     """A mixed pool's envs between thread lanes and worker processes, by their measured steps.
 
     To the lanes: envs in a worker whose steps compute under ``WAITS_BELOW`` of their wall time
-    (a worker steps its envs one after another, so a step that waits holds the others up; on
-    lanes the waits overlap). To workers, with two cores or more: envs on the lanes whose steps
+    (``WAITS_BELOW_SATURATED`` on saturated cores, see :func:`_wait_bar`; a worker steps its
+    envs one after another, so a step that waits holds the others up; on lanes the waits
+    overlap). To workers, with two cores or more: envs on the lanes whose steps
     compute ``LANE_BUSY_ABOVE`` of their wall time and ``PROCESS_STEP_CPU_S`` or more each, when the lanes' steps together compute over
     ``GIL_LOAD_ABOVE`` of a core: that CPU time holds the GIL the event loop and the other lanes
     need. On the lanes a GIL-bound step's wall time includes its wait for the GIL, so the bar
@@ -461,7 +482,8 @@ def backend_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Me
     gil = float(profile.cpu_s[local].sum()) / profile.window_s
     to_proc = (local & seen & (busy >= LANE_BUSY_ABOVE) & (cpu_step >= PROCESS_STEP_CPU_S) & (limits.cpus >= 2)
                & (gil > GIL_LOAD_ABOVE))
-    to_lanes = ~local & seen & (busy < WAITS_BELOW)
+    bar, note = _wait_bar(profile)
+    to_lanes = ~local & seen & (busy < bar)
     if not to_proc.any() and not to_lanes.any():
         return None
     new = place.copy()
@@ -480,7 +502,7 @@ def backend_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Me
                      f"a step holding the GIL (the lanes' steps took {gil:.2f} cores): to worker processes")
     if to_lanes.any():
         parts.append(f"{int(to_lanes.sum())} envs in workers compute only {np.median(busy[to_lanes]):.0%} of their "
-                     f"step's time (they wait): to thread lanes")
+                     f"step's time{note} (they wait): to thread lanes")
     return Decision(profile.epoch, "backend", tuple(place.tolist()), tuple(new.tolist()),
                     "; ".join(parts) + "; they move at their next episode end")
 
