@@ -314,8 +314,10 @@ class FlowPolicy(Pretrained, nn.Module):
 
         With ``x_tau = (1 - tau) * noise + tau * target`` (``tau ~ U(0, 1)``, targets normalised
         to ``[-1, 1]``), regress ``v(x_tau, tau, obs)`` onto ``target - noise``: the straight-line
-        velocity the Euler sampler integrates. Trains the velocity field only (the noise head is
-        for RL). Call :meth:`update_obs_stats` on the demonstrations first when normalising.
+        velocity the Euler sampler integrates. With ``predict="action"`` the network's output
+        ``x1_hat`` is regressed onto ``target`` instead (the same loss divided by
+        ``(1 - tau)^2``). Trains the velocity network only (the noise head is for RL). Call
+        :meth:`update_obs_stats` on the demonstrations first when normalising.
         """
         feat = self._features(obs)
         target = self.normalize_actions(_as_tensor(chunks, feat.device).to(feat.dtype))

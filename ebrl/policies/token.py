@@ -179,7 +179,7 @@ class TokenPolicy(Pretrained, nn.Module):
         self.final_norm = nn.LayerNorm(d_model)
         if bin_basis:
             # logits are a smooth function of the bin's place in [low, high]: the head predicts the
-            # coefficients of the lowest DCT-II frequencies over the bins (why: see bin_logits)
+            # coefficients of the lowest cosine frequencies over the bins, damped (why: see bin_logits)
             place = (torch.arange(bins, dtype=torch.float32) + 0.5) / bins
             freq = torch.arange(1, bin_basis + 1, dtype=torch.float32)[:, None]
             basis = torch.cos(math.pi * freq * place) / freq.square()
