@@ -84,9 +84,6 @@ def build_spec(config: str | None, overrides: list[str]) -> dict[str, Any]:
 
 POLICY_KINDS = ("auto", "mlp", "cnn", "token", "flow")
 ALGO_KINDS = ("ppo", "dppo", "vtrace", "grpo")
-# what GRPO needs of the runtime, unless the run sets it: whole episodes from shared resets, and
-# the sync schedule, under which every update sees whole groups (docs/algorithms.md)
-GRPO_RUN = {"segment_cut": "episode", "reset_group": 4, "schedule": "sync"}
 
 
 def build_policy(observation_space, action_space, options: dict[str, Any]):
@@ -137,13 +134,12 @@ def build_algo(spec: dict[str, Any]):
 
 def build_trainer(spec: dict[str, Any]):
     import ebrl
+    from ebrl.algos import resolve_run_config
     from ebrl.envs import VECTOR_SUITES, make, make_vector
-    from ebrl.runtime.sim_types import single_spaces
+    from ebrl.runtime.env_facts import EnvFacts
 
     name, env_kwargs = spec["env"], dict(spec["env_kwargs"])
     run = dict(spec["run"])
-    if spec["algo"].get("kind") == "grpo":  # episodes from shared resets, unless the run says otherwise
-        run = {**GRPO_RUN, **run}
     sim = run.get("sim", {})
     if not isinstance(sim, dict):  # e.g. JSON where TOML's inline table was meant
         raise ConfigError("run.sim", sim, "must be a table: --set 'run.sim={backend=\"process\", num_workers=2}' "
@@ -165,15 +161,15 @@ def build_trainer(spec: dict[str, Any]):
     except TypeError as exc:  # a keyword the env does not take
         raise ConfigError("env_kwargs", env_kwargs, str(exc)) from None
     try:
-        policy = build_policy(*single_spaces(probe), spec["policy"])
-        limit = getattr(getattr(probe, "spec", None), "max_episode_steps", None)
+        facts = EnvFacts.of(probe)
+        policy = build_policy(facts.observation_space, facts.action_space, spec["policy"])
     finally:
         probe.close()
-    if spec["algo"].get("kind") == "grpo" and limit and run_cfg.segment_len < limit:
-        # GRPO compares whole episodes: a segment shorter than the time limit cuts every long
-        # episode in two, and neither half can be used
-        run_cfg = dataclasses.replace(run_cfg, segment_len=int(limit))
-    return ebrl.Trainer(env_fn=env_fn, policy=policy, algo=build_algo(spec), config=run_cfg)
+    algo = build_algo(spec)
+    # as ebrl.run() resolves it, here already so that trainer.config says what runs: the
+    # algorithm's needs (GRPO: sync, episode cuts, reset groups, segments of the time limit)
+    run_cfg = resolve_run_config(run_cfg, algo, facts.max_episode_steps)
+    return ebrl.Trainer(env_fn=env_fn, policy=policy, algo=algo, config=run_cfg)
 
 
 def run_until_signal(trainer, progress=None):
@@ -296,7 +292,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     save_checkpoint(checkpoint, trainer, env_steps=env_steps, trained=result.trained,
                     updates=result.updates, resumed_from=args.resume, stopped_early=stopped,
                     world_size=result.world_size)
-    title = f"{spec['env']}: {trainer.config.schedule.value} schedule"
+    title = f"{spec['env']}: {result.schedule} schedule"
     print_summary(result, title=title + (f", {result.world_size} ranks" if result.world_size > 1 else ""))
     print(f"logs, metrics, result and checkpoint: {log_dir}/  (tensorboard --logdir {log_dir.parent})")
     if stopped:
@@ -321,7 +317,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         for name, doc in list_suites(args.suites_dir).items():
             print(f"{name:14s} {doc}")
         return 0
-    run_suite(args.suite, quick=args.quick, out_dir=Path(args.out), suites_dir=args.suites_dir, trace=args.trace)
+    run_suite(args.suite, quick=args.quick, out_dir=Path(args.out), suites_dir=args.suites_dir, trace=args.trace,
+              in_process=args.in_process)
     return 0
 
 
@@ -366,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--out", default="bench_out", help="directory for the JSON results")
     bench.add_argument("--trace", action="store_true", help="also write a Chrome trace and a Gantt PNG per schedule")
     bench.add_argument("--suites-dir", default=None, help="where suite files live (default: the repo's bench/)")
+    bench.add_argument("--in-process", action="store_true",
+                       help="run every measurement in this process (profiling), not each in a fresh one")
     bench.set_defaults(fn=cmd_bench)
     plot = sub.add_parser("plot", help="draw the learning curve of a run, also while it trains")
     plot.add_argument("run", help="a run directory, its history.jsonl or its result.json")

@@ -32,8 +32,9 @@ class ConfigError(ValueError):
 
 
 class Schedule(enum.StrEnum):
-    """How rollout and training are ordered. All three share envs, policy and algorithm."""
+    """How rollout and training are ordered. The three schedules share envs, policy and algorithm."""
 
+    AUTO = "auto"  # the algorithm's preference (GRPO: sync), else async; resolved when the run starts
     ASYNC = "async"  # EBRL: every env its own coroutine, training overlaps rollout
     SYNC = "sync"  # all envs in lockstep; rollout, then train (gymnasium vector-env pattern)
     PIPELINED = "pipelined"  # env groups in lockstep, groups overlap; train after rollout
@@ -42,6 +43,7 @@ class Schedule(enum.StrEnum):
 class SegmentCut(enum.StrEnum):
     """Where a rollout segment ends (besides the cuts that bound policy lag)."""
 
+    AUTO = "auto"  # what the algorithm needs (GRPO: episode), else length; resolved when the run starts
     LENGTH = "length"  # after segment_len steps: episodes run across segments (PPO, V-trace)
     EPISODE = "episode"  # also at every episode end: one episode per segment, from its reset (GRPO)
 
@@ -221,11 +223,15 @@ class RunConfig:
     num_envs: int = 16
     segment_len: int = 64  # T: steps per env in one rollout segment
     total_env_steps: int = 100_000  # the run stops generating once this many steps are claimed
-    schedule: Schedule = Schedule.ASYNC
+    # auto: the algorithm's preferred schedule (its run_needs; GRPO prefers sync), else async
+    schedule: Schedule = Schedule.AUTO
     max_policy_lag: int = 1  # no trained sample is older than this many updates
-    segment_cut: SegmentCut = SegmentCut.LENGTH
+    # auto: what the algorithm needs (GRPO: episode), else length; an explicit value it cannot
+    # train on is a ConfigError when the run starts (ebrl.algos.resolve_run_config)
+    segment_cut: SegmentCut = SegmentCut.AUTO
     # envs in consecutive blocks of this size start every episode from the same seed (a reset
-    # group: GRPO compares their returns); None: each env its own seeds
+    # group: GRPO compares their returns); None: the algorithm's default (GRPO: 4), else each
+    # env its own seeds
     reset_group: int | None = None
     batch_segments: int | None = None  # segments per update; None = num_envs
     num_groups: int = 2  # env groups of the pipelined schedule

@@ -28,6 +28,7 @@ import gymnasium as gym
 import numpy as np
 
 from ebrl.policies.base import ActResult
+from ebrl.policies.expects import ActionSpec, PolicySpaces
 from ebrl.runtime.virtual_time import VirtualTimeLoop
 from ebrl.spaces import batch_size
 
@@ -189,6 +190,12 @@ class MockPolicy:
 
     def virtual_cost(self, batch: int) -> float:
         return self.base_cost_s + self.per_item_cost_s * batch
+
+    def expected_spaces(self) -> PolicySpaces:
+        """Its actions, ``Discrete(n_actions)`` or ``Box(act_dim,)``; any observation."""
+        if self.n_actions is not None:
+            return PolicySpaces(action=ActionSpec(discrete=self.n_actions))
+        return PolicySpaces(action=None if self.act_dim is None else ActionSpec(shape=(self.act_dim,)))
 
     def state_dict(self) -> dict:
         return {"weights_version": self.weights_version}

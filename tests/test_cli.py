@@ -29,7 +29,8 @@ def test_algo_and_policy_kinds_each_with_its_own_table():
     assert isinstance(build_algo(build_spec(None, ["algo.kind=dppo"])), DecoupledPPO)
     trainer = build_trainer(build_spec(None, [*base, "algo.kind=grpo", "policy.kind=token", "policy.d_model=32"]))
     assert isinstance(trainer.algo, GRPO) and isinstance(trainer.policy, TokenPolicy)
-    assert trainer.config.segment_cut == "episode" and trainer.config.reset_group == 4  # what GRPO needs
+    # what GRPO needs (GRPO.run_needs), resolved by build_trainer as ebrl.run resolves it
+    assert trainer.config.segment_cut == "episode" and trainer.config.reset_group == 4
     assert trainer.config.schedule == "sync"
     mine = build_trainer(build_spec(None, [*base, "algo.kind=grpo", 'run.schedule="async"']))
     assert mine.config.schedule == "async"  # what the run sets wins

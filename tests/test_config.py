@@ -6,7 +6,8 @@ from ebrl.config import ConfigError, RunConfig, load_file
 
 @pytest.mark.parametrize("kwargs, field, allowed", [
     ({"num_envs": 0}, "num_envs", "integer >= 1"),
-    ({"schedule": "lockstep"}, "schedule", "'async', 'sync', 'pipelined'"),
+    ({"schedule": "lockstep"}, "schedule", "'auto', 'async', 'sync', 'pipelined'"),
+    ({"segment_cut": "episodes"}, "segment_cut", "'auto', 'length', 'episode'"),
     ({"sim": {"backend": "gpu"}}, "sim.backend", "'auto', 'inline', 'thread', 'process'"),
     ({"sim": {"thread": 2}}, "sim.thread", "unknown field"),
     ({"generation": {"max_wait_s": -1}}, "generation.max_wait_s", ">= 0"),
@@ -26,6 +27,11 @@ def test_overrides_parse_values_and_reach_nested_fields():
                                       "generation.max_wait_s=1e-3", "log_dir=runs/x"])
     assert (cfg.num_envs, cfg.schedule, cfg.sim.backend, cfg.generation.max_wait_s, cfg.log_dir) == (
         32, "sync", "thread", 1e-3, "runs/x")
+    # schedule and segment_cut default to auto: the algorithm's needs, resolved when the run starts
+    default = RunConfig()
+    assert (default.schedule, default.segment_cut, default.reset_group) == ("auto", "auto", None)
+    assert RunConfig.from_dict(default.to_dict()) == default
+    assert default.with_overrides(["segment_cut=length"]).segment_cut == "length"
     with pytest.raises(ConfigError, match="num_env=.*unknown field"):
         RunConfig().with_overrides(["num_env=3"])
     with pytest.raises(ConfigError, match="key=value"):
@@ -34,9 +40,9 @@ def test_overrides_parse_values_and_reach_nested_fields():
 
 def test_toml_file_round_trip(tmp_path):
     path = tmp_path / "run.toml"
-    path.write_text('num_envs = 4\nschedule = "pipelined"\n[sim]\nbackend = "inline"\n')
+    path.write_text('num_envs = 4\nschedule = "pipelined"\nsegment_cut = "auto"\n[sim]\nbackend = "inline"\n')
     cfg = RunConfig.from_dict(load_file(path))
-    assert cfg.num_envs == 4 and cfg.sim.backend == "inline"
+    assert cfg.num_envs == 4 and cfg.sim.backend == "inline" and cfg.segment_cut == "auto"
     with pytest.raises(ConfigError, match="no such file"):
         load_file(tmp_path / "missing.toml")
 

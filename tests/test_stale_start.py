@@ -10,6 +10,7 @@ import types
 import numpy as np
 
 from ebrl.runtime import sim_workers
+from ebrl.runtime.sim_types import fault_reason
 from ebrl.runtime.sim_workers import ProcessSimPool
 from ebrl.testing import Latency, MockEnv
 
@@ -62,19 +63,42 @@ async def test_without_the_send_time_guard_too(monkeypatch, no_leaks):
     await a_step_ending_mid_read(monkeypatch, pool, guard=False)
 
 
-async def test_a_step_really_past_the_limit_still_times_out(no_leaks):
-    pool = ProcessSimPool(lambda i: MockEnv(dim=2, latency=Latency.constant(2.0)), num_envs=1, num_workers=1)
+async def hang_and_kill(pool: ProcessSimPool) -> list:
+    """Start ``pool``, step env 0 (which hangs) until the watchdog kills its worker for it; the
+    blocks that came back (env 0's failure)."""
     blocks = []
     pool.on_block = blocks.append
     await pool.start()
+    await pool.reset(0)
+    pool.submit(np.array([0]), np.zeros((1, 2), np.float32))
+    await asyncio.sleep(0.3)
+    assert pool.abandon_late(0.1) == [0]
+    deadline = time.perf_counter() + 5.0
+    while not blocks and time.perf_counter() < deadline:
+        await asyncio.sleep(0.01)
+    return blocks
+
+
+async def test_a_step_really_past_the_limit_still_times_out(no_leaks):
+    pool = ProcessSimPool(lambda i: MockEnv(dim=2, latency=Latency.constant(2.0)), num_envs=1, num_workers=1)
     try:
-        await pool.reset(0)
-        pool.submit(np.array([0]), np.zeros((1, 2), np.float32))
-        await asyncio.sleep(0.3)
-        assert pool.abandon_late(0.1) == [0]
-        deadline = time.perf_counter() + 5.0
-        while not blocks and time.perf_counter() < deadline:
-            await asyncio.sleep(0.01)
+        blocks = await hang_and_kill(pool)
         assert [i for b in blocks for i, _ in b.errors] == [0] and pool.respawns == 1
+    finally:
+        pool.close()
+
+
+async def test_a_killed_workers_step_start_does_not_time_out_the_envs_rebuild_in_the_new_worker(no_leaks):
+    """Killed in a step, a worker leaves that step's start in the shared row. The env's rebuild,
+    queued in the new worker, must not look late by it: that killed the new worker (and the
+    env's worker-mates again) and charged the env a second timeout."""
+    pool = ProcessSimPool(lambda i: MockEnv(dim=2, latency=Latency.constant(30.0)), num_envs=2, num_workers=1)
+    try:
+        blocks = await hang_and_kill(pool)
+        assert [(i, fault_reason(e)) for b in blocks for i, e in b.errors] == [(0, "timeout")] and pool.respawns == 1
+        rebuild = asyncio.ensure_future(pool.rebuild(0))
+        assert not pool.abandon(0, 0.1)  # not started in the new worker: not late
+        await rebuild
+        assert pool.respawns == 1
     finally:
         pool.close()

@@ -152,7 +152,7 @@ def measure(workload: str, runner: str, config: dict, steps: int, seed: int) -> 
     meter = CpuMeter()
     with asyncio.Runner(loop_factory=loop_factory()) as runner_loop:
         result, wall, gap = runner_loop.run(timed())
-    paused = result.learner_busy_s if cfg.schedule.value != "async" else 0.0  # lockstep: no rollout while training
+    paused = result.learner_busy_s if result.schedule != "async" else 0.0  # lockstep: no rollout while training
     last = max((d["epoch"] for d in result.decisions), default=-1)
     return {"case": workload, "runner": runner, "env_steps": result.env_steps, "wall_s": wall,
             "steps_per_s": result.env_steps / wall, "rollout_steps_per_s": result.env_steps / max(wall - paused, 1e-9),

@@ -64,7 +64,7 @@ def _run(w: Workload, seed: int, steps: int, quick: bool) -> tuple[list[dict], d
     curve = [{"time": h["time"], "env_steps": h["env_steps"], "score": h.get(w.score)} for h in result.history]
     return curve, {"env_steps": result.env_steps, "wall_s": result.wall_s, "steps_per_s": result.env_steps_per_s,
                    "updates": result.updates, "num_envs": trainer.config.num_envs,
-                   "schedule": str(trainer.config.schedule)}
+                   "schedule": result.schedule}
 
 
 def _scores(curve: list[dict]) -> list[float]:

@@ -12,7 +12,9 @@ penalty to a frozen reference policy (the k3 estimator
 ``exp(ref - logp) - (ref - logp) - 1`` of DeepSeekMath). The value head is neither used nor
 trained; there is no discounting.
 
-What the runtime must provide (``RunConfig(segment_cut="episode", reset_group=k)``):
+What the runtime must provide (``RunConfig(segment_cut="episode", reset_group=k)``; GRPO
+declares it in :attr:`GRPO.run_needs`, and ``ebrl.run`` applies it to a RunConfig that leaves
+these fields ``auto``/``None``, see :mod:`ebrl.algos.needs`):
 
 * ``segment_cut="episode"``: every segment is one episode from its reset, cut at its end, so a
   segment's valid rewards are its episode's rewards. An episode split across segments (longer
@@ -68,12 +70,15 @@ from torch import Tensor, nn
 from ebrl import distributed
 from ebrl.algos.advantages import _last_valid
 from ebrl.algos.batch import Batch
+from ebrl.algos.needs import RunNeeds
 from ebrl.algos.ppo import Checks, MinibatchAlgo, _index
+from ebrl.config import Schedule, SegmentCut
 from ebrl.spaces import tree_map
 
 LossFn = Callable[[nn.Module, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor | float]]]
 
 GROUP_EPS = 1e-6  # added to the group std (verl's and SimpleVLA-RL's epsilon)
+DEFAULT_RESET_GROUP = 4  # envs per reset group when the run sets none
 
 
 @dataclass
@@ -192,6 +197,15 @@ class GRPO(MinibatchAlgo):
         self._policy: nn.Module | None = None
         self._gen = torch.Generator().manual_seed(self.config.seed)  # minibatch permutations
         self._pending_optimizer_state: dict | None = None
+
+    @property
+    def run_needs(self) -> RunNeeds:
+        """Whole episodes from shared resets: segments cut at episode ends and at least the
+        time limit long, envs in reset groups of at least ``min_group``; sync preferred, where
+        no episode is cut to bound policy lag and every update sees whole groups."""
+        return RunNeeds(segment_cut=SegmentCut.EPISODE, reset_group=max(DEFAULT_RESET_GROUP, self.config.min_group),
+                        min_reset_group=self.config.min_group, whole_episodes=True, schedule=Schedule.SYNC,
+                        why="it compares whole episodes from their resets")
 
     # ---- state (checkpoints, and the learner process handing its state back) -------------
 

@@ -2,8 +2,10 @@
 
 from ebrl.policies.base import ActResult, Policy
 from ebrl.policies.cnn import CNNPolicy
+from ebrl.policies.expects import PolicySpaces, check_policy_spaces
 from ebrl.policies.flow import FlowPolicy
 from ebrl.policies.mlp import MLPPolicy
 from ebrl.policies.token import TokenPolicy
 
-__all__ = ["ActResult", "CNNPolicy", "FlowPolicy", "MLPPolicy", "Policy", "TokenPolicy"]
+__all__ = ["ActResult", "CNNPolicy", "FlowPolicy", "MLPPolicy", "Policy", "PolicySpaces", "TokenPolicy",
+           "check_policy_spaces"]

@@ -3,6 +3,9 @@
 The runtime only ever calls :meth:`Policy.act` (on the generator's inference copy)
 and moves weights with ``state_dict``/``load_state_dict``. Algorithms call
 :meth:`Policy.evaluate` and :meth:`Policy.value` with gradients on the learner's copy.
+A policy may also say which spaces it was built for, ``expected_spaces()``
+(:mod:`ebrl.policies.expects`): ``ebrl.run`` then checks env 0's spaces against it before it
+starts anything.
 """
 
 from __future__ import annotations

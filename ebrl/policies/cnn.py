@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from ebrl.policies.base import ActResult
+from ebrl.policies.expects import ActionSpec, DType, ObsSpec, PolicySpaces
 from ebrl.policies.heads import (
     ActorCriticHeads,
     action_bounds,
@@ -122,6 +123,16 @@ class CNNPolicy(ActorCriticHeads, nn.Module):
             return cls(pix.shape, int(action_space.shape[0]), action_low=action_space.low,
                        action_high=action_space.high, **kw)
         raise ValueError(f"CNNPolicy supports 1-D Box or Discrete action spaces, got {action_space!r}")
+
+    def expected_spaces(self) -> PolicySpaces:
+        """What this policy was built for (``ebrl.run`` checks env 0's spaces against it): Dict
+        observations with uint8 ``pixels`` of ``pixels_shape`` (and a ``state`` of ``state_dim``
+        elements when it has one); ``Discrete(n)`` or ``Box(act_dim,)`` actions."""
+        obs = [ObsSpec(keys=("pixels",), shape=self.pixels_shape, dtype=DType.UINT8)]
+        if self.state_dim:
+            obs.append(ObsSpec(keys=("state",), size=self.state_dim))
+        action = ActionSpec(discrete=self.act_dim) if self.discrete else ActionSpec(shape=(self.act_dim,))
+        return PolicySpaces(tuple(obs), action)
 
     # ---- observations --------------------------------------------------------------------
 

@@ -56,6 +56,7 @@ import torch
 from torch import Tensor, nn
 
 from ebrl.policies.base import ActResult
+from ebrl.policies.expects import ActionSpec, ObsSpec, PolicySpaces
 from ebrl.policies.heads import LOG_SQRT_2PI, merge_moments, register_moments
 from ebrl.policies.mlp import _mlp
 from ebrl.policies.pretrained import Pretrained
@@ -194,6 +195,12 @@ class FlowPolicy(Pretrained, nn.Module):
             raise ValueError(f"FlowPolicy needs finite action bounds (actions are mapped from [-1, 1] onto "
                              f"them), got {action_space!r}")
         return cls(obs_dim, action_space.shape, action_space.low, action_space.high, **kw)
+
+    def expected_spaces(self) -> PolicySpaces:
+        """What this policy was built for (``ebrl.run`` checks env 0's spaces against it): ``obs_dim``
+        elements, of a Box or of the ``obs_keys`` entries of a Dict, joined; Box actions of
+        ``chunk_shape``."""
+        return PolicySpaces((ObsSpec(keys=self.obs_keys, size=self.obs_dim),), ActionSpec(shape=self.chunk_shape))
 
     # ---- observations ----------------------------------------------------------------------
 

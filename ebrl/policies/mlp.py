@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from ebrl.policies.base import ActResult
+from ebrl.policies.expects import ActionSpec, ObsSpec, PolicySpaces
 from ebrl.policies.heads import (
     LOG_SQRT_2PI,
     ActorCriticHeads,
@@ -141,6 +142,13 @@ class MLPPolicy(ActorCriticHeads, nn.Module):
         raise ValueError(
             f"MLPPolicy supports 1-D Box or Discrete action spaces, got {action_space!r}"
         )
+
+    def expected_spaces(self) -> PolicySpaces:
+        """What this policy was built for (``ebrl.run`` checks env 0's spaces against it): Box
+        observations of ``obs_dim`` elements, any shape and number dtype (they are flattened and
+        cast); ``Discrete(n)`` or ``Box(act_dim,)`` actions."""
+        action = ActionSpec(discrete=self.act_dim) if self.discrete else ActionSpec(shape=(self.act_dim,))
+        return PolicySpaces((ObsSpec(size=self.obs_dim),), action)
 
     # ---- observation normalisation -------------------------------------------------------
 

@@ -49,6 +49,7 @@ import torch
 from torch import Tensor, nn
 
 from ebrl.policies.base import ActResult
+from ebrl.policies.expects import ActionSpec, DType, ObsSpec, PolicySpaces
 from ebrl.policies.heads import merge_moments, register_moments
 from ebrl.policies.mlp import _EPS, _OBS_CLIP
 from ebrl.policies.pretrained import Pretrained
@@ -275,6 +276,21 @@ class TokenPolicy(Pretrained, nn.Module):
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.bins):
             raise ValueError(f"action token ids must lie in [0, {self.bins}), got [{int(ids.min())}, {int(ids.max())}]")
         return ids
+
+    def expected_spaces(self) -> PolicySpaces:
+        """What this policy was built for (``ebrl.run`` checks env 0's spaces against it): a Box
+        of ``state_dim`` elements, or with ``dict_obs`` the Dict entries it has inputs for
+        (uint8 ``pixels`` of ``pixels_shape``); Box actions of ``action_shape``, ``(A,)`` or
+        ``(K, A)``."""
+        if not self.dict_obs:
+            obs = [ObsSpec(size=self.state_dim)]
+        else:
+            obs = [ObsSpec(keys=("state",), size=self.state_dim)] if self.state_dim else []
+            if self.pixels_shape is not None:
+                obs.append(ObsSpec(keys=("pixels",), shape=self.pixels_shape, dtype=DType.UINT8))
+            if self.instruction_dim:
+                obs.append(ObsSpec(keys=("instruction",), size=self.instruction_dim))
+        return PolicySpaces(tuple(obs), ActionSpec(shape=self.action_shape))
 
     # ---- observations ----------------------------------------------------------------------
 

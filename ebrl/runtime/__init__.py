@@ -2,4 +2,4 @@
 ``sim_types``/``sim_local``/``sim_workers``/``sim_pool`` and ``vector_envs`` (where simulation runs: shared
 types, inline and thread pools, worker processes, the backend choice), ``generation`` (dynamic
 batching), ``rollout`` (batch-first storage and policy lag), ``learner``, ``schedules``, ``stats``,
-``profiler`` and ``virtual_time``. Most users need only :func:`ebrl.run`."""
+``profiler``, ``virtual_time`` and ``errors`` (one error out of a TaskGroup). Most users need only :func:`ebrl.run`."""

@@ -32,6 +32,7 @@ import numpy as np
 
 from ebrl.config import NonFinite, RunConfig, Schedule
 from ebrl.policies.base import ActResult
+from ebrl.runtime.errors import raise_first
 from ebrl.runtime.generation import Generator
 from ebrl.runtime.rollout import RolloutQueue
 from ebrl.runtime.sim_types import Block, EnvStepError, NonFiniteReset, SimPool, TimedOut
@@ -47,7 +48,14 @@ log = get_logger("ebrl.env")
 
 
 class TooManyEnvFailures(RuntimeError):
-    """More env failures within the window than ``faults.max_env_failures`` allows."""
+    """More env failures within the window than ``faults.max_env_failures`` allows.
+
+    ``failures`` lists the ones charged, oldest first, as ``(env, reason)`` (``env_error``,
+    ``timeout`` or ``nonfinite``): a worker-mate lost with a hung or dead worker is not one."""
+
+    def __init__(self, message: str, failures: list[tuple[int, str]] | None = None):
+        super().__init__(message)
+        self.failures = list(failures or [])
 
 
 class NonFiniteError(RuntimeError):
@@ -93,7 +101,9 @@ class Driver:
         self.ep_success = np.full(n, -1, np.int8)  # -1 until the env reports a success flag
         self.resets = np.zeros(n, np.int64)
         self.episodes = np.zeros(n, np.int64)  # episodes started per env (reset groups seed by it)
-        self.failure_times: deque[float] = deque()
+        # failures charged to faults.max_env_failures in the window: (loop time, env, reason)
+        self.failure_times: deque[tuple[float, int, str]] = deque()
+        self._gave_up = False  # TooManyEnvFailures raised: the run is stopping on it
         self.timeouts = 0  # steps abandoned past faults.step_timeout_s
         # placement changes the controller asked for: env -> worker, done at the env's next episode end
         self.moves: dict[int, int] = {}
@@ -126,7 +136,8 @@ class Driver:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 units = range(self.cfg.num_envs // self.V)
-                await asyncio.gather(*(self._first_reset(u) for u in units))
+                # tasks of the group: a failure cancels the others (none is left running)
+                await asyncio.wait([tg.create_task(self._first_reset(u)) for u in units])
                 now = self._loop.time()
                 self.t_ready[:] = now
                 for ids in self.group_ids:
@@ -139,11 +150,8 @@ class Driver:
                 finally:
                     if watchdog is not None:
                         watchdog.cancel()
-        except BaseExceptionGroup as group:  # one failure (an env's, or a callback's): raise it as itself
-            real = [e for e in group.exceptions if not isinstance(e, asyncio.CancelledError)]
-            if len(real) == 1:
-                raise real[0] from None
-            raise
+        except BaseExceptionGroup as group:  # raise the first failure as itself, the others as its notes
+            raise_first(group)
         finally:
             self._tg = None
             self.rollout.finish()
@@ -179,6 +187,8 @@ class Driver:
                 tl.record(self.lanes[i], "sim", self.t_sub[i], now)
         self.wait_sim[ids] += now - self.t_sub[ids]
         self.t_ready[ids] = now
+        if not self.stats.simulated:  # NaN until now: start-up ends here (RunResult.first_step_s)
+            self.stats.first_step_at = now
         self.stats.simulated += len(ids)
         go = ids
         if not block.clean and not block.finite.all():
@@ -290,7 +300,7 @@ class Driver:
         else:
             state.budget -= len(ids)
         blocked = self.rollout.need_space(ids)
-        if blocked.any():
+        if np.count_nonzero(blocked):
             if self.lockstep or self.V > 1:
                 # a group or a vector env goes whole, or not at all
                 self._park(ids)
@@ -439,27 +449,25 @@ class Driver:
         if self._tg is None:
             coro.close()
             return
-        self._tg.create_task(coro)
+        try:
+            self._tg.create_task(coro)
+        except RuntimeError:  # the group is shutting down (the run is stopping on a failure)
+            coro.close()
 
     async def _recover(self, unit: int, exc: EnvStepError, arrive: bool = True) -> None:
         """Drop the failed unit's open segments, rebuild it from env_fn, reset it, release it."""
         ids = self._unit_ids(unit)
         while True:
-            self.stats.env_failures += 1
             reason = exc.reason  # env_error, timeout or worker_died
+            # the env's own fault counts; a worker-mate lost with a hung or dead worker did nothing wrong
+            own = reason != "worker_died"
+            self.stats.env_failures += own
             dropped = sum(self.rollout.drop_open(i, reason) for i in ids.tolist())
             log.warning("env_failed", env=int(ids[0]) if len(ids) == 1 else f"{ids[0]}-{ids[-1]}",
                         step=int(self.rollout.steps_per_env[ids[0]]), op=exc.op, error=exc.detail,
                         reason=reason, dropped_steps=dropped)
-            now = self._loop.time()
-            if reason != "worker_died":  # the env's own fault, not a lost process's: these count
-                self.failure_times.append(now)
-            while self.failure_times and now - self.failure_times[0] > self.cfg.faults.failure_window_s:
-                self.failure_times.popleft()
-            if len(self.failure_times) > self.cfg.faults.max_env_failures:
-                raise TooManyEnvFailures(
-                    f"{len(self.failure_times)} env failures within {self.cfg.faults.failure_window_s}s "
-                    f"(faults.max_env_failures={self.cfg.faults.max_env_failures}); last: {exc}") from exc
+            if own and self._charge(unit, reason, exc):
+                return  # the run is stopping on a TooManyEnvFailures raised already: not a copy of it
             try:
                 await self._timed(unit, "env_fn", self.pool.rebuild(unit))
                 await self._reset_unit(unit)
@@ -469,6 +477,28 @@ class Driver:
         self.t_ready[ids] = self._loop.time()
         if arrive:
             self._arrive(ids)
+
+    def _charge(self, unit: int, reason: str, exc: EnvStepError) -> bool:
+        """Count a failure of ``unit`` toward ``faults.max_env_failures``; raise
+        TooManyEnvFailures once it is over (True: it was raised before, by another recovery)."""
+        faults, now = self.cfg.faults, self._loop.time()
+        self.failure_times.append((now, unit, reason))
+        while self.failure_times and now - self.failure_times[0][0] > faults.failure_window_s:
+            self.failure_times.popleft()
+        if len(self.failure_times) <= faults.max_env_failures:
+            return False
+        if self._gave_up:
+            return True
+        self._gave_up = True
+        failures = [(u, r) for _, u, r in self.failure_times]
+        what = "env" if self.V == 1 else "vector env"
+        counts: dict[tuple[int, str], int] = {}
+        for key in failures:
+            counts[key] = counts.get(key, 0) + 1
+        charged = ", ".join(f"{what} {u} {r} x{n}" for (u, r), n in counts.items())
+        raise TooManyEnvFailures(
+            f"{len(failures)} env failures within {faults.failure_window_s}s "
+            f"(faults.max_env_failures={faults.max_env_failures}): {charged}; last: {exc}", failures) from exc
 
     async def _first_reset(self, unit: int) -> None:
         """The run's first reset of a unit. A NaN/inf observation (``nonfinite='drop'``) is

@@ -21,10 +21,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ebrl.algos.needs import resolve_run_config
 from ebrl.algos.ppo import MinibatchAlgo
 from ebrl.config import DEFAULT_MAX_WAIT_S, ConfigError, LearnerMode, RunConfig, SegmentCut, SimBackend
 from ebrl.distributed import DataParallel, combine_results, rank_config, reseed_sampling, weight_hash
+from ebrl.policies.expects import check_policy_spaces
 from ebrl.runtime.drivers import Driver
+from ebrl.runtime.env_facts import inspect_env
+from ebrl.runtime.errors import raise_first
 from ebrl.runtime.generation import Generator
 from ebrl.runtime.learner import Checkpointing, Learner, LearnerProcess
 from ebrl.runtime.resources.gpu import GpuStreams
@@ -32,7 +36,7 @@ from ebrl.runtime.resources.manager import ResourceManager
 from ebrl.runtime.resources.profiler import LiveProfiler
 from ebrl.runtime.rollout import RolloutQueue
 from ebrl.runtime.schedules import effective_lag, generation_target, is_lockstep
-from ebrl.runtime.sim_pool import make_sim_pool, probe_backend
+from ebrl.runtime.sim_pool import Probe, make_sim_pool, probe_backend
 from ebrl.runtime.state import RunState
 from ebrl.runtime.stats import RunResult, RunStats, summarize
 from ebrl.runtime.threads import in_thread, usable_cpus
@@ -60,6 +64,7 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
     """
     cfg = trainer.config
     loop = asyncio.get_running_loop()
+    called = loop.time()  # start-up is timed from here (RunResult.first_step_s, first_update_s)
     virtual = is_virtual(loop)
     # under torchrun (WORLD_SIZE > 1) this run is one rank of a data-parallel job
     dp = None if virtual else DataParallel.from_env(timeout_s=cfg.faults.collective_timeout_s,
@@ -72,7 +77,7 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
                                   "derived from ebrl.algos.ppo.MinibatchAlgo (PPO, DecoupledPPO, VTrace, GRPO)")
             cfg = rank_config(cfg, dp)
             dp.broadcast_module(trainer.policy)  # every rank starts from rank 0's weights
-        result = await _run(trainer, cfg, dp, loop, virtual, stop=stop, progress=progress, timeline=timeline)
+        result = await _run(trainer, cfg, dp, loop, virtual, called, stop=stop, progress=progress, timeline=timeline)
         clean = True
     finally:
         if dp is not None:
@@ -80,14 +85,22 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
     return result
 
 
-async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop, virtual: bool, *,
+async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop, virtual: bool, called: float, *,
                stop: asyncio.Event | None, progress: Progress | None, timeline: "Timeline | None") -> RunResult:
-    # AUTO is probed off the loop: the caller's tasks run on meanwhile
-    backend, lanes = (SimBackend.INLINE, None) if virtual else await probe_backend(trainer.env_fn, cfg.sim, cfg.num_envs)
+    # the algorithm's needs fill the config's auto fields; a contradiction raises before any env is built
+    cfg = resolve_run_config(cfg, trainer.algo)
+    # env 0 once, for its spaces and time limit: AUTO's probe reads them from the env it measures,
+    # off the loop (the caller's tasks run on meanwhile); virtual time builds it inline
+    probe = (Probe(SimBackend.INLINE, None, inspect_env(trainer.env_fn)) if virtual
+             else await probe_backend(trainer.env_fn, cfg.sim, cfg.num_envs))
+    cfg = resolve_run_config(cfg, trainer.algo, probe.env.max_episode_steps)  # whole episodes: segment_len
+    # before anything forks (learner process, sim workers) or builds the envs: one error naming both spaces
+    check_policy_spaces(trainer.policy, probe.env.observation_space, probe.env.action_space)
+    backend, lanes = probe.backend, probe.lanes
     old_threads = torch.get_num_threads()
     if cfg.torch_threads is not None:
         torch.set_num_threads(cfg.torch_threads)
-    stats = RunStats()
+    stats = RunStats(started_at=called)
     state = RunState(budget=cfg.total_env_steps, active=cfg.num_envs)
     # AUTO's choice is a start: the controller may move envs between lanes and workers
     movable = cfg.sim.backend is SimBackend.AUTO and cfg.resources.adapt and not virtual
@@ -149,11 +162,8 @@ async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop
             for task in [drive] + helpers:  # a stop leaves envs parked on a queue that no one empties
                 task.cancel()
         manager.finish()  # before the pool closes: the last window reads its counters
-    except BaseExceptionGroup as group:
-        real = [e for e in group.exceptions if not isinstance(e, asyncio.CancelledError)]
-        if len(real) == 1:
-            raise real[0] from None
-        raise
+    except BaseExceptionGroup as group:  # one error out of run(): the first, the others its notes
+        raise_first(group)
     finally:
         try:
             pool.close()
@@ -171,7 +181,7 @@ async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop
     result = summarize(stats, schedule=cfg.schedule.value, wall_s=t_end - t0,
                        in_flight=rollout.pending_steps() + learner.untrained_in_hand,
                        version=learner.version, steps_per_env=rollout.steps_per_env.tolist(),
-                       history=learner.history)
+                       history=learner.history, ended_at=t_end)
     result.timeouts = driver.timeouts
     result.respawns = getattr(pool, "respawns", 0)
     result.sim_backend = pool.backend.value

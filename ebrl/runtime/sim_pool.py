@@ -45,6 +45,7 @@ import time
 from dataclasses import dataclass
 
 from ebrl.config import ConfigError, SimBackend, SimConfig
+from ebrl.runtime.env_facts import EnvFacts, inspect_env
 from ebrl.runtime.sim_local import InlineSimPool, ThreadSimPool
 from ebrl.runtime.sim_mixed import MixedSimPool
 from ebrl.runtime.sim_types import (
@@ -69,9 +70,9 @@ DEFAULT_LANES = 2  # thread lanes when neither the probe nor sim.num_threads say
 own = copy_tree  # the name this module gave it before the split
 
 __all__ = [
-    "EnvFn", "EnvStepError", "InlineSimPool", "MixedSimPool", "ProcessSimPool", "SimPool", "StepOut", "ThreadSimPool",
-    "StepProfile", "all_finite", "choose_backend", "close_quietly", "decide_backend", "decide_lanes", "make_sim_pool",
-    "measure_step_cost",
+    "EnvFn", "EnvStepError", "InlineSimPool", "MixedSimPool", "Probe", "ProcessSimPool", "SimPool", "StepOut",
+    "ThreadSimPool", "StepProfile", "all_finite", "choose_backend", "close_quietly", "decide_backend", "decide_lanes",
+    "make_sim_pool", "measure_step_cost",
     "own", "probe_backend", "reset_env", "single_spaces", "step_env",
 ]
 
@@ -97,7 +98,10 @@ class StepProfile:
 WAITS_BELOW = 0.5  # a step busy less than this fraction of its time mostly waits: threads overlap it
 
 
-PROBE_ROUND_S = 0.05  # the probe's rounds take about this long each (10 steps at least)
+# the probe's rounds take about this long each (10 steps at least): every env's first step waits
+# for the probe, and telling a step that computes from one that waits needs no more (it was 0.05:
+# 0.2 s before a 1 ms-sleeping env's first step)
+PROBE_ROUND_S = 0.015
 
 
 def measure_step_cost(env_fn: EnvFn, steps: int = 100, rounds: int = 3) -> StepProfile:
@@ -106,8 +110,14 @@ def measure_step_cost(env_fn: EnvFn, steps: int = 100, rounds: int = 3) -> StepP
     GIL. A round is ``steps`` steps, fewer for a slow env (about ``PROBE_ROUND_S`` a round, at
     least 10 steps): the controller refines the choice from live numbers, so the probe only has
     to tell a step that computes from one that waits."""
+    return _measure(env_fn, steps, rounds)[0]
+
+
+def _measure(env_fn: EnvFn, steps: int = 100, rounds: int = 3) -> tuple[StepProfile, EnvFacts]:
+    """:func:`measure_step_cost`, and env 0's facts, read before its first step."""
     env = env_fn(0)
     try:
+        facts = EnvFacts.of(env)
         env.reset(seed=0)
         env.action_space.seed(0)
         actions = [env.action_space.sample() for _ in range(steps)]
@@ -126,7 +136,7 @@ def measure_step_cost(env_fn: EnvFn, steps: int = 100, rounds: int = 3) -> StepP
         releases_gil = bool(env.metadata.get("ebrl.releases_gil", False))
     finally:
         env.close()
-    return StepProfile(wall, cpu, releases_gil)
+    return StepProfile(wall, cpu, releases_gil), facts
 
 
 def decide_backend(profile: StepProfile, cfg: SimConfig, cpus: int | None = None) -> SimBackend:
@@ -153,38 +163,55 @@ def decide_lanes(profile: StepProfile, num_envs: int, cpus: int | None = None) -
 def choose_backend(env_fn: EnvFn, cfg: SimConfig, num_envs: int = 1) -> tuple[SimBackend, int | None, StepProfile]:
     """Probe ``env_fn(0)``; the backend, the thread lanes (None unless the probe chose threads and
     ``sim.num_threads`` is unset: an explicit value is never overridden) and the profile."""
-    profile = measure_step_cost(env_fn)
+    return _choose(env_fn, cfg, num_envs)[:3]
+
+
+def _choose(env_fn: EnvFn, cfg: SimConfig, num_envs: int) -> tuple[SimBackend, int | None, StepProfile, EnvFacts]:
+    """:func:`choose_backend`, and env 0's facts."""
+    profile, facts = _measure(env_fn)
     backend = decide_backend(profile, cfg)
     lanes = decide_lanes(profile, num_envs) if backend is SimBackend.THREAD and cfg.num_threads is None else None
-    return backend, lanes, profile
+    return backend, lanes, profile, facts
 
 
-async def probe_backend(env_fn: EnvFn, cfg: SimConfig, num_envs: int = 1) -> tuple[SimBackend, int | None]:
-    """``cfg.backend`` (and thread lanes, see :func:`choose_backend`), with AUTO for plain envs
-    resolved by :func:`choose_backend` in a forked child process (where fork is the start method;
-    else a private thread), so the probe (building ``env_fn(0)`` and about 0.2 s of steps, see
-    :func:`measure_step_cost`) never blocks the event loop. The child and the thread
-    waiting on it are joined before this returns (nothing outlives the run). Vector envs keep AUTO:
-    :func:`make_sim_pool` gives them threads unprobed."""
+@dataclass(frozen=True)
+class Probe:
+    """What :func:`probe_backend` found: the backend, AUTO's thread lanes, env 0's facts."""
+
+    backend: SimBackend
+    lanes: int | None  # None: no choice made (see choose_backend)
+    env: EnvFacts
+
+
+async def probe_backend(env_fn: EnvFn, cfg: SimConfig, num_envs: int = 1) -> Probe:
+    """``cfg.backend`` (and thread lanes, see :func:`choose_backend`) and env 0's facts, with AUTO
+    for plain envs resolved by :func:`choose_backend` in a forked child process (where fork is
+    the start method; else a private thread), so the probe (building ``env_fn(0)`` and about
+    0.05 s of steps, see :func:`measure_step_cost`) never blocks the event loop; the facts come
+    from the env it probes. Other backends, and vector envs (which keep AUTO:
+    :func:`make_sim_pool` gives them threads unprobed), build ``env_fn(0)`` once in a private
+    thread to read its facts, and close it unstepped (:func:`~ebrl.runtime.env_facts.inspect_env`).
+    The child and the threads are joined before this returns (nothing outlives the run)."""
     if cfg.backend is not SimBackend.AUTO or cfg.vector_size > 1:
-        return cfg.backend, None
-    probe = _probe_in_child if _can_fork(cfg) else choose_backend
-    backend, lanes, profile = await in_thread(probe, env_fn, cfg, num_envs, name="ebrl-sim-probe")
+        return Probe(cfg.backend, None, await in_thread(inspect_env, env_fn, name="ebrl-env-inspect"))
+    probe = _probe_in_child if _can_fork(cfg) else _choose
+    backend, lanes, profile, facts = await in_thread(probe, env_fn, cfg, num_envs, name="ebrl-sim-probe")
     log.info("sim_backend_chosen", backend=backend.value, lanes=lanes, step_wall_us=round(profile.wall_s * 1e6, 1),
              step_cpu_us=round(profile.cpu_s * 1e6, 1), busy=round(profile.busy, 3),
              declared_releases_gil=profile.releases_gil)
-    return backend, lanes
+    return Probe(backend, lanes, facts)
 
 
 def _can_fork(cfg: SimConfig) -> bool:
     return cfg.start_method in (None, "fork") and "fork" in mp.get_all_start_methods()
 
 
-def _probe_in_child(env_fn: EnvFn, cfg: SimConfig, num_envs: int) -> tuple[SimBackend, int | None, StepProfile]:
-    """:func:`choose_backend` in a forked child: building and stepping ``env_fn(0)`` in a thread
-    of this process would hold the GIL in C code (a MuJoCo model's first build: ~80 ms), which
-    stalls the caller's event loop. The child's own CPU clock is then the probe's alone. Called
-    from a private thread; the child is joined before this returns."""
+def _probe_in_child(env_fn: EnvFn, cfg: SimConfig, num_envs: int
+                    ) -> tuple[SimBackend, int | None, StepProfile, EnvFacts]:
+    """:func:`choose_backend` (and env 0's facts) in a forked child: building and stepping
+    ``env_fn(0)`` in a thread of this process would hold the GIL in C code (a MuJoCo model's
+    first build: ~80 ms), which stalls the caller's event loop. The child's own CPU clock is
+    then the probe's alone. Called from a private thread; the child is joined before this returns."""
     ctx = mp.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_probe_main, args=(child, env_fn, cfg, num_envs), name="ebrl-sim-probe", daemon=True)
@@ -205,7 +232,7 @@ def _probe_in_child(env_fn: EnvFn, cfg: SimConfig, num_envs: int) -> tuple[SimBa
 def _probe_main(conn, env_fn: EnvFn, cfg: SimConfig, num_envs: int) -> None:
     ignore_stop_signals()
     try:
-        conn.send((True, choose_backend(env_fn, cfg, num_envs)))
+        conn.send((True, _choose(env_fn, cfg, num_envs)))
     except Exception as exc:
         conn.send((False, describe(exc)))
     finally:

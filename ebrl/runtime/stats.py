@@ -19,7 +19,7 @@ class RunStats:
     simulated: int = 0  # env.step calls that returned a transition
     trained: int = 0  # transitions in updates that completed
     dropped: Counter = field(default_factory=Counter)  # reason -> transitions
-    env_failures: int = 0  # env.step or reset calls that raised
+    env_failures: int = 0  # env.step or reset calls that raised or timed out (not worker-mates of a dead worker)
     updates: int = 0
     skipped_updates: int = 0  # updates undone for a NaN/inf loss or weights (faults.nonfinite='drop')
     learner_wakeups: int = 0  # times the rollout queue woke the learner (a segment closed, a driver blocked, ...)
@@ -32,6 +32,11 @@ class RunStats:
     success_once: deque = field(default_factory=lambda: deque(maxlen=100))  # succeeded at any step
     success_at_end: deque = field(default_factory=lambda: deque(maxlen=100))  # succeeded at the last step
     last_metrics: dict = field(default_factory=dict)
+    # start-up, in loop time: run() called, the first env step done, the first update done
+    started_at: float = math.nan
+    first_step_at: float = math.nan
+    first_update_at: float = math.nan
+    steps_at_first_update: int = 0  # env steps simulated by the end of the first update
 
     def drop(self, reason: str, n: int) -> None:
         if n:
@@ -83,6 +88,11 @@ class RunResult:
     generator_busy_s: float = 0.0  # time in policy calls
     learner_busy_s: float = 0.0  # time in updates
     cpu_wall_s: float = 0.0  # real seconds, also under virtual time
+    # start-up: seconds from the run() call to the first env step's result and to the end of the
+    # first update (NaN: none happened); env steps/s from the end of the first update to the end
+    first_step_s: float = math.nan
+    first_update_s: float = math.nan
+    steady_env_steps_per_s: float = math.nan
     # fraction of wall_s each stage was busy: "generator" and "learner" always (from their busy
     # counters), "sim" (mean over envs) when run() was given a timeline
     busy: dict[str, float] = field(default_factory=dict)
@@ -113,8 +123,10 @@ def _mean(xs) -> float:
 
 
 def summarize(stats: RunStats, *, schedule: str, wall_s: float, in_flight: int, version: int,
-              steps_per_env: list[int], history: list[dict[str, Any]]) -> RunResult:
+              steps_per_env: list[int], history: list[dict[str, Any]], ended_at: float = math.nan) -> RunResult:
+    """The result of a run that ended at loop time ``ended_at`` (for the steady-state rate)."""
     lag_n = sum(stats.lag.values())
+    steady_s = ended_at - stats.first_update_at
     gen_n = sum(stats.gen_batches.values())
     return RunResult(
         schedule=schedule,
@@ -142,4 +154,7 @@ def summarize(stats: RunStats, *, schedule: str, wall_s: float, in_flight: int, 
         history=history,
         learner_wakeups=stats.learner_wakeups,
         skipped_updates=stats.skipped_updates,
+        first_step_s=stats.first_step_at - stats.started_at,
+        first_update_s=stats.first_update_at - stats.started_at,
+        steady_env_steps_per_s=(stats.simulated - stats.steps_at_first_update) / steady_s if steady_s > 0 else math.nan,
     )

@@ -1,0 +1,50 @@
+"""What ``run()`` reads of env 0 before it starts anything: its spaces and its time limit.
+
+One inspection serves both start-up checks: the policy against the env's spaces
+(:func:`ebrl.policies.expects.check_policy_spaces`) and the algorithm's needs against the
+time limit (:func:`ebrl.algos.resolve_run_config`). The AUTO sim probe reads them from the env
+it builds anyway (:func:`ebrl.runtime.sim_pool.probe_backend`); other runs build ``env_fn(0)``
+once for it with :func:`inspect_env`.
+
+    >>> from ebrl.testing import MockEnv
+    >>> facts = inspect_env(lambda i: MockEnv(dim=3))
+    >>> facts.action_space.shape, facts.max_episode_steps
+    ((3,), None)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gymnasium as gym
+
+from ebrl.runtime.sim_types import EnvFn, EnvStepError, close_quietly, describe, single_spaces
+
+
+@dataclass(frozen=True)
+class EnvFacts:
+    """One env's spaces (a vector env's single-env ones) and time limit."""
+
+    observation_space: gym.Space
+    action_space: gym.Space
+    max_episode_steps: int | None  # env.spec.max_episode_steps; None: no time limit declared
+
+    @classmethod
+    def of(cls, env: gym.Env | gym.vector.VectorEnv) -> EnvFacts:
+        obs, act = single_spaces(env)
+        limit = getattr(getattr(env, "spec", None), "max_episode_steps", None)
+        return cls(obs, act, int(limit) if limit else None)
+
+
+def inspect_env(env_fn: EnvFn) -> EnvFacts:
+    """Build ``env_fn(0)``, read its :class:`EnvFacts` and close it; it is never stepped. A
+    failing ``env_fn`` raises :class:`~ebrl.runtime.sim_types.EnvStepError` for env 0, as the
+    pools do."""
+    try:
+        env = env_fn(0)
+    except Exception as exc:
+        raise EnvStepError(0, "env_fn", describe(exc)) from exc
+    try:
+        return EnvFacts.of(env)
+    finally:
+        close_quietly(env)

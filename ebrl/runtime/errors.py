@@ -1,0 +1,61 @@
+"""One error out of ``run()``: a TaskGroup's failures become the first of them.
+
+A TaskGroup raises a :class:`BaseExceptionGroup` of every task's failure (and nests them, a
+TaskGroup inside a task of another). ``run()`` raises one exception instead: the first failure
+that is not a cancellation (``KeyboardInterrupt`` and ``SystemExit`` before any other), with
+each *distinct* other failure added to it as a note (:meth:`BaseException.add_note`). Copies of
+it (the same object, or the same type and message raised by several tasks) are left out.
+
+    >>> group = ExceptionGroup("tasks", [ValueError("a"), ExceptionGroup("inner", [OSError("b"), ValueError("a")])])
+    >>> err = first_error(group)
+    >>> type(err).__name__, str(err), err.__notes__
+    ('ValueError', 'a', ['also failed meanwhile: OSError: b'])
+"""
+
+from __future__ import annotations
+
+import asyncio
+import traceback
+from typing import NoReturn
+
+NOTE = "also failed meanwhile: "
+
+
+def leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside ``exc`` (nested groups flattened, in order); ``[exc]`` if it is none."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for e in exc.exceptions for leaf in leaves(e)]
+    return [exc]
+
+
+def first_error(group: BaseExceptionGroup) -> BaseException:
+    """The one exception to raise for ``group`` (see the module docstring). A group holding only
+    cancellations gives its first."""
+    every = leaves(group)
+    errors = [e for e in every if not isinstance(e, asyncio.CancelledError)]
+    if not errors:
+        return every[0]
+    errors.sort(key=lambda e: isinstance(e, Exception))  # stable: KeyboardInterrupt, SystemExit first
+    first = errors[0]
+    seen_ids, seen = {id(first)}, {(type(first), str(first))}
+    for e in errors[1:]:
+        key = (type(e), str(e))
+        if id(e) in seen_ids or key in seen:
+            continue  # the same failure, raised again by another task
+        seen_ids.add(id(e))
+        seen.add(key)
+        note = NOTE + "".join(traceback.format_exception_only(type(e), e)).strip()
+        if note not in getattr(first, "__notes__", ()):
+            first.add_note(note)
+    return first
+
+
+def raise_first(group: BaseExceptionGroup) -> NoReturn:
+    """Raise :func:`first_error` of ``group``, from an ``except`` of it: the error keeps its own
+    cause and context (the group it came in is not shown as the error it arose in)."""
+    error = first_error(group)
+    context = error.__context__
+    try:
+        raise error
+    finally:
+        error.__context__ = context  # raising it here made the group its context
