@@ -187,15 +187,17 @@ async def test_dict_observations_travel_through_shared_memory_unpickled(monkeypa
             "dumps": staticmethod(lambda *a, **k: calls.append("dumps") or pickle.dumps(*a, **k)),
             "loads": staticmethod(lambda *a, **k: calls.append("loads") or pickle.loads(*a, **k))}))
         sizes = []
-        for w in pool._workers:
-            for name in ("send_bytes", "recv_bytes"):
-                def wrap(fn=getattr(w.conn, name)):
-                    def inner(*a):
-                        out = fn(*a)
-                        sizes.append(len(a[0]) if a else len(out))
-                        return out
-                    return inner
-                setattr(w.conn, name, wrap())
+        for w in pool._workers:  # messages sent
+            def sent(msg, fn=w.conn.send_bytes):
+                sizes.append(len(msg))
+                return fn(msg)
+            w.conn.send_bytes = sent
+        on_reply = pool._on_reply  # replies received, as read off the pipe and framed
+
+        def replied(worker, raw):
+            sizes.append(len(raw))
+            on_reply(worker, raw)
+        pool._on_reply = replied
         ids = np.arange(4)
         for t in range(1, 7):
             move = np.stack([np.full(2, 0.1 * i + 0.01 * t, np.float32) for i in range(4)])
@@ -667,3 +669,27 @@ async def test_a_stale_step_start_never_times_a_step_out(no_leaks):
         assert pool.abandon_late(0.05) == [1]  # a real one: started after its send, running past 50 ms
     finally:
         pool.close()
+
+
+def test_replies_are_framed_whole_across_reads():
+    """One read may hold two replies, or half of one: each whole reply is handled once, in order."""
+    import struct
+
+    mine, theirs = multiprocessing.Pipe()
+    pool = ProcessSimPool.__new__(ProcessSimPool)  # only the reader: no workers, no loop
+    got = []
+    pool._on_reply = lambda worker, raw: got.append(raw)
+    worker = sim_workers._Worker(0, None, mine)
+    theirs.send_bytes(b"S" + bytes(8))
+    theirs.send_bytes(b"S" + bytes(4))
+    pool._on_readable(worker)
+    assert got == [b"S" + bytes(8), b"S" + bytes(4)] and worker.inbox == b""
+    frame = struct.pack("!i", 9) + b"E" + bytes(8)
+    os.write(theirs.fileno(), frame[:6])  # the header and a byte of the body
+    pool._on_readable(worker)
+    assert len(got) == 2 and worker.inbox == frame[:6]
+    os.write(theirs.fileno(), frame[6:])
+    pool._on_readable(worker)
+    assert got[2] == b"E" + bytes(8) and worker.inbox == b""
+    mine.close()
+    theirs.close()

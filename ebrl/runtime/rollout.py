@@ -174,7 +174,7 @@ class RolloutQueue:
         ``chunk_rewards``/``chunk_steps`` for action chunks (see :class:`~ebrl.algos.batch.Batch`)."""
         slots = self.open_slot[ids]
         fresh = slots < 0
-        if fresh.any():
+        if np.count_nonzero(fresh):  # a fifth of .any()'s cost on a block's few rows
             for k in fresh.nonzero()[0].tolist():
                 slots[k] = self._open(int(ids[k]), int(versions[k]))
         if self.fields is None:
@@ -213,7 +213,7 @@ class RolloutQueue:
         self.at_start[ids] = ended
         if self.cut_at_episode_end:
             full |= ended
-        if full.any():
+        if np.count_nonzero(full):
             for k in full.nonzero()[0].tolist():
                 self._close(int(ids[k]))
             if not woke:

@@ -224,7 +224,7 @@ class StepRows:
         flags = self.flags[ids]
         n = len(ids)
         chunk = (None, None) if self.chunk_steps is None else (self.chunk_rewards[ids], self.chunk_steps[ids])
-        if not flags.any():  # the common step: no episode end, no NaN, no success flag
+        if not np.count_nonzero(flags):  # the common step: no episode end, no NaN, no success flag
             no = np.zeros(n, bool)
             return Block(ids, index(self.obs, ids), self.reward[ids], no, no, ~no, np.full(n, -1, np.int8),
                          {}, errors or [], True, *chunk)
