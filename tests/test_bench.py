@@ -24,7 +24,9 @@ def test_list_names_every_suite(capsys):
 
 @pytest.mark.parametrize("suite", sorted(list_suites()))
 def test_suite_runs_quick_and_reports_every_field(suite, tmp_path, capsys):
-    assert main(["bench", suite, "--quick", "--out", str(tmp_path)]) == 0
+    # in this process: a fresh interpreter per run (the default) costs seconds of imports each;
+    # the next test runs the default path
+    assert main(["bench", suite, "--quick", "--in-process", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / f"{suite}.json").read_text())
     assert report["rows"] and (tmp_path / f"{suite}-results.md").read_text().startswith("### `ebrl bench")
     assert STAMP <= set(report["meta"]) and {"torch", "mujoco", "gymnasium"} <= set(report["meta"]["versions"])
@@ -49,6 +51,15 @@ def test_suite_runs_quick_and_reports_every_field(suite, tmp_path, capsys):
     met = sum(t["met"] for t in report["targets"])
     assert report["targets_met"] == met
     assert capsys.readouterr().out.rstrip().splitlines()[-1] == f"targets met: {met} of {len(report['targets'])}"
+
+
+def test_each_run_of_a_suite_is_a_fresh_process_by_default(tmp_path):
+    assert main(["bench", "longtail-user", "--quick", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "longtail-user.json").read_text())
+    assert report["meta"]["fresh_processes"] and report["meta"]["embedded"]
+    assert [r["runner"] for r in report["rows"]] == ["ebrl-async", "ebrl-sync"]
+    for row in report["rows"]:  # start-up is reported per run, from the run() call
+        assert EBRL_FIELDS <= set(row) and 0 < row["first_step_s"] < row["first_update_s"] < row["wall_s"]
 
 
 def test_targets_are_judged_on_the_median_and_missing_figures_count_as_missed():

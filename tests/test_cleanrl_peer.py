@@ -20,7 +20,7 @@ cleanrl_ppo = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cleanrl_ppo)
 
 KEYS = {"peer", "env_steps", "wall_s", "steps_per_s", "rollout_s", "train_s", "rollout_steps_per_s", "updates",
-        "mean_return"}  # the keys of gym_vector.run_peer's result
+        "mean_return", "first_step_s", "first_update_s", "steady_steps_per_s"}  # the keys of gym_vector.run_peer's result
 N, T = 4, 8
 
 

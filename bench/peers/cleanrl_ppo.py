@@ -243,6 +243,8 @@ def run_cleanrl(env_fn, *, num_envs: int, segment_len: int, total_env_steps: int
     episode_returns: deque[float] = deque(maxlen=100)  # the last 100 finished episodes
     global_step = updates = 0
     rollout_s = train_s = 0.0
+    first_step = first_update = math.nan  # start-up, as EBRL reports it (RunResult.first_step_s)
+    steps_at_first_update = 0
     t_start = time.perf_counter()
     envs = None
     try:
@@ -307,6 +309,8 @@ def run_cleanrl(env_fn, *, num_envs: int, segment_len: int, total_env_steps: int
                 if act_shape:  # ClipAction, batched
                     env_action = np.clip(env_action, low, high).reshape((args.num_envs, *act_space.shape))
                 next_obs, reward, terminations, truncations, infos = envs.step(env_action)
+                if first_step != first_step:  # NaN: this is the first
+                    first_step = time.perf_counter() - t_start
                 next_done = np.logical_or(terminations, truncations)
                 step_reward = torch.tensor(reward, dtype=torch.float32).to(device).view(-1)
                 # time-limit ends bootstrap from the final observation (same-step autoreset)
@@ -419,6 +423,8 @@ def run_cleanrl(env_fn, *, num_envs: int, segment_len: int, total_env_steps: int
                 if args.target_kl is not None and approx_kl > args.target_kl:
                     break
             updates += 1
+            if updates == 1:
+                first_update, steps_at_first_update = time.perf_counter() - t_start, global_step
             rollout_s += t1 - t0
             train_s += time.perf_counter() - t1
             if on_update is not None and on_update({
@@ -430,8 +436,11 @@ def run_cleanrl(env_fn, *, num_envs: int, segment_len: int, total_env_steps: int
         if envs is not None:
             envs.close()
     wall_s = time.perf_counter() - t_start
+    steady_s = wall_s - first_update
+    startup = {"first_step_s": first_step, "first_update_s": first_update,
+               "steady_steps_per_s": (global_step - steps_at_first_update) / steady_s if steady_s > 0 else math.nan}
     return {"peer": "cleanrl", "env_steps": global_step, "wall_s": wall_s,
             "steps_per_s": global_step / wall_s, "rollout_s": rollout_s, "train_s": train_s,
             "rollout_steps_per_s": global_step / rollout_s if rollout_s > 0 else math.nan,
-            "updates": updates,
+            "updates": updates, **startup,
             "mean_return": float(np.mean(episode_returns)) if episode_returns else math.nan}

@@ -93,6 +93,8 @@ def run_peer(kind: str, env_fn, policy, algo, *, num_envs: int, segment_len: int
     returns: deque[float] = deque(maxlen=100)  # the last 100 finished episodes
     env_steps = updates = 0
     rollout_s = train_s = 0.0
+    first_step = first_update = math.nan  # start-up, as EBRL reports it (RunResult.first_step_s)
+    steps_at_first_update = 0
     t_start = time.perf_counter()
     envs = None
     try:
@@ -117,6 +119,8 @@ def run_peer(kind: str, env_fn, policy, algo, *, num_envs: int, segment_len: int
                 _put(b_obs, t, obs)
                 b_act[t], b_logp[t], b_val[t] = out.actions, out.logprobs, out.values
                 obs, rew, term, trunc, info = envs.step(out.env_actions)
+                if first_step != first_step:  # NaN: this is the first
+                    first_step = time.perf_counter() - t_start
                 b_rew[t], b_term[t], b_trunc[t] = rew, term, trunc
                 for i in np.flatnonzero(trunc & ~term):
                     finals.append((i, t, info["final_obs"][i]))
@@ -143,6 +147,8 @@ def run_peer(kind: str, env_fn, policy, algo, *, num_envs: int, segment_len: int
             t1 = time.perf_counter()
             algo.update(policy, batch)
             updates += 1
+            if updates == 1:
+                first_update, steps_at_first_update = time.perf_counter() - t_start, env_steps
             rollout_s += t1 - t0
             train_s += time.perf_counter() - t1
     finally:
@@ -150,7 +156,10 @@ def run_peer(kind: str, env_fn, policy, algo, *, num_envs: int, segment_len: int
             envs.close()  # joins AsyncVectorEnv's workers: none outlives the call
         torch.set_num_threads(old_threads)
     wall_s = time.perf_counter() - t_start
+    steady_s = wall_s - first_update
+    startup = {"first_step_s": first_step, "first_update_s": first_update,
+               "steady_steps_per_s": (env_steps - steps_at_first_update) / steady_s if steady_s > 0 else math.nan}
     return {"peer": f"gym-{kind}", "env_steps": env_steps, "wall_s": wall_s,
             "steps_per_s": env_steps / wall_s, "rollout_s": rollout_s, "train_s": train_s,
             "rollout_steps_per_s": env_steps / rollout_s if rollout_s > 0 else math.nan,
-            "updates": updates, "mean_return": float(np.mean(returns)) if returns else math.nan}
+            "updates": updates, **startup, "mean_return": float(np.mean(returns)) if returns else math.nan}

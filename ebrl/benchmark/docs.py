@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ebrl.benchmark.report import fmt_ratio, fmt_spread, results_markdown
 
-ORDER = ("overhead", "longtail", "heterogeneous", "mujoco-state", "startup", "mujoco-pixels", "vector-gpu", "controller",
+ORDER = ("overhead", "longtail", "longtail-user", "heterogeneous", "mujoco-state", "startup", "mujoco-pixels", "vector-gpu", "controller",
          "convergence", "lag", "policies", "scaling", "gpu-split", "soak", "step-cost")
 
 
@@ -64,8 +64,18 @@ def summary_table(reports: dict[str, dict]) -> str:
                      met]
             lines.append("| " + " | ".join(cells) + " |")
     stamps = {f"{r['meta']['date'][:10]}, commit {r['meta'].get('commit', '?')}" for r in reports.values()}
+    fresh = sorted(n for n, r in reports.items() if n not in ("step-cost", "overhead") and "summary" in r
+                   and r["meta"].get("fresh_processes"))
+    warm = sorted(n for n, r in reports.items() if n not in ("step-cost", "overhead") and "summary" in r
+                  and "fresh_processes" in r["meta"] and not r["meta"]["fresh_processes"])
+    how = (f" Each run of {', '.join(f'`{n}`' for n in fresh)} is a fresh Python process, imports outside the "
+           "timer, as a user's script runs" if fresh else "")
+    how += (f"; {', '.join(f'`{n}`' for n in warm)} ran every run in one process (`--in-process`)" if warm else "")
     lines += ["", "Env steps/s end to end (training included), median (min-max) over "
-              f"{_rounds(reports)} alternating rounds; measured {'; '.join(sorted(stamps))}."]
+              f"{_rounds(reports)} alternating rounds; measured {'; '.join(sorted(stamps))}." + (how + "." if how else "")]
+    startup = startup_table(reports)
+    if startup:
+        lines += ["", startup]
     if "overhead" in reports:
         lines += ["", overhead_table(reports["overhead"])]
     total = sum(len(r.get("targets", [])) for r in reports.values())
@@ -73,6 +83,27 @@ def summary_table(reports: dict[str, dict]) -> str:
     lines += ["", f"Targets met over all suites: **{met} of {total}** (each suite's list: "
               "[docs/benchmarks/](docs/benchmarks/README.md))."]
     return "\n".join(lines)
+
+
+def startup_table(reports: dict[str, dict]) -> str:
+    """Start-up and steady state of every runner that reports them: seconds from the ``run()``
+    call (a peer: its loop's start) to the first env step and to the end of the first update,
+    and env steps/s after that update."""
+    lines = []
+    for name, rep in reports.items():
+        for case, runners in rep.get("summary", {}).items():
+            for runner, figs in runners.items():
+                if "first_step_s" not in figs:
+                    continue
+                lines.append(f"| `{name}` | {case} | {runner} | {fmt_spread(figs['first_step_s'])} "
+                             f"| {fmt_spread(figs['first_update_s'])} | {fmt_spread(figs['steady_steps_per_s'])} "
+                             f"| {fmt_spread(figs['steps_per_s'])} |")
+    if not lines:
+        return ""
+    return "\n".join(["Start-up and steady state, same runs (seconds from the call; a peer from its loop's start):", "",
+                      "| suite | case | runner | to first env step (s) | to first update (s) "
+                      "| steady env steps/s (after the first update) | end to end |",
+                      "|---|---|---|---:|---:|---:|---:|", *lines])
 
 
 def _rounds(reports: dict[str, dict]) -> str:

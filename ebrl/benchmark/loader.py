@@ -61,19 +61,24 @@ def list_suites(suites_dir: str | Path | None = None) -> dict[str, str]:
 
 
 def run_suite(name: str, *, quick: bool = False, out_dir: Path = Path("bench_out"),
-              suites_dir: str | Path | None = None, trace: bool = False) -> dict:
+              suites_dir: str | Path | None = None, trace: bool = False, in_process: bool = False) -> dict:
+    """``in_process``: every measured run in this process (profiling), not each in a fresh one."""
     suite = load_suite(name, suites_dir)
     t0 = time.perf_counter()
     if hasattr(suite, "SUITE"):
         from ebrl.benchmark.suite import run_suite_rounds
 
-        report = run_suite_rounds(suite.SUITE, quick)
-    else:  # a custom suite that draws figures gets the output folder for them
+        folder = None if suites_dir is None else str(suites_dir)
+        report = run_suite_rounds(suite.SUITE, quick, source=(name, folder), in_process=in_process)
+    else:  # custom suites: the output folder for figures, and the in-process flag, where they take them
         import inspect
 
         out_dir.mkdir(parents=True, exist_ok=True)
-        wants_dir = "out_dir" in inspect.signature(suite.run).parameters
-        report = suite.run(quick=quick, **({"out_dir": out_dir} if wants_dir else {}))
+        takes = inspect.signature(suite.run).parameters
+        extra = {"out_dir": out_dir} if "out_dir" in takes else {}
+        if "in_process" in takes:
+            extra["in_process"] = in_process
+        report = suite.run(quick=quick, **extra)
     if "summary" not in report:  # custom suites may summarise their own fields
         report["summary"] = summarize_rows(report["rows"])
     report.setdefault("ratios", {})
@@ -81,7 +86,8 @@ def run_suite(name: str, *, quick: bool = False, out_dir: Path = Path("bench_out
     description = suite.SUITE.description if hasattr(suite, "SUITE") else getattr(suite, "DESCRIPTION", "")
     report["meta"] = {"description": description, **report.get("meta", {}), "suite": name, "quick": quick,
                       "duration_s": time.perf_counter() - t0, **machine_stamp(),
-                      "command": f"ebrl bench {name}" + (" --quick" if quick else "")}
+                      "command": f"ebrl bench {name}" + (" --quick" if quick else "")
+                      + (" --in-process" if in_process else "")}
     report["targets_met"] = sum(t["met"] for t in report["targets"])
     out_dir.mkdir(parents=True, exist_ok=True)
     if trace and hasattr(suite, "SUITE"):

@@ -5,7 +5,9 @@ measurement, ``DESCRIPTION`` and ``run(quick) -> dict``). For a ``Suite`` the ru
 
 1. runs each case's runners in alternating rounds (async, pipelined, sync, the peers,
    then again), at least 3 rounds (``--quick``: 1), on the same envs, policy, algorithm and
-   seeds, so drift in machine speed lands on every runner alike;
+   seeds, so drift in machine speed lands on every runner alike; each run in a fresh Python
+   process (:mod:`ebrl.benchmark.fresh`), imports outside its timer, as a user's script runs
+   (``in_process=True``, ``ebrl bench --in-process``: all in this process, for profiling);
 2. runs the peers: the same env, policy and PPO in plain gymnasium ``SyncVectorEnv`` and
    ``AsyncVectorEnv`` loops (``gym-sync``, ``gym-async``: the same-policy control, which
    measures scheduling alone) and a CleanRL-style PPO with its own networks (``cleanrl``:
@@ -69,6 +71,9 @@ class Suite:
     targets: dict[str, float | Target] = field(default_factory=dict)  # e.g. {"async/sync": 2.0}: median >= 2.0
     quick_num_envs: int = 8  # --quick is a smoke test: few envs, few steps
     limits: bool = True  # measure each stage alone (the physical limit)
+    # EBRL runs as `asyncio.run(main())` awaiting ebrl.run: the user's own (default asyncio) loop,
+    # not run_sync's uvloop
+    embedded: bool = False
 
     def sized(self, quick: bool) -> "Suite":
         if not quick:
@@ -108,7 +113,15 @@ def measure_schedule(suite: Suite, env_fn, schedule: str, steps: int, seed: int,
                          schedule=schedule, seed=seed, **suite.run_config)
     trainer = ebrl.Trainer(env_fn, policy, suite.algo_fn(seed), cfg)
     meter, t0 = CpuMeter(), time.perf_counter()
-    result = ebrl.run_sync(trainer, timeline=timeline)
+    if suite.embedded:
+        import asyncio
+
+        async def main():  # a research script's own coroutine
+            return await ebrl.run(trainer, timeline=timeline)
+
+        result = asyncio.run(main())
+    else:
+        result = ebrl.run_sync(trainer, timeline=timeline)
     wall = time.perf_counter() - t0
     # lockstep schedules (and lag 0) stop generating while they train: that time is not rollout
     paused = result.learner_busy_s if schedule != "async" or cfg.max_policy_lag == 0 else 0.0
@@ -117,6 +130,9 @@ def measure_schedule(suite: Suite, env_fn, schedule: str, steps: int, seed: int,
         "steps_per_s": result.env_steps / wall,
         "rollout_steps_per_s": result.env_steps / max(wall - paused, 1e-9),
         "updates": result.updates, "mean_return": result.mean_return,
+        # start-up: from the run() call (about when t0 was read) to the first env step and update
+        "first_step_s": result.first_step_s, "first_update_s": result.first_update_s,
+        "steady_steps_per_s": result.steady_env_steps_per_s,
         "busy_generator": result.generator_busy_s / wall, "busy_learner": result.learner_busy_s / wall,
         **meter.read(),
         "gen_batch_mean": result.gen_batch_mean, "gen_batch_hist": result.gen_batch_hist,
@@ -172,24 +188,54 @@ def measure_peer(suite: Suite, env_fn, kind: str, steps: int, seed: int) -> dict
         out = module.run_peer(kind, env_fn, policy, suite.algo_fn(seed), **common)
     return {"runner": out["peer"], "env_steps": out["env_steps"], "wall_s": out["wall_s"],
             "steps_per_s": out["steps_per_s"], "rollout_steps_per_s": out["rollout_steps_per_s"],
-            "updates": out["updates"], "mean_return": out["mean_return"], **meter.read()}
+            "updates": out["updates"], "mean_return": out["mean_return"],
+            "first_step_s": out["first_step_s"], "first_update_s": out["first_update_s"],
+            "steady_steps_per_s": out["steady_steps_per_s"], **meter.read()}
 
 
-def run_suite_rounds(suite: Suite, quick: bool) -> dict:
+def measure_case(suite: str, case: str, runner: str, steps: int, seed: int, quick: bool,
+                 suites_dir: str | None = None) -> dict:
+    """One run of ``bench/suites/SUITE.py``'s case: ``runner`` is a schedule (``async``...) or
+    ``peer:KIND``. What a fresh process (:func:`ebrl.benchmark.fresh.call_fresh`) calls."""
+    from ebrl.benchmark.loader import load_suite
+
+    spec = load_suite(suite, suites_dir).SUITE.sized(quick)
+    env_fn = spec.cases[case]
+    if runner.startswith("peer:"):
+        return measure_peer(spec, env_fn, runner.partition(":")[2], steps, seed)
+    return measure_schedule(spec, env_fn, runner, steps, seed)
+
+
+def run_suite_rounds(suite: Suite, quick: bool, *, source: tuple[str, str | None] | None = None,
+                     in_process: bool = False) -> dict:
+    """Every round of ``suite``. ``source``: the suite's name and folder, so each run can load it
+    again in a fresh process; without it (a suite made in code) or with ``in_process``, every
+    run is in this process after an untimed warm-up run."""
+    from ebrl.benchmark.fresh import call_fresh
+
     suite = suite.sized(quick)
     steps = suite.quick_steps if quick else suite.steps
+    fresh = source is not None and not in_process
     rows, limits = [], {}
+
+    def measure(case: str, env_fn, runner: str, seed: int) -> dict:
+        if fresh:
+            return call_fresh("ebrl.benchmark.suite:measure_case",
+                              dict(suite=source[0], suites_dir=source[1], case=case, runner=runner, steps=steps,
+                                   seed=seed, quick=quick))
+        if runner.startswith("peer:"):
+            return measure_peer(suite, env_fn, runner.partition(":")[2], steps, seed)
+        return measure_schedule(suite, env_fn, runner, steps, seed)
+
     for case, env_fn in suite.cases.items():
-        # untimed warm-up: imports, lazy initialisation and first-call costs would otherwise
-        # land on whichever runner goes first
-        if not quick:
+        # in one process, an untimed warm-up: imports, lazy initialisation and first-call costs
+        # would otherwise land on whichever runner goes first
+        if not quick and not fresh:
             measure_schedule(suite, env_fn, suite.schedules[0], min(steps, 2 * suite.num_envs * suite.segment_len), 99)
         case_rows = []
         for r in range(suite.rounds):
-            for schedule in suite.schedules:
-                case_rows.append({"case": case, "round": r, **measure_schedule(suite, env_fn, schedule, steps, seed=r)})
-            for kind in suite.peers:
-                case_rows.append({"case": case, "round": r, **measure_peer(suite, env_fn, kind, steps, seed=r)})
+            for runner in [*suite.schedules, *(f"peer:{kind}" for kind in suite.peers)]:
+                case_rows.append({"case": case, "round": r, **measure(case, env_fn, runner, r)})
         if suite.limits:
             limit = physical_limit(suite, env_fn, quick)
             summary = summarize_rows(case_rows)[case]
@@ -201,4 +247,5 @@ def run_suite_rounds(suite: Suite, quick: bool) -> dict:
     return {"rows": rows, "summary": summarize_rows(rows), "ratios": ratios, "limits": limits,
             "targets": check_targets(ratios, suite.targets),
             "meta": {"num_envs": suite.num_envs, "steps_per_run": steps, "rounds": suite.rounds,
-                     "segment_len": suite.segment_len, "description": suite.description}}
+                     "segment_len": suite.segment_len, "description": suite.description,
+                     "fresh_processes": fresh, "embedded": suite.embedded}}
