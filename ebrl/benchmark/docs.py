@@ -20,8 +20,9 @@ from pathlib import Path
 
 from ebrl.benchmark.report import fmt_ratio, fmt_spread, results_markdown
 
-ORDER = ("overhead", "longtail", "longtail-user", "heterogeneous", "mujoco-state", "startup", "mujoco-pixels", "vector-gpu", "controller",
-         "convergence", "lag", "policies", "scaling", "gpu-split", "soak", "step-cost")
+ORDER = ("overhead", "longtail", "longtail-user", "heterogeneous", "mujoco-state", "startup", "startup-mock",
+         "mujoco-pixels", "vector-gpu", "controller", "convergence", "lag", "policies", "scaling", "gpu-split", "soak",
+         "step-cost")
 
 
 def load_reports(bench_dir: Path) -> dict[str, dict]:
@@ -46,7 +47,7 @@ def summary_table(reports: dict[str, dict]) -> str:
             "| async/sync | async/best peer | targets met |")
     lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for name, rep in reports.items():
-        if name in ("step-cost", "overhead"):
+        if name in ("step-cost", "overhead", "startup-mock"):
             continue
         for case, runners in rep.get("summary", {}).items():
             if "ebrl-async" not in runners:
@@ -76,6 +77,8 @@ def summary_table(reports: dict[str, dict]) -> str:
     startup = startup_table(reports)
     if startup:
         lines += ["", startup]
+    if "startup-mock" in reports:
+        lines += ["", startup_mock_table(reports["startup-mock"])]
     if "overhead" in reports:
         lines += ["", overhead_table(reports["overhead"])]
     total = sum(len(r.get("targets", [])) for r in reports.values())
@@ -96,7 +99,7 @@ def startup_table(reports: dict[str, dict]) -> str:
                 if "first_step_s" not in figs:
                     continue
                 lines.append(f"| `{name}` | {case} | {runner} | {fmt_spread(figs['first_step_s'])} "
-                             f"| {fmt_spread(figs['first_update_s'])} | {fmt_spread(figs['steady_steps_per_s'])} "
+                             f"| {fmt_spread(figs['first_update_s'])} | {fmt_spread(figs.get('steady_steps_per_s'))} "
                              f"| {fmt_spread(figs['steps_per_s'])} |")
     if not lines:
         return ""
@@ -104,6 +107,21 @@ def startup_table(reports: dict[str, dict]) -> str:
                       "| suite | case | runner | to first env step (s) | to first update (s) "
                       "| steady env steps/s (after the first update) | end to end |",
                       "|---|---|---|---:|---:|---:|---:|", *lines])
+
+
+def startup_mock_table(rep: dict) -> str:
+    """``ebrl bench startup-mock``: a 160-step run's ``run()`` after imports, and the imports."""
+    lines = ["Start-up alone (`ebrl bench startup-mock`: 16 MockEnvs, 160 env steps, MLP + PPO, defaults, each run "
+             "a fresh process; seconds):", "",
+             "| runner | `import ebrl` (+ algos, testing) | `run()` after imports | to first env step "
+             "| to first update |", "|---|---:|---:|---:|---:|"]
+    for runner, figs in rep["summary"].get("mock-16x160", {}).items():
+        lines.append(f"| {runner} | {fmt_spread(figs.get('import_s'))} | {fmt_spread(figs.get('wall_s'))} "
+                     f"| {fmt_spread(figs.get('first_step_s'))} | {fmt_spread(figs.get('first_update_s'))} |")
+    for t in rep.get("targets", []):
+        lines.append(f"| target: {t['figure'].removeprefix('mock-16x160: ')} {t['target']} | | | | "
+                     f"{'met' if t['met'] else '**missed**'} |")
+    return "\n".join(lines)
 
 
 def _rounds(reports: dict[str, dict]) -> str:
