@@ -200,10 +200,14 @@ def measure_case(suite: str, case: str, runner: str, steps: int, seed: int, quic
     from ebrl.benchmark.loader import load_suite
 
     spec = load_suite(suite, suites_dir).SUITE.sized(quick)
-    env_fn = spec.cases[case]
+    return measure_runner(spec, spec.cases[case], runner, steps, seed)
+
+
+def measure_runner(suite: Suite, env_fn, runner: str, steps: int, seed: int) -> dict:
+    """One run, in this process: ``runner`` is a schedule or ``peer:KIND``."""
     if runner.startswith("peer:"):
-        return measure_peer(spec, env_fn, runner.partition(":")[2], steps, seed)
-    return measure_schedule(spec, env_fn, runner, steps, seed)
+        return measure_peer(suite, env_fn, runner.partition(":")[2], steps, seed)
+    return measure_schedule(suite, env_fn, runner, steps, seed)
 
 
 def run_suite_rounds(suite: Suite, quick: bool, *, source: tuple[str, str | None] | None = None,
@@ -223,9 +227,7 @@ def run_suite_rounds(suite: Suite, quick: bool, *, source: tuple[str, str | None
             return call_fresh("ebrl.benchmark.suite:measure_case",
                               dict(suite=source[0], suites_dir=source[1], case=case, runner=runner, steps=steps,
                                    seed=seed, quick=quick))
-        if runner.startswith("peer:"):
-            return measure_peer(suite, env_fn, runner.partition(":")[2], steps, seed)
-        return measure_schedule(suite, env_fn, runner, steps, seed)
+        return measure_runner(suite, env_fn, runner, steps, seed)
 
     for case, env_fn in suite.cases.items():
         # in one process, an untimed warm-up: imports, lazy initialisation and first-call costs

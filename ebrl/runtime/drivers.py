@@ -25,7 +25,7 @@ still in flight when the run stops.
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+from collections import Counter, deque
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -492,10 +492,7 @@ class Driver:
         self._gave_up = True
         failures = [(u, r) for _, u, r in self.failure_times]
         what = "env" if self.V == 1 else "vector env"
-        counts: dict[tuple[int, str], int] = {}
-        for key in failures:
-            counts[key] = counts.get(key, 0) + 1
-        charged = ", ".join(f"{what} {u} {r} x{n}" for (u, r), n in counts.items())
+        charged = ", ".join(f"{what} {u} {r} x{n}" for (u, r), n in Counter(failures).items())
         raise TooManyEnvFailures(
             f"{len(failures)} env failures within {faults.failure_window_s}s "
             f"(faults.max_env_failures={faults.max_env_failures}): {charged}; last: {exc}", failures) from exc
