@@ -14,8 +14,9 @@ A config file has top-level ``env`` (a registry name, see ``ebrl.envs.make``) an
 ``[run]`` (RunConfig), ``[algo]`` (``kind = "ppo" | "dppo" | "vtrace" | "grpo"``), one table
 of hyperparameters per algorithm (``[ppo]`` PPOConfig, ``[dppo]`` DecoupledPPOConfig,
 ``[vtrace]`` VTraceConfig, ``[grpo]`` GRPOConfig: the chosen kind's table is used),
-``[policy]`` (``kind = "auto" | "mlp" | "cnn" | "token" | "flow"`` and that policy's keywords;
-``auto`` picks the CNN for pixel observations) and ``[env_kwargs]``
+``[policy]`` (``kind = "auto" | "mlp" | "cnn" | "token" | "flow"`` and that policy's keywords,
+``image_keys``/``state_keys`` included; ``auto`` picks the CNN when the observation has an image
+entry, see :mod:`ebrl.policies.encoders`) and ``[env_kwargs]``
 (keywords of ``ebrl.envs.make``, e.g. ``pixels = 84``). With ``run.sim.vector_size > 1`` each
 group of that many envs is one vector env (``ebrl.envs.make_vector``); ManiSkill tasks are one
 GPU vector env of ``run.num_envs`` unless set otherwise.
@@ -87,30 +88,35 @@ ALGO_KINDS = ("ppo", "dppo", "vtrace", "grpo")
 
 
 def build_policy(observation_space, action_space, options: dict[str, Any]):
-    """``policy.kind``: ``mlp`` (Box observations), ``cnn`` (``{"pixels", "state"}`` dicts),
-    ``token`` (action tokens, :class:`~ebrl.policies.TokenPolicy`), ``flow`` (flow-matching
-    chunks, :class:`~ebrl.policies.FlowPolicy`) or ``auto`` (by the observation space); the
-    other ``[policy]`` keys go to the policy class."""
+    """``policy.kind``: ``mlp`` (vectors), ``cnn`` (observations with images), ``token`` (action
+    tokens, :class:`~ebrl.policies.TokenPolicy`), ``flow`` (flow-matching chunks,
+    :class:`~ebrl.policies.FlowPolicy`) or ``auto`` (the CNN whenever the observation has an image
+    entry, else the MLP); the other ``[policy]`` keys go to the policy class."""
     from gymnasium import spaces
 
     from ebrl.policies import CNNPolicy, FlowPolicy, MLPPolicy, TokenPolicy
+    from ebrl.policies.encoders import ObsLayout
 
     options = dict(options)
     kind = options.pop("kind", "auto")
     if kind not in POLICY_KINDS:
         raise ConfigError("policy.kind", kind, f"must be one of {', '.join(POLICY_KINDS)}")
     if kind == "auto":
-        is_pixels = isinstance(observation_space, spaces.Dict) and "pixels" in observation_space.spaces
-        kind = "cnn" if is_pixels else "mlp"
+        try:
+            layout = ObsLayout.from_space(observation_space, image_keys=options.get("image_keys"),
+                                          state_keys=options.get("state_keys"))
+        except ValueError as exc:  # an entry nothing reads, named
+            if isinstance(observation_space, spaces.Dict):
+                raise ConfigError("policy.kind", kind, str(exc)) from None
+            layout = ObsLayout()  # a Box that is not an image: the MLP reads it whole, as it always did
+        kind = "cnn" if layout.images else "mlp"
     cls = {"cnn": CNNPolicy, "mlp": MLPPolicy, "token": TokenPolicy, "flow": FlowPolicy}[kind]
     try:
         return cls.from_spaces(observation_space, action_space, **options)
     except TypeError as exc:  # an unknown keyword for this policy class
         raise ConfigError("policy", options, f"{cls.__name__}: {exc}") from None
     except ValueError as exc:  # spaces this policy cannot read
-        hint = (" (dict observations without pixels: flatten them, e.g. env_kwargs.flatten=true)"
-                if isinstance(observation_space, spaces.Dict) and kind == "mlp" else "")
-        raise ConfigError("policy.kind", kind, f"{exc}{hint}") from None
+        raise ConfigError("policy.kind", kind, str(exc)) from None
 
 
 def build_algo(spec: dict[str, Any]):
@@ -278,6 +284,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     configure_logging("info", json_path=log_dir / ("events.jsonl" if rank == 0 else f"events-rank{rank}.jsonl"),
                       console=True, console_level="warning" if not args.quiet else "error")
     if rank == 0:
+        inputs = getattr(trainer.policy, "describe_inputs", None)
+        if callable(inputs):  # the observation entries the policy reads, and how (written, never read back)
+            spec["policy_inputs"] = inputs()
         (log_dir / "spec.json").write_text(json.dumps(spec, indent=2))
     bar = None if args.quiet or rank else ProgressBar(trainer.config.total_env_steps, desc=spec["env"])
     try:

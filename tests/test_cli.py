@@ -93,12 +93,14 @@ def test_policy_kind_follows_the_observations_and_can_be_chosen():
     pixels = build_spec(None, ["env=mujoco/InvertedPendulum-v5", "env_kwargs.pixels=16", "policy.hidden=[32]"])
     assert isinstance(build_trainer(pixels).policy, CNNPolicy)  # auto: pixels -> CNN
     assert isinstance(build_trainer(build_spec(None, ["env=mock/3"])).policy, MLPPolicy)
-    with pytest.raises(ConfigError, match="policy.kind.*CNNPolicy needs a Dict"):
+    with pytest.raises(ConfigError, match="policy.kind.*CNNPolicy needs an image entry"):
         build_trainer(build_spec(None, ["env=mock/3", "policy.kind=cnn"]))
     with pytest.raises(ConfigError, match="policy.kind='rnn'.*auto, mlp, cnn"):
         build_trainer(build_spec(None, ["env=mock/3", "policy.kind=rnn"]))
-    with pytest.raises(ConfigError, match="flatten"):
-        build_trainer(build_spec(None, ["env=robotics/FetchReach-v4", "env_kwargs.flatten=false"]))
+    # a dict of vectors needs no flattening: the MLP reads every entry (ebrl.policies.encoders)
+    fetch = build_trainer(build_spec(None, ["env=robotics/FetchReach-v4", "env_kwargs.flatten=false"])).policy
+    assert isinstance(fetch, MLPPolicy) and fetch.obs_dim == 16
+    assert [e.key for e in fetch.obs_layout.entries] == ["achieved_goal", "desired_goal", "observation"]
 
 
 def test_train_from_pixels_end_to_end(tmp_path):

@@ -160,11 +160,11 @@ def test_cnn_policy_discrete_pixels_only_and_84px():
     out = p.act(_obs(3, px=84, state=0))
     assert out.actions.shape == (3,) and out.actions.dtype == np.int64
     assert set(out.actions.tolist()) <= {0, 1, 2, 3}
-    assert p.encoder[0][0].stride == (4, 4)  # NatureCNN at 84 px
+    assert p.obs_encoder.images[0][0][0].stride == (4, 4)  # NatureCNN at 84 px
     logp, ent, _ = p.evaluate({"pixels": torch.from_numpy(_obs(3, px=84, state=0)["pixels"])},
                               torch.from_numpy(out.actions))
     assert torch.all(ent > 0) and torch.all(logp <= 0)
-    with pytest.raises(ValueError, match="Dict"):
+    with pytest.raises(ValueError, match="needs an image entry"):
         CNNPolicy.from_spaces(gym.spaces.Box(0, 1, (3,)), gym.spaces.Discrete(2))
 
 

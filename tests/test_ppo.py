@@ -124,8 +124,11 @@ def test_mlp_discrete():
 def test_unsupported_spaces_raise_naming_the_space():
     with pytest.raises(ValueError, match="MultiDiscrete"):
         MLPPolicy.from_spaces(gym.spaces.Box(-1, 1, (4,)), gym.spaces.MultiDiscrete([2, 2]))
-    with pytest.raises(ValueError, match="Discrete"):
-        MLPPolicy.from_spaces(gym.spaces.Discrete(4), gym.spaces.Discrete(2))
+    with pytest.raises(ValueError, match="cannot read the observation, Text"):
+        MLPPolicy.from_spaces(gym.spaces.Text(5), gym.spaces.Discrete(2))
+    # Discrete observations are read one-hot (ebrl.policies.encoders)
+    one_hot = MLPPolicy.from_spaces(gym.spaces.Discrete(4), gym.spaces.Discrete(2))
+    assert one_hot.obs_dim == 4 and one_hot.act(np.array([0, 3])).actions.shape == (2,)
 
 
 def test_same_seed_same_actions_different_seed_differs():
@@ -142,7 +145,8 @@ def test_state_dict_carries_obs_stats_not_generator():
     src = _box_policy(seed=0)
     src.update_obs_stats(torch.randn(100, 2, 3, dtype=torch.float64) * 3 + 1)
     state = src.state_dict()
-    assert {"obs_mean", "obs_var", "obs_count"} <= set(state)
+    # the observation encoder's buffers (ebrl.policies.encoders; older names load too, see tests/test_obs_encoder.py)
+    assert {"obs_encoder.obs_mean", "obs_encoder.obs_var", "obs_encoder.obs_count"} <= set(state)
     assert not any(isinstance(v, torch.Generator) or "gen" in k for k, v in state.items())
     dst = _box_policy(seed=1)
     dst.load_state_dict(state)
@@ -155,7 +159,7 @@ def test_state_dict_carries_obs_stats_not_generator():
         p.update_obs_stats(chunk)
     torch.testing.assert_close(p.obs_mean.double(), x.mean(0), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(p.obs_var.double(), x.var(0, unbiased=False), rtol=1e-3, atol=1e-3)
-    assert "obs_mean" not in MLPPolicy(6, 1, normalize_obs=False).state_dict()
+    assert not any("obs_mean" in k for k in MLPPolicy(6, 1, normalize_obs=False).state_dict())
 
 
 # ---- PPO -------------------------------------------------------------------------------------

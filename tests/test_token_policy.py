@@ -192,9 +192,12 @@ def test_seeding_makes_acting_reproducible():
     (gym.spaces.Box(-1.0, 1.0, (3,)), gym.spaces.Box(np.float32([-1, -1]), np.float32([1, np.inf])), "Box"),
     (gym.spaces.Box(-1.0, 1.0, (3,)), gym.spaces.Discrete(5), "Discrete"),
     (gym.spaces.Box(-1.0, 1.0, (3,)), gym.spaces.Box(-1.0, 1.0, (2, 2, 2)), "Box"),
-    (gym.spaces.Discrete(3), gym.spaces.Box(-1.0, 1.0, (2,)), "Discrete"),
-    (gym.spaces.Dict({"depth": gym.spaces.Box(0, 1, (4,))}), gym.spaces.Box(-1.0, 1.0, (2,)), "depth"),
-    (gym.spaces.Dict({"pixels": gym.spaces.Box(0.0, 1.0, (8, 8, 3))}), gym.spaces.Box(-1.0, 1.0, (2,)), "uint8"),
+    # any observation the encoder reads is accepted (Discrete one-hot, any key, float images as
+    # vectors); what it cannot read is named
+    (gym.spaces.Dict({"depth": gym.spaces.Box(0, 255, (8, 8), np.uint8)}), gym.spaces.Box(-1.0, 1.0, (2,)),
+     "'depth'.*2-D uint8"),
+    (gym.spaces.Dict({"goal": gym.spaces.Text(8), "state": gym.spaces.Box(-1, 1, (3,))}),
+     gym.spaces.Box(-1.0, 1.0, (2,)), "'goal', Text"),
 ])
 def test_from_spaces_rejects_unsupported_spaces(obs_space, act_space, match):
     with pytest.raises(ValueError, match=match):
@@ -264,7 +267,8 @@ def test_dict_observations_with_pixels_state_and_instruction():
     logp, entropy, value = policy.evaluate(torch_obs(obs), torch.from_numpy(out.actions))
     assert logp.shape == entropy.shape == value.shape == (4,)
     (logp.sum() + value.sum()).backward()
-    for name in ("patchify.0.weight", "state_proj.weight", "instruction_proj.weight", "token_embed.weight"):
+    for name in ("obs_encoder.images.0.conv.0.weight", "state_proj.weight", "instruction_proj.weight",
+                 "token_embed.weight"):
         grad = dict(policy.named_parameters())[name].grad
         assert grad is not None and bool(grad.abs().sum() > 0), name
 
@@ -293,7 +297,8 @@ def test_a_ppo_update_trains_it():
         assert np.isfinite(metrics[k]), k
     assert metrics["nonfinite_loss"] == 0.0
     changed = [k for k, v in policy.state_dict().items() if not torch.equal(v, before[k])]
-    assert "token_head.weight" in changed and "blocks.0.attn.qkv.weight" in changed and "obs_mean" in changed
+    assert "token_head.weight" in changed and "blocks.0.attn.qkv.weight" in changed
+    assert "obs_encoder.obs_mean" in changed
 
 
 def test_end_to_end_training_run():

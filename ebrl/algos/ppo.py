@@ -29,6 +29,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -95,11 +96,11 @@ class PPOConfig:
             check(name, isinstance(getattr(self, name), bool), "a bool")
 
 
-def _index(x: Tensor | dict[str, Tensor], idx: Tensor) -> Tensor | dict[str, Tensor]:
-    """``x[idx]``, per key for dict observations."""
+def _index(x: Tensor | dict[str, Any], idx: Tensor) -> Tensor | dict[str, Any]:
+    """``x[idx]``, per leaf for dict observations (nested ones too)."""
     if isinstance(x, Tensor):
         return x[idx]
-    return {k: v[idx] for k, v in x.items()}
+    return {k: _index(v, idx) for k, v in x.items()}
 
 
 class _RunningVar:

@@ -2,10 +2,11 @@
 
 from ebrl.policies.base import ActResult, Policy
 from ebrl.policies.cnn import CNNPolicy
+from ebrl.policies.encoders import ObsEncoder, ObsLayout
 from ebrl.policies.expects import PolicySpaces, check_policy_spaces
 from ebrl.policies.flow import FlowPolicy
 from ebrl.policies.mlp import MLPPolicy
 from ebrl.policies.token import TokenPolicy
 
-__all__ = ["ActResult", "CNNPolicy", "FlowPolicy", "MLPPolicy", "Policy", "PolicySpaces", "TokenPolicy",
-           "check_policy_spaces"]
+__all__ = ["ActResult", "CNNPolicy", "FlowPolicy", "MLPPolicy", "ObsEncoder", "ObsLayout", "Policy", "PolicySpaces",
+           "TokenPolicy", "check_policy_spaces"]

@@ -5,7 +5,8 @@ and moves weights with ``state_dict``/``load_state_dict``. Algorithms call
 :meth:`Policy.evaluate` and :meth:`Policy.value` with gradients on the learner's copy.
 A policy may also say which spaces it was built for, ``expected_spaces()``
 (:mod:`ebrl.policies.expects`): ``ebrl.run`` then checks env 0's spaces against it before it
-starts anything.
+starts anything. ``describe_inputs()`` (the policies here: :mod:`ebrl.policies.encoders`) lists
+the observation entries it reads, which ``ebrl.run`` logs as ``policy_inputs``.
 """
 
 from __future__ import annotations

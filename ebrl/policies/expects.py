@@ -33,13 +33,15 @@ class DType(enum.StrEnum):
 
     FLOAT = "float"  # any floating-point dtype
     UINT8 = "uint8"  # images: 0..255, scaled by the policy itself
+    CATEGORICAL = "categorical"  # Discrete, MultiDiscrete or MultiBinary entries; size: their one-hot width
 
 
 @dataclass(frozen=True)
 class ObsSpec:
     """One input a policy reads: the observation (a Box), or entries of a Dict observation."""
 
-    keys: tuple[str, ...] | None = None  # None: a Box observation; else these Dict entries, flattened and joined
+    # None: the whole observation; else these Dict entries (nested ones by keys joined with "/"), flattened and joined
+    keys: tuple[str, ...] | None = None
     size: int | None = None  # elements, flattened; None: not checked
     shape: tuple[int, ...] | None = None  # the exact shape (one entry); None: any shape of `size` elements
     dtype: DType | None = None  # None: any numeric dtype (the policy casts)
@@ -94,18 +96,57 @@ def check_policy_spaces(policy: object, observation_space: spaces.Space, action_
 def _observation_problems(spec: ObsSpec, space: spaces.Space) -> list[str]:
     reads = f"reads {spec.describe()}"
     if spec.keys is None:
-        if not isinstance(space, spaces.Box):
+        entries, theirs = [space], f"env 0's observation space is {space}"
+    else:
+        if not isinstance(space, spaces.Dict):
             return [f"{reads}, but env 0's observation space is {space}"]
-        return _array_problems(spec, [space], reads, f"env 0's observation space is {space}")
-    if not isinstance(space, spaces.Dict):
-        return [f"{reads}, but env 0's observation space is {space}"]
-    missing = [k for k in spec.keys if k not in space.spaces]
-    if missing:
-        return [f"{reads}, but env 0's observation space has no {missing} (it has {list(space.spaces)})"]
-    entries = [space[k] for k in spec.keys]
+        found = {k: _entry(space, k) for k in spec.keys}
+        missing = [k for k, e in found.items() if e is None]
+        if missing:
+            return [f"{reads}, but env 0's observation space has no {missing} (it has {_keys(space)})"]
+        entries, theirs = list(found.values()), f"env 0's are {found}"
+    if spec.dtype is DType.CATEGORICAL:
+        fits = all(isinstance(e, _CATEGORICAL) for e in entries) and (
+            spec.size is None or sum(_one_hot_width(e) for e in entries) == spec.size)
+        return [] if fits else [f"{reads}, but {theirs}"]
     if not all(isinstance(e, spaces.Box) for e in entries):
-        return [f"{reads}, but env 0's entries are {dict(zip(spec.keys, entries))}"]
-    return _array_problems(spec, entries, reads, f"env 0's are {dict(zip(spec.keys, entries))}")
+        return [f"{reads}, but {theirs}"]
+    return _array_problems(spec, entries, reads, theirs)
+
+
+_CATEGORICAL = (spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary)
+
+
+def _one_hot_width(space: spaces.Space) -> int:
+    if isinstance(space, spaces.Discrete):
+        return int(space.n)
+    if isinstance(space, spaces.MultiDiscrete):
+        return int(np.sum(space.nvec))
+    return math.prod(space.shape)
+
+
+def _entry(space: spaces.Dict, key: str) -> spaces.Space | None:
+    """The entry ``key`` names: a key of ``space``, or a path through nested Dicts joined by "/"."""
+    if key in space.spaces:
+        return space.spaces[key]
+    head, sep, rest = key.partition("/")
+    while sep:
+        sub = space.spaces.get(head)
+        if isinstance(sub, spaces.Dict):
+            found = _entry(sub, rest)
+            if found is not None:
+                return found
+        more, sep, rest = rest.partition("/")
+        head = f"{head}/{more}"
+    return None
+
+
+def _keys(space: spaces.Space, prefix: str = "") -> list[str]:
+    """Every leaf's key, nested ones joined by "/"."""
+    if not isinstance(space, spaces.Dict):
+        return [prefix]
+    return [k for key, sub in space.spaces.items() for k in _keys(sub, f"{prefix}{key}" if not prefix
+                                                                  else f"{prefix}/{key}")]
 
 
 def _array_problems(spec: ObsSpec, boxes: list[spaces.Box], reads: str, theirs: str) -> list[str]:

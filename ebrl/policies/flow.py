@@ -48,7 +48,7 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -56,25 +56,22 @@ import torch
 from torch import Tensor, nn
 
 from ebrl.policies.base import ActResult
-from ebrl.policies.expects import ActionSpec, ObsSpec, PolicySpaces
-from ebrl.policies.heads import LOG_SQRT_2PI, merge_moments, register_moments
+from ebrl.policies.cnn import image_cnn
+from ebrl.policies.encoders import (
+    ObsEncoder,
+    ObsEntry,
+    ObsLayout,
+    Read,
+    ReadsObservations,
+    as_tensor,
+    load_legacy_keys,
+)
+from ebrl.policies.expects import ActionSpec, PolicySpaces
+from ebrl.policies.heads import LOG_SQRT_2PI
 from ebrl.policies.mlp import _mlp
 from ebrl.policies.pretrained import Pretrained
 
-_OBS_CLIP = 10.0
-_EPS = 1e-8
-
-ObsLike = Any  # a Tensor/array [N, obs_dim], or a dict of them for Dict observation spaces
-
-
-def _as_tensor(a: Any, device: torch.device) -> Tensor:
-    """A tensor on ``device`` without copying numpy memory unless it is strided or read-only."""
-    if isinstance(a, Tensor):
-        return a.to(device)
-    a = np.ascontiguousarray(a)
-    if not a.flags.writeable:  # torch.from_numpy warns on read-only memory
-        a = a.copy()
-    return torch.from_numpy(a).to(device)
+ObsLike = Any  # a Tensor/array [N, ...], or a (nested) dict of them for Dict observation spaces
 
 
 def _gauss_logp(x: Tensor, mean: Tensor, sigma: Tensor) -> Tensor:
@@ -83,11 +80,15 @@ def _gauss_logp(x: Tensor, mean: Tensor, sigma: Tensor) -> Tensor:
     return (-0.5 * z.square() - sigma.log() - LOG_SQRT_2PI).sum(-1)
 
 
-class FlowPolicy(Pretrained, nn.Module):
+class FlowPolicy(ReadsObservations, Pretrained, nn.Module):
     """Flow-matching actor (velocity field + learned noise head) and an MLP critic.
 
-    ``obs_dim`` is the flattened observation size; with ``obs_keys`` observations are dicts
-    whose entries (in that order) are flattened and concatenated, other entries ignored.
+    ``obs_dim`` is the size of the observation features the networks read: with ``obs_layout``
+    (an :class:`~ebrl.policies.encoders.ObsLayout`, which ``from_spaces`` builds; ``obs_dim``
+    None counts them) each camera's CNN features (``feature_dim``, ``conv`` as
+    :class:`~ebrl.policies.CNNPolicy`'s) then the normalised vectors; without it the flattened
+    Box observation or, with ``obs_keys`` (as before ``obs_layout`` existed), those dict
+    entries flattened and concatenated in that order.
     ``chunk_shape`` is the action Box's shape, ``(K, A)`` or ``(A,)``; ``action_low`` and
     ``action_high`` (finite, broadcastable to it) define the map from the normalised ``[-1, 1]``
     space the flow lives in. ``sigma`` is bounded in ``[sigma_min, sigma_max]`` by a sigmoid and
@@ -100,7 +101,7 @@ class FlowPolicy(Pretrained, nn.Module):
 
     def __init__(
         self,
-        obs_dim: int,
+        obs_dim: int | None,
         chunk_shape: Sequence[int],
         action_low: Any,
         action_high: Any,
@@ -116,6 +117,9 @@ class FlowPolicy(Pretrained, nn.Module):
         init_sigma: float = 0.5,
         normalize_obs: bool = True,
         obs_keys: Sequence[str] | None = None,
+        obs_layout: ObsLayout | Sequence[dict[str, Any]] | None = None,
+        conv: Sequence[Sequence[int]] | None = None,
+        feature_dim: int = 256,
         seed: int = 0,
     ):
         super().__init__()
@@ -137,7 +141,24 @@ class FlowPolicy(Pretrained, nn.Module):
         if not (np.isfinite(low).all() and np.isfinite(high).all() and (high > low).all()):
             raise ValueError("FlowPolicy needs finite action bounds with high > low (the flow lives in "
                              f"[-1, 1] and is mapped onto them), got low={low.tolist()}, high={high.tolist()}")
-        self.obs_dim, self.obs_keys = int(obs_dim), tuple(obs_keys) if obs_keys else None
+        if obs_layout is not None and obs_keys:
+            raise ValueError("give obs_layout, or obs_keys (the older argument), not both")
+        if obs_layout is None and obs_dim is None:
+            raise ValueError("give obs_dim, or obs_layout")
+        if obs_layout is not None:
+            layout = ObsLayout.from_config(obs_layout)
+        elif obs_keys:  # only their total size is known: entries of unknown shape
+            layout = ObsLayout(vectors=tuple(ObsEntry((k,), Read.VECTOR, None) for k in obs_keys),
+                               group_dim=int(obs_dim))
+        else:
+            layout = ObsLayout.vector((int(obs_dim),))
+        init_gen = torch.Generator().manual_seed(int(seed))
+        # first: camera CNNs (if any) draw their initial weights before the flow's networks
+        self.obs_encoder = ObsEncoder(layout, image_net=lambda e: image_cnn(e, conv, feature_dim, init_gen),
+                                      normalize=normalize_obs, owner="FlowPolicy")
+        if obs_dim is not None and self.obs_encoder.out_dim != obs_dim:
+            raise ValueError(f"obs_dim={obs_dim}, but the observation gives {self.obs_encoder.out_dim} features")
+        self.obs_dim = self.obs_encoder.out_dim
         self.chunk_dim = math.prod(self.chunk_shape)
         self.denoise_steps, self.predict = denoise_steps, predict
         self.sigma_min, self.sigma_max = float(sigma_min), float(sigma_max)
@@ -149,10 +170,11 @@ class FlowPolicy(Pretrained, nn.Module):
                        "noise_hidden": list(noise_hidden), "critic_hidden": list(critic_hidden),
                        "time_dim": int(time_dim), "denoise_steps": denoise_steps, "predict": predict,
                        "sigma_min": self.sigma_min, "sigma_max": self.sigma_max, "init_sigma": float(init_sigma),
-                       "normalize_obs": self.normalize_obs,
-                       "obs_keys": list(self.obs_keys) if self.obs_keys else None, "seed": self.seed}
+                       "normalize_obs": self.normalize_obs, "obs_keys": list(obs_keys) if obs_keys else None,
+                       "obs_layout": layout.to_config() if obs_layout is not None else None,
+                       "conv": None if conv is None else [list(c) for c in conv], "feature_dim": int(feature_dim),
+                       "seed": self.seed}
 
-        init_gen = torch.Generator().manual_seed(self.seed)
         d_in = self.chunk_dim + self.obs_dim + time_dim
         self.velocity = _mlp(d_in, hidden, self.chunk_dim, nn.SiLU, 0.01, init_gen)
         # separate from the velocity field, as in Flow-Noise: BC warm starts shape the velocity
@@ -165,68 +187,36 @@ class FlowPolicy(Pretrained, nn.Module):
         # π0's sinusoidal time embedding: periods geometric in [4e-3, 4]
         periods = torch.logspace(math.log10(4e-3), math.log10(4.0), time_dim // 2)
         self.register_buffer("time_freqs", 2.0 * math.pi / periods, persistent=False)
-        if self.normalize_obs:
-            register_moments(self, self.obs_dim)
         self._gen = torch.Generator().manual_seed(self.seed)  # a plain attribute: not in state_dict
+        self.register_load_state_dict_pre_hook(load_legacy_keys)
 
     @classmethod
-    def from_spaces(cls, observation_space, action_space, **kw) -> FlowPolicy:
-        """Build from gymnasium spaces: a 1-D Box observation, or a Dict with a ``"state"`` Box and
-        an optional ``"instruction"`` Box (e.g. a language embedding), concatenated; a Box action
-        of shape ``(K, A)`` (an :class:`~ebrl.envs.chunks.ActionChunk`) or ``(A,)`` (K = 1)."""
+    def from_spaces(cls, observation_space, action_space, *, image_keys: Sequence[str] | None = None,
+                    state_keys: Sequence[str] | None = None, **kw) -> FlowPolicy:
+        """Build from gymnasium spaces: any observation space :mod:`ebrl.policies.encoders` reads
+        (``image_keys``/``state_keys`` choose the entries; cameras get CNNs); a Box action of
+        shape ``(K, A)`` (an :class:`~ebrl.envs.chunks.ActionChunk`) or ``(A,)`` (K = 1)."""
         from gymnasium import spaces
 
-        if isinstance(observation_space, spaces.Dict):
-            keys = [k for k in ("state", "instruction") if k in observation_space.spaces]
-            not_box = [k for k in keys if not isinstance(observation_space[k], spaces.Box)]
-            if "state" not in keys or not_box:
-                raise ValueError(f"FlowPolicy needs a Dict observation space with a 'state' Box (and optionally an "
-                                 f"'instruction' Box), got {observation_space!r}")
-            obs_dim = sum(math.prod(observation_space[k].shape) for k in keys)
-            kw.setdefault("obs_keys", keys)
-        elif isinstance(observation_space, spaces.Box) and len(observation_space.shape) == 1:
-            obs_dim = int(observation_space.shape[0])
-        else:
-            raise ValueError(f"FlowPolicy needs a 1-D Box or a Dict('state', 'instruction') observation space, "
-                             f"got {observation_space!r}")
         if not isinstance(action_space, spaces.Box) or len(action_space.shape) not in (1, 2):
             raise ValueError(f"FlowPolicy needs a Box action space of shape (K, A) or (A,), got {action_space!r}")
         if not (np.isfinite(action_space.low).all() and np.isfinite(action_space.high).all()):
             raise ValueError(f"FlowPolicy needs finite action bounds (actions are mapped from [-1, 1] onto "
                              f"them), got {action_space!r}")
-        return cls(obs_dim, action_space.shape, action_space.low, action_space.high, **kw)
+        layout = ObsLayout.from_space(observation_space, image_keys=image_keys, state_keys=state_keys)
+        return cls(None, action_space.shape, action_space.low, action_space.high, obs_layout=layout, **kw)
 
     def expected_spaces(self) -> PolicySpaces:
-        """What this policy was built for (``ebrl.run`` checks env 0's spaces against it): ``obs_dim``
-        elements, of a Box or of the ``obs_keys`` entries of a Dict, joined; Box actions of
-        ``chunk_shape``."""
-        return PolicySpaces((ObsSpec(keys=self.obs_keys, size=self.obs_dim),), ActionSpec(shape=self.chunk_shape))
+        """What this policy was built for (``ebrl.run`` checks env 0's spaces against it): the
+        entries of its layout (or ``obs_dim`` elements of a Box, or of the ``obs_keys`` entries,
+        joined); Box actions of ``chunk_shape``."""
+        return PolicySpaces(self.obs_layout.expected(), ActionSpec(shape=self.chunk_shape))
 
     # ---- observations ----------------------------------------------------------------------
 
-    def _flat_obs(self, obs: ObsLike) -> Tensor:
-        """``[N, obs_dim]`` float, before normalisation."""
-        device, dtype = self.critic[0].weight.device, self.critic[0].weight.dtype
-        if self.obs_keys is None:
-            return _as_tensor(obs, device).reshape(-1, self.obs_dim).to(dtype)
-        if not isinstance(obs, Mapping):
-            raise TypeError(f"FlowPolicy built for dict observations {self.obs_keys}, got {type(obs).__name__}")
-        parts = [_as_tensor(obs[k], device) for k in self.obs_keys]
-        n = parts[0].shape[0]
-        return torch.cat([p.reshape(n, -1).to(dtype) for p in parts], -1)
-
     def _features(self, obs: ObsLike) -> Tensor:
-        x = self._flat_obs(obs)
-        if self.normalize_obs:
-            x = ((x - self.obs_mean) / torch.sqrt(self.obs_var + _EPS)).clamp(-_OBS_CLIP, _OBS_CLIP)
-        return x
-
-    @torch.no_grad()
-    def update_obs_stats(self, obs: ObsLike) -> None:
-        """Merge a batch of observations into the running mean/var (buffers: they reach the
-        runtime's inference copy with ``state_dict``)."""
-        if self.normalize_obs:
-            merge_moments(self.obs_mean, self.obs_var, self.obs_count, self._flat_obs(obs))
+        """``[N, obs_dim]``: the cameras' features, then the normalised vectors."""
+        return self.obs_encoder(obs, self.critic[0].weight)
 
     # ---- the flow --------------------------------------------------------------------------
 
@@ -327,7 +317,7 @@ class FlowPolicy(Pretrained, nn.Module):
         :meth:`update_obs_stats` on the demonstrations first when normalising.
         """
         feat = self._features(obs)
-        target = self.normalize_actions(_as_tensor(chunks, feat.device).to(feat.dtype))
+        target = self.normalize_actions(as_tensor(chunks, feat.device).to(feat.dtype))
         gen = generator or self._generator(feat.device)
         noise = torch.randn(target.shape, generator=gen, device=feat.device, dtype=feat.dtype)
         tau = torch.rand((target.shape[0],), generator=gen, device=feat.device, dtype=feat.dtype)

@@ -2,7 +2,10 @@
 
 Box actions get a diagonal Gaussian with a state-independent log-std parameter; Discrete actions
 a categorical. Observations are normalised by a running mean/variance kept in *buffers*, so the
-statistics travel with ``state_dict`` to the runtime's inference copy.
+statistics travel with ``state_dict`` to the runtime's inference copy. A Box observation is
+flattened whole; a Dict of vectors (nested ones too) is read by
+:class:`~ebrl.policies.encoders.ObsEncoder`: Box entries flattened and concatenated, Discrete and
+MultiBinary entries one-hot. Images need :class:`~ebrl.policies.CNNPolicy`.
 
 Example::
 
@@ -14,31 +17,31 @@ Example::
     >>> out = policy.act(np.zeros((4, 3), np.float32))
     >>> out.actions.shape, bool(out.env_actions.max() <= 2.0), out.logprobs.dtype
     ((4, 2), True, dtype('float32'))
+    >>> goals = gym.spaces.Dict({"observation": gym.spaces.Box(-1, 1, (10,)),
+    ...                          "desired_goal": gym.spaces.Box(-1, 1, (3,))})
+    >>> MLPPolicy.from_spaces(goals, act_space).obs_dim  # a Fetch task's dict, without flattening it first
+    13
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
 from ebrl.policies.base import ActResult
-from ebrl.policies.expects import ActionSpec, ObsSpec, PolicySpaces
-from ebrl.policies.heads import (
-    LOG_SQRT_2PI,
-    ActorCriticHeads,
-    action_bounds,
-    merge_moments,
-    register_moments,
-)
+from ebrl.policies.encoders import EPS, OBS_CLIP, ObsEncoder, ObsLayout, ReadsObservations, load_legacy_keys
+from ebrl.policies.expects import ActionSpec, PolicySpaces
+from ebrl.policies.heads import LOG_SQRT_2PI, ActorCriticHeads, action_bounds
 
 _ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU, "gelu": nn.GELU, "silu": nn.SiLU}
 _NP_ACTIVATIONS = {"tanh": np.tanh, "relu": lambda h: np.maximum(h, 0.0)}
-_OBS_CLIP = 10.0
-_EPS = 1e-8
+_OBS_CLIP = OBS_CLIP
+_EPS = EPS
 
 
 def _mlp(in_dim: int, hidden: Sequence[int], out_dim: int, act: type[nn.Module], out_gain: float,
@@ -58,10 +61,12 @@ def _init(layer: nn.Linear, gain: float, gen: torch.Generator) -> nn.Linear:
     return layer
 
 
-class MLPPolicy(ActorCriticHeads, nn.Module):
+class MLPPolicy(ReadsObservations, ActorCriticHeads, nn.Module):
     """Separate actor and critic MLPs on (normalised) flat observations.
 
-    Give ``act_dim`` for a Gaussian policy over ``R^act_dim`` (``env_actions`` clipped to
+    ``obs_dim`` elements of a Box of ``obs_shape``, or of the vector entries of ``obs_layout``
+    (an :class:`~ebrl.policies.encoders.ObsLayout` without images; ``from_spaces`` builds it for
+    Dict observations). Give ``act_dim`` for a Gaussian policy over ``R^act_dim`` (``env_actions`` clipped to
     ``[action_low, action_high]`` when given), or ``discrete_actions=n`` for a categorical
     policy over ``{0..n-1}``. ``seed`` fixes both the initial weights and the sampling stream:
     two policies built with the same arguments act identically on identical inputs.
@@ -81,6 +86,7 @@ class MLPPolicy(ActorCriticHeads, nn.Module):
         normalize_obs: bool = True,
         seed: int = 0,
         obs_shape: Sequence[int] | None = None,
+        obs_layout: ObsLayout | Sequence[dict] | None = None,
         inference: str = "auto",
     ):
         super().__init__()
@@ -98,14 +104,18 @@ class MLPPolicy(ActorCriticHeads, nn.Module):
         self.activation = activation
         self.inference = inference
         self.obs_shape = tuple(obs_shape) if obs_shape is not None else (int(obs_dim),)
-        if math.prod(self.obs_shape) != obs_dim:
+        if obs_layout is None and math.prod(self.obs_shape) != obs_dim:
             raise ValueError(f"obs_shape={self.obs_shape} does not flatten to obs_dim={obs_dim}")
+        layout = ObsLayout.vector(self.obs_shape) if obs_layout is None else ObsLayout.from_config(obs_layout)
+        if layout.flat_dim != obs_dim and not layout.images:
+            raise ValueError(f"obs_layout reads {layout.flat_dim} elements, not obs_dim={obs_dim}")
         self.obs_dim = int(obs_dim)
         self.discrete = discrete_actions is not None
         self.act_dim = int(discrete_actions if self.discrete else act_dim)
         self.normalize_obs = bool(normalize_obs)
         self.seed = int(seed)
 
+        self.obs_encoder = ObsEncoder(layout, normalize=normalize_obs, owner="MLPPolicy")  # no weights: no draws
         init_gen = torch.Generator().manual_seed(self.seed)
         act = _ACTIVATIONS[activation]
         self.critic = _mlp(self.obs_dim, hidden, 1, act, 1.0, init_gen)
@@ -114,8 +124,7 @@ class MLPPolicy(ActorCriticHeads, nn.Module):
             self.log_std = nn.Parameter(torch.full((self.act_dim,), float(init_log_std)))
 
         self.action_low, self.action_high = action_bounds(action_low, action_high, self.act_dim)
-        if self.normalize_obs:
-            register_moments(self, self.obs_dim)
+        self.register_load_state_dict_pre_hook(load_legacy_keys)
 
         # Plain attributes (not buffers), so they never enter state_dict.
         self._gen = torch.Generator().manual_seed(self.seed)
@@ -125,19 +134,26 @@ class MLPPolicy(ActorCriticHeads, nn.Module):
         self._np_tensors: list | None = None
 
     @classmethod
-    def from_spaces(cls, observation_space, action_space, **kw) -> MLPPolicy:
-        """Build from gymnasium spaces: any-shape Box observations; 1-D Box or Discrete actions."""
+    def from_spaces(cls, observation_space, action_space, *, state_keys: Sequence[str] | None = None,
+                    **kw) -> MLPPolicy:
+        """Build from gymnasium spaces: a Box observation of any shape (flattened), or a Dict of
+        vectors (``state_keys`` chooses them; see :mod:`ebrl.policies.encoders`); 1-D Box or
+        Discrete actions."""
         from gymnasium import spaces
 
-        if not isinstance(observation_space, spaces.Box):
-            raise ValueError(f"MLPPolicy needs a Box observation space, got {observation_space!r}")
-        obs_shape = tuple(observation_space.shape)
+        if isinstance(observation_space, spaces.Box):
+            layout = ObsLayout.vector(observation_space.shape)  # read whole, images too, as it always was
+        else:
+            # it has no image encoder: cameras are refused by name unless state_keys chose the entries
+            layout = ObsLayout.from_space(observation_space, state_keys=state_keys,
+                                          image_keys=() if state_keys is not None else None)
+        shape = {"obs_shape": tuple(observation_space.shape)} if isinstance(observation_space, spaces.Box) else {}
         if isinstance(action_space, spaces.Discrete):
             if int(action_space.start) != 0:
                 raise ValueError(f"MLPPolicy needs a Discrete action space starting at 0, got {action_space!r}")
-            return cls(math.prod(obs_shape), discrete_actions=int(action_space.n), obs_shape=obs_shape, **kw)
+            return cls(layout.flat_dim, discrete_actions=int(action_space.n), obs_layout=layout, **shape, **kw)
         if isinstance(action_space, spaces.Box) and len(action_space.shape) == 1:
-            return cls(math.prod(obs_shape), int(action_space.shape[0]), obs_shape=obs_shape,
+            return cls(layout.flat_dim, int(action_space.shape[0]), obs_layout=layout, **shape,
                        action_low=action_space.low, action_high=action_space.high, **kw)
         raise ValueError(
             f"MLPPolicy supports 1-D Box or Discrete action spaces, got {action_space!r}"
@@ -146,33 +162,22 @@ class MLPPolicy(ActorCriticHeads, nn.Module):
     def expected_spaces(self) -> PolicySpaces:
         """What this policy was built for (``ebrl.run`` checks env 0's spaces against it): Box
         observations of ``obs_dim`` elements, any shape and number dtype (they are flattened and
-        cast); ``Discrete(n)`` or ``Box(act_dim,)`` actions."""
+        cast), or the entries of its layout; ``Discrete(n)`` or ``Box(act_dim,)`` actions."""
         action = ActionSpec(discrete=self.act_dim) if self.discrete else ActionSpec(shape=(self.act_dim,))
-        return PolicySpaces((ObsSpec(size=self.obs_dim),), action)
+        return PolicySpaces(self.obs_layout.expected(), action)
 
     # ---- observation normalisation -------------------------------------------------------
 
-    @torch.no_grad()
-    def update_obs_stats(self, obs: Tensor) -> None:
-        """Merge a batch ``[N, *obs_shape]`` into the running mean/var (parallel Welford, as SB3)."""
-        if not self.normalize_obs:
-            return
-        merge_moments(self.obs_mean, self.obs_var, self.obs_count,
-                      torch.as_tensor(obs, device=self.obs_mean.device).reshape(-1, self.obs_dim))
-
-    def _features(self, obs: Tensor) -> Tensor:
-        """Flatten to ``[N, obs_dim]`` float32 and normalise (clipped to [-10, 10])."""
-        x = obs.reshape(-1, self.obs_dim).to(self.critic[0].weight.dtype)
-        if self.normalize_obs:
-            x = ((x - self.obs_mean) / torch.sqrt(self.obs_var + _EPS)).clamp(-_OBS_CLIP, _OBS_CLIP)
-        return x
+    def _features(self, obs: Any) -> Tensor:
+        """``[N, obs_dim]`` float: flattened (and joined) and normalised (clipped to [-10, 10])."""
+        return self.obs_encoder.vector(obs, self.critic[0].weight)
 
     # ---- acting (runtime) ----------------------------------------------------------------
 
     def _use_numpy(self) -> bool:
         if self.inference == "auto":
             return (self.activation in _NP_ACTIVATIONS and self.critic[0].weight.device.type == "cpu"
-                    and self.critic[0].weight.dtype == torch.float32)
+                    and self.critic[0].weight.dtype == torch.float32 and not self.obs_layout.categorical)
         return self.inference == "numpy"
 
     def _numpy_weights(self) -> tuple:
@@ -189,10 +194,10 @@ class MLPPolicy(ActorCriticHeads, nn.Module):
                 return [(m.weight.detach().numpy().T.copy(), m.bias.detach().numpy().copy())
                         for m in seq if isinstance(m, nn.Linear)]
 
-            norm = None
-            if self.normalize_obs:
-                norm = (self.obs_mean.numpy().astype(np.float32),
-                        (1.0 / np.sqrt(self.obs_var.numpy() + _EPS)).astype(np.float32))
+            norm, enc = None, self.obs_encoder
+            if enc.normalize:
+                norm = (enc.obs_mean.numpy().astype(np.float32),
+                        (1.0 / np.sqrt(enc.obs_var.numpy() + _EPS)).astype(np.float32))
             log_std = None if self.discrete else self.log_std.detach().numpy().copy()
             self._np_cache = (layers(self.actor), layers(self.critic), norm, log_std)
             self._np_versions = versions
@@ -203,7 +208,7 @@ class MLPPolicy(ActorCriticHeads, nn.Module):
         call costs ~25 us instead of ~250 us, and holds the GIL once instead of per torch op."""
         actor, critic, norm, log_std = self._numpy_weights()
         f = _NP_ACTIVATIONS[self.activation]
-        x = np.asarray(obs, np.float32).reshape(-1, self.obs_dim)
+        x = self.obs_encoder.vector_numpy(obs)
         if norm is not None:
             x = np.clip((x - norm[0]) * norm[1], -_OBS_CLIP, _OBS_CLIP)
 
@@ -234,25 +239,22 @@ class MLPPolicy(ActorCriticHeads, nn.Module):
                          logprobs=logp.astype(np.float32), values=values.astype(np.float32))
 
     @torch.no_grad()
-    def act(self, obs: np.ndarray) -> ActResult:
-        """Sample actions for ``obs [B, *obs_shape]``; numpy in, numpy out, no autograd.
+    def act(self, obs: Any) -> ActResult:
+        """Sample actions for ``obs [B, *obs_shape]`` (or a dict of such arrays); numpy in, numpy
+        out, no autograd.
 
         On the CPU (``inference="auto"``) this runs a numpy mirror of the weights; elsewhere torch.
         """
         if self._use_numpy():
             return self._act_numpy(obs)
-        device = self.critic[0].weight.device
-        obs = np.ascontiguousarray(obs)  # no copy unless strided
-        if not obs.flags.writeable:  # torch.from_numpy warns on read-only memory
-            obs = obs.copy()
-        return self._sample(self._features(torch.from_numpy(obs).to(device, non_blocking=True)))
+        return self._sample(self._features(obs))
 
     # ---- training (algorithm) ------------------------------------------------------------
 
-    def value(self, obs: Tensor) -> Tensor:
+    def value(self, obs: Any) -> Tensor:
         """State values ``[N]`` for ``obs [N, *obs_shape]``, with gradients."""
         return self.critic(self._features(obs)).squeeze(-1)
 
-    def evaluate(self, obs: Tensor, actions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def evaluate(self, obs: Any, actions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """``(logprob [N], entropy [N], value [N])`` of ``actions`` under the current weights."""
         return self._evaluate(self._features(obs), actions)

@@ -5,15 +5,17 @@ OpenVLA's scheme: every action dimension is discretised into 256 uniform bins be
 and a causal language model predicts the bin tokens one dimension at a time after the prompt
 (the image and instruction tokens); detokenising maps each token back to its bin centre.
 
-Here the "prompt" is a few prefix tokens built from the observation: a normalised ``state``
-vector (one or a few linear tokens), ``pixels`` (a small conv patchifier, a handful of tokens)
-and an ``instruction`` embedding the env precomputes (one linear token; there is no tokenizer
-and nothing is ever downloaded). The transformer reads ``[prefix, BOS, a_1 .. a_{D-1}]``; the
-output before dimension ``j`` gives its logits, and the BOS output also feeds the value head.
-The prefix attends to itself both ways (a prefix-LM, as PaliGemma); everything after it is
-causal. ``act`` samples with an explicit KV cache: one pass over prefix + BOS (which gives the
-first token's logits), then one single-position step per further token, batched over B.
-``evaluate`` is a single teacher-forced pass.
+Here the "prompt" is a few prefix tokens built from the observation, read by
+:class:`~ebrl.policies.encoders.ObsEncoder` whatever its entries are called: the vector entries,
+normalised and joined (one or a few linear tokens), each camera (a small conv patchifier, a
+handful of tokens per camera) and an ``instruction`` embedding the env precomputes (a Box entry
+of that name: one linear token; there is no tokenizer and nothing is ever downloaded). The
+transformer reads ``[prefix, BOS, a_1 .. a_{D-1}]``; the output before dimension ``j`` gives its
+logits, and the BOS output also feeds the value head. The prefix attends to itself both ways (a
+prefix-LM, as PaliGemma); everything after it is causal. ``act`` samples with an explicit KV
+cache: one pass over prefix + BOS (which gives the first token's logits), then one
+single-position step per further token, batched over B. ``evaluate`` is a single teacher-forced
+pass.
 
 The tokens are OpenVLA's 256 bins, but by default the head does not give each bin a free logit:
 it predicts the coefficients of 32 cosines over the bins, damped as ``1 / k^2`` (``bin_basis``,
@@ -49,12 +51,20 @@ import torch
 from torch import Tensor, nn
 
 from ebrl.policies.base import ActResult
-from ebrl.policies.expects import ActionSpec, DType, ObsSpec, PolicySpaces
-from ebrl.policies.heads import merge_moments, register_moments
-from ebrl.policies.mlp import _EPS, _OBS_CLIP
+from ebrl.policies.encoders import (
+    ObsEncoder,
+    ObsEntry,
+    ObsLayout,
+    Read,
+    ReadsObservations,
+    as_tensor,
+    load_legacy_keys,
+    lookup,
+)
+from ebrl.policies.expects import ActionSpec, ObsSpec, PolicySpaces
 from ebrl.policies.pretrained import Pretrained
 
-OBS_KEYS = ("pixels", "state", "instruction")
+INSTRUCTION_KEY = "instruction"  # a Box entry of this name is one token of its own, not normalised
 
 KVCache = list[tuple[Tensor, Tensor]]  # per layer: keys and values [B, heads, max_len, head_dim]
 
@@ -99,21 +109,44 @@ class _Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class TokenPolicy(Pretrained, nn.Module):
-    """Autoregressive action tokens over a prefix built from ``state``/``pixels``/``instruction``.
+class _Patchify(nn.Module):
+    """One camera's tokens: two stride-2 convs, average-pooled to a ``grid x grid`` grid (any
+    image size gives ``grid**2`` tokens), each cell projected to ``d_model``."""
+
+    def __init__(self, channels: int, grid: int, d_model: int):
+        super().__init__()
+        self.conv = nn.Sequential(nn.Conv2d(channels, 32, 3, 2, padding=1), nn.GELU(),
+                                  nn.Conv2d(32, 64, 3, 2, padding=1), nn.GELU(), nn.AdaptiveAvgPool2d(grid))
+        self.proj = nn.Linear(64, d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``[N, C, H, W] -> [N, grid**2, d_model]``."""
+        return self.proj(self.conv(x).flatten(2).transpose(1, 2))
+
+
+class TokenPolicy(ReadsObservations, Pretrained, nn.Module):
+    """Autoregressive action tokens over a prefix built from the observation's vectors, cameras and instruction.
 
     ``action_low``/``action_high`` give the action shape (``(A,)`` or a chunk ``(K, A)``, whose
     ``K*A`` tokens are emitted in row-major order) and the finite bounds of the ``bins`` uniform
-    bins per dimension. ``dict_obs=False`` reads a flat Box observation as the state; otherwise
-    observations are dicts with the keys whose sizes are given (``state_dim``, ``pixels_shape``
-    ``(H, W, C)`` uint8, ``instruction_dim``). The state becomes ``state_tokens`` tokens, the
-    pixels ``pixel_grid**2`` tokens, the instruction one. ``seed`` fixes the initial weights and
-    the sampling stream: two policies built alike act identically on identical inputs.
+    bins per dimension. ``obs_layout`` (an :class:`~ebrl.policies.encoders.ObsLayout`, which
+    ``from_spaces`` builds) says which entries are read; without it, as before it existed,
+    ``dict_obs=False`` reads a flat Box observation as the state and ``dict_obs=True`` dicts of
+    ``state`` (``state_dim``) and ``pixels`` (``pixels_shape`` ``(H, W, C)`` uint8).
+    ``instruction_dim`` is the size of an ``instruction`` entry. The vectors become
+    ``state_tokens`` tokens, each camera ``pixel_grid**2`` tokens, the instruction one. ``seed``
+    fixes the initial weights and the sampling stream: two policies built alike act identically
+    on identical inputs.
     """
 
     CONFIG_BEFORE_KEY = {"bin_basis": 0}  # weights saved before the bin basis had a free logit per bin
 
-    def __init__(self, action_low, action_high, *, state_dim: int = 0, pixels_shape: Sequence[int] | None = None,
+    # before the observation encoder the one camera's patchifier was `patchify` and `pixel_proj`
+    LEGACY_KEYS = {**ReadsObservations.LEGACY_KEYS, "patchify.": "obs_encoder.images.0.conv.",
+                   "pixel_proj.": "obs_encoder.images.0.proj."}
+
+    def __init__(self, action_low, action_high, *, obs_layout: ObsLayout | Sequence[dict[str, Any]] | None = None,
+                 state_dim: int = 0, pixels_shape: Sequence[int] | None = None,
                  instruction_dim: int = 0, dict_obs: bool = False, d_model: int = 128, layers: int = 4,
                  heads: int = 4, mlp_ratio: int = 4, bins: int = 256, state_tokens: int = 1,
                  pixel_grid: int = 2, bin_basis: int = 32, normalize_obs: bool = True, seed: int = 0):
@@ -130,43 +163,45 @@ class TokenPolicy(Pretrained, nn.Module):
             raise ValueError(f"bins={bins} must be at least 2")
         if not 0 <= bin_basis <= bins:
             raise ValueError(f"bin_basis={bin_basis} must lie in [0, bins={bins}] (0: one free logit per bin)")
-        if pixels_shape is not None and len(pixels_shape) != 3:
-            raise ValueError(f"pixels_shape must be (H, W, C), got {tuple(pixels_shape)}")
-        if not dict_obs and (pixels_shape is not None or instruction_dim):
-            raise ValueError("pixels and instruction inputs need dict observations (dict_obs=True)")
+        if obs_layout is not None:
+            if state_dim or pixels_shape is not None or dict_obs:
+                raise ValueError("give obs_layout, or state_dim/pixels_shape/dict_obs (the older arguments), not both")
+            layout = ObsLayout.from_config(obs_layout)
+        else:
+            if pixels_shape is not None and len(pixels_shape) != 3:
+                raise ValueError(f"pixels_shape must be (H, W, C), got {tuple(pixels_shape)}")
+            if not dict_obs and (pixels_shape is not None or instruction_dim):
+                raise ValueError("pixels and instruction inputs need dict observations (dict_obs=True)")
+            layout = _legacy_layout(int(state_dim), pixels_shape, bool(dict_obs))
+        if instruction_dim and any(not e.path for e in layout.entries):
+            raise ValueError("an instruction input needs dict observations (an 'instruction' entry)")
         # constructor arguments, JSON-ready: save_pretrained writes them, from_pretrained reads them
         self.config: dict[str, Any] = {
-            "action_low": low.tolist(), "action_high": high.tolist(), "state_dim": int(state_dim),
-            "pixels_shape": None if pixels_shape is None else [int(s) for s in pixels_shape],
-            "instruction_dim": int(instruction_dim), "dict_obs": bool(dict_obs), "d_model": int(d_model),
+            "action_low": low.tolist(), "action_high": high.tolist(), "obs_layout": layout.to_config(),
+            "instruction_dim": int(instruction_dim), "d_model": int(d_model),
             "layers": int(layers), "heads": int(heads), "mlp_ratio": int(mlp_ratio), "bins": int(bins),
             "state_tokens": int(state_tokens), "pixel_grid": int(pixel_grid), "bin_basis": int(bin_basis),
             "normalize_obs": bool(normalize_obs), "seed": int(seed)}
         self.action_shape = tuple(low.shape)
         self.num_tokens = low.size  # D: tokens per action
-        self.bins, self.seed, self.dict_obs = int(bins), int(seed), bool(dict_obs)
-        self.state_dim, self.instruction_dim = int(state_dim), int(instruction_dim)
-        self.pixels_shape = None if pixels_shape is None else tuple(int(s) for s in pixels_shape)
+        self.bins, self.seed = int(bins), int(seed)
+        self.state_dim, self.instruction_dim = layout.flat_dim, int(instruction_dim)
         self.state_tokens, self.pixel_grid = int(state_tokens), int(pixel_grid)
-        self.normalize_obs = bool(normalize_obs) and self.state_dim > 0
         self.d_model = int(d_model)
 
         # tokenisation constants travel with .to(device) but stay out of state_dict (they are config)
         self.register_buffer("bin_low", torch.from_numpy(low.reshape(-1).copy()), persistent=False)
         self.register_buffer("bin_width", torch.from_numpy((high - low).reshape(-1) / bins), persistent=False)
 
+        # registered in this order (vectors, cameras, instruction) so that _init_weights draws as before
         num_prefix = 0
         if self.state_dim:
             self.state_proj = nn.Linear(self.state_dim, self.state_tokens * d_model)
             num_prefix += self.state_tokens
-        if self.pixels_shape is not None:
-            channels = self.pixels_shape[2]
-            # two stride-2 convs, then average-pooled to a grid: any image size gives grid**2 tokens
-            self.patchify = nn.Sequential(nn.Conv2d(channels, 32, 3, 2, padding=1), nn.GELU(),
-                                          nn.Conv2d(32, 64, 3, 2, padding=1), nn.GELU(),
-                                          nn.AdaptiveAvgPool2d(self.pixel_grid))
-            self.pixel_proj = nn.Linear(64, d_model)
-            num_prefix += self.pixel_grid**2
+        self.obs_encoder = ObsEncoder(layout, image_net=lambda e: _Patchify(e.channels, self.pixel_grid, d_model),
+                                      normalize=normalize_obs, owner="TokenPolicy")
+        self.normalize_obs = self.obs_encoder.normalize
+        num_prefix += len(layout.images) * self.pixel_grid**2
         if self.instruction_dim:
             self.instruction_proj = nn.Linear(self.instruction_dim, d_model)
             num_prefix += 1
@@ -192,8 +227,6 @@ class TokenPolicy(Pretrained, nn.Module):
             self.token_head = nn.Linear(d_model, bins)
             self.token_embed = nn.Embedding(bins, d_model)
         self.value_head = nn.Linear(d_model, 1)
-        if self.normalize_obs:
-            register_moments(self, self.state_dim)
 
         # causal after the prefix, bidirectional within it; sliced for every pass
         pos = torch.arange(num_prefix + self.num_tokens)
@@ -201,6 +234,7 @@ class TokenPolicy(Pretrained, nn.Module):
                              persistent=False)
         self._init_weights(torch.Generator().manual_seed(self.seed))
         self._gen = torch.Generator().manual_seed(self.seed)  # not a buffer: never in state_dict
+        self.register_load_state_dict_pre_hook(load_legacy_keys)
 
     def _init_weights(self, gen: torch.Generator) -> None:
         """GPT-2 initialisation from ``gen`` (so weights depend on ``seed`` only). The token head
@@ -223,36 +257,26 @@ class TokenPolicy(Pretrained, nn.Module):
         nn.init.zeros_(self.token_head.weight)
 
     @classmethod
-    def from_spaces(cls, observation_space, action_space, **kw) -> TokenPolicy:
-        """Build from gymnasium spaces: a Box observation (the state) or a Dict of ``"pixels"``
-        (uint8 ``[H, W, C]``), ``"state"`` and ``"instruction"`` Boxes; a Box action space with
-        finite bounds, ``(A,)`` or ``(K, A)``."""
+    def from_spaces(cls, observation_space, action_space, *, image_keys: Sequence[str] | None = None,
+                    state_keys: Sequence[str] | None = None, **kw) -> TokenPolicy:
+        """Build from gymnasium spaces: any observation space :mod:`ebrl.policies.encoders` reads
+        (``image_keys``/``state_keys`` choose the entries; an ``instruction`` Box is a token of its
+        own unless ``state_keys`` names it); a Box action space with finite bounds, ``(A,)`` or
+        ``(K, A)``."""
         from gymnasium import spaces
 
         if not (isinstance(action_space, spaces.Box) and len(action_space.shape) in (1, 2)
                 and np.isfinite(action_space.low).all() and np.isfinite(action_space.high).all()):
             raise ValueError(f"TokenPolicy needs a Box action space of shape (A,) or (K, A) with finite bounds "
                              f"(its tokens are bins of [low, high]), got {action_space!r}")
-        if isinstance(observation_space, spaces.Box):
-            return cls(action_space.low, action_space.high, state_dim=math.prod(observation_space.shape), **kw)
-        if not isinstance(observation_space, spaces.Dict):
-            raise ValueError(f"TokenPolicy needs a Box or Dict observation space, got {observation_space!r}")  # noqa: TRY004
-        entries = observation_space.spaces
-        extra = set(entries) - set(OBS_KEYS)
-        if extra or not entries:
-            raise ValueError(f"TokenPolicy reads {list(OBS_KEYS)} from a Dict observation space; "
-                             f"got keys {sorted(entries)}")
-        for key, space in entries.items():
-            if not isinstance(space, spaces.Box):
-                raise ValueError(f"TokenPolicy needs observation {key!r} to be a Box, got {space!r}")  # noqa: TRY004
-        pixels = entries.get("pixels")
-        if pixels is not None and (len(pixels.shape) != 3 or pixels.dtype != np.uint8):
-            raise ValueError(f"TokenPolicy needs 'pixels' as a uint8 Box (H, W, C), got {pixels!r}")
-        return cls(action_space.low, action_space.high, dict_obs=True,
-                   state_dim=math.prod(entries["state"].shape) if "state" in entries else 0,
-                   pixels_shape=None if pixels is None else tuple(pixels.shape),
-                   instruction_dim=math.prod(entries["instruction"].shape) if "instruction" in entries else 0,
-                   **kw)
+        instruction = (observation_space.spaces.get(INSTRUCTION_KEY) if isinstance(observation_space, spaces.Dict)
+                       else None)
+        if not isinstance(instruction, spaces.Box) or INSTRUCTION_KEY in (state_keys or ()):
+            instruction = None
+        layout = ObsLayout.from_space(observation_space, image_keys=image_keys, state_keys=state_keys,
+                                      exclude=(INSTRUCTION_KEY,) if instruction is not None else ())
+        return cls(action_space.low, action_space.high, obs_layout=layout,
+                   instruction_dim=math.prod(instruction.shape) if instruction is not None else 0, **kw)
 
     # ---- tokenisation ----------------------------------------------------------------------
 
@@ -278,59 +302,34 @@ class TokenPolicy(Pretrained, nn.Module):
         return ids
 
     def expected_spaces(self) -> PolicySpaces:
-        """What this policy was built for (``ebrl.run`` checks env 0's spaces against it): a Box
-        of ``state_dim`` elements, or with ``dict_obs`` the Dict entries it has inputs for
-        (uint8 ``pixels`` of ``pixels_shape``); Box actions of ``action_shape``, ``(A,)`` or
-        ``(K, A)``."""
-        if not self.dict_obs:
-            obs = [ObsSpec(size=self.state_dim)]
-        else:
-            obs = [ObsSpec(keys=("state",), size=self.state_dim)] if self.state_dim else []
-            if self.pixels_shape is not None:
-                obs.append(ObsSpec(keys=("pixels",), shape=self.pixels_shape, dtype=DType.UINT8))
-            if self.instruction_dim:
-                obs.append(ObsSpec(keys=("instruction",), size=self.instruction_dim))
-        return PolicySpaces(tuple(obs), ActionSpec(shape=self.action_shape))
+        """What this policy was built for (``ebrl.run`` checks env 0's spaces against it): the
+        entries of its layout (uint8 images of their shapes, vectors of their sizes) and the
+        instruction; Box actions of ``action_shape``, ``(A,)`` or ``(K, A)``."""
+        obs = self.obs_layout.expected()
+        if self.instruction_dim:
+            obs += (ObsSpec(keys=(INSTRUCTION_KEY,), size=self.instruction_dim),)
+        return PolicySpaces(obs, ActionSpec(shape=self.action_shape))
+
+    def describe_inputs(self) -> list[dict[str, Any]]:
+        """The observation entries this policy reads, and how (see :class:`ReadsObservations`)."""
+        inputs = self.obs_encoder.describe()
+        if self.instruction_dim:
+            inputs.append({"key": INSTRUCTION_KEY, "as": "instruction token", "shape": [self.instruction_dim]})
+        return inputs
 
     # ---- observations ----------------------------------------------------------------------
 
-    def _obs_dict(self, obs: Any) -> dict[str, Tensor]:
-        """Tensors on the policy's device, keyed as a dict observation (a flat Box is the state)."""
-        if not self.dict_obs:
-            obs = {"state": obs}
-        out = {}
-        for key in OBS_KEYS:
-            if key in obs:
-                value = obs[key]
-                if isinstance(value, np.ndarray):
-                    value = np.ascontiguousarray(value)
-                    value = torch.from_numpy(value if value.flags.writeable else value.copy())
-                out[key] = torch.as_tensor(value).to(self.bos.device, non_blocking=True)
-        return out
-
-    @torch.no_grad()
-    def update_obs_stats(self, obs: Any) -> None:
-        """Merge a batch of states (``obs``, or ``obs["state"]`` for dicts) into the running mean/var."""
-        if not self.normalize_obs:
-            return
-        state = obs["state"] if self.dict_obs else obs
-        merge_moments(self.obs_mean, self.obs_var, self.obs_count,
-                      torch.as_tensor(state, device=self.obs_mean.device).reshape(-1, self.state_dim))
-
-    def _prefix(self, obs: dict[str, Tensor]) -> Tensor:
-        """``[N, P, d]`` prefix tokens: state, then pixel patches, then the instruction."""
-        dtype = self.bos.dtype
+    def _prefix(self, obs: Any) -> Tensor:
+        """``[N, P, d]`` prefix tokens: the vectors, then each camera's patches, then the instruction."""
         tokens = []
         if self.state_dim:
-            state = obs["state"].reshape(-1, self.state_dim).to(dtype)
-            if self.normalize_obs:
-                state = ((state - self.obs_mean) / torch.sqrt(self.obs_var + _EPS)).clamp(-_OBS_CLIP, _OBS_CLIP)
+            state = self.obs_encoder.vector(obs, self.bos)
             tokens.append(self.state_proj(state).view(-1, self.state_tokens, self.d_model))
-        if self.pixels_shape is not None:
-            pixels = obs["pixels"].reshape(-1, *self.pixels_shape).permute(0, 3, 1, 2).to(dtype) * (1.0 / 255.0)
-            tokens.append(self.pixel_proj(self.patchify(pixels).flatten(2).transpose(1, 2)))
+        tokens += self.obs_encoder.image_features(obs, self.bos)
         if self.instruction_dim:
-            tokens.append(self.instruction_proj(obs["instruction"].reshape(-1, self.instruction_dim).to(dtype))[:, None])
+            instruction = as_tensor(lookup(obs, (INSTRUCTION_KEY,)), self.bos.device)
+            instruction = instruction.reshape(-1, self.instruction_dim).to(self.bos.dtype)
+            tokens.append(self.instruction_proj(instruction)[:, None])
         return torch.cat(tokens, 1) + self.prefix_pos
 
     # ---- the transformer ---------------------------------------------------------------------
@@ -345,7 +344,7 @@ class TokenPolicy(Pretrained, nn.Module):
 
     def _prefix_and_bos(self, obs: Any) -> Tensor:
         """``[N, P + 1, d]``: the prefix tokens and BOS (at the position predicting dimension 0)."""
-        prefix = self._prefix(self._obs_dict(obs))
+        prefix = self._prefix(obs)
         bos = (self.bos + self.action_pos[0]).expand(prefix.shape[0], 1, -1)
         return torch.cat([prefix, bos], 1)
 
@@ -451,3 +450,12 @@ class TokenPolicy(Pretrained, nn.Module):
     def value(self, obs: Any) -> Tensor:
         """State values ``[N]``, with gradients: a pass over the prefix and BOS only."""
         return self.value_head(self._transform(self._prefix_and_bos(obs))[:, -1]).squeeze(-1)
+
+
+def _legacy_layout(state_dim: int, pixels_shape: Sequence[int] | None, dict_obs: bool) -> ObsLayout:
+    """The observation read before the observation encoder: a flat Box, or ``state`` and ``pixels`` entries."""
+    if not dict_obs:
+        return ObsLayout.vector((state_dim,)) if state_dim else ObsLayout()
+    images = (ObsEntry(("pixels",), Read.IMAGE, tuple(int(d) for d in pixels_shape), "uint8"),) if pixels_shape else ()
+    vectors = (ObsEntry(("state",), Read.VECTOR, (state_dim,)),) if state_dim else ()
+    return ObsLayout(images, vectors)

@@ -96,6 +96,9 @@ async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop
     cfg = resolve_run_config(cfg, trainer.algo, probe.env.max_episode_steps)  # whole episodes: segment_len
     # before anything forks (learner process, sim workers) or builds the envs: one error naming both spaces
     check_policy_spaces(trainer.policy, probe.env.observation_space, probe.env.action_space)
+    inputs = getattr(trainer.policy, "describe_inputs", None)
+    if callable(inputs):  # which observation entries the policy reads, and how
+        log.info("policy_inputs", policy=type(trainer.policy).__name__, inputs=inputs())
     backend, lanes = probe.backend, probe.lanes
     old_threads = torch.get_num_threads()
     if cfg.torch_threads is not None:
