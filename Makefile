@@ -1,4 +1,5 @@
 # Two commands for a newcomer: `make demo` and `make test`. Each builds .venv on first use.
+# The tests run the real simulators: `bash .ci/install-system` installs the system packages they need.
 PYTHON ?= python3
 VENV   ?= .venv
 # CPU build from local disk here; CUDA users: make TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
@@ -11,11 +12,14 @@ STAMP := $(VENV)/.installed
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
+	@# system packages the real simulators need (EGL, lavapipe Vulkan): installed where apt runs as root
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then bash .ci/install-system; \
+	 else echo "note: run 'sudo bash .ci/install-system' for LIBERO/ManiSkill rendering (EGL, Vulkan)"; fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e '.[dev,sims,ray]'
+	$(PY) -m pip install -q -e '.[dev,embodied,ray]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -26,7 +30,7 @@ test: $(STAMP)
 
 # every suite into docs/benchmarks/, then the README's tables regenerated from that JSON;
 # `make bench SUITES="longtail overhead"` re-runs some and re-renders from all the JSON there
-SUITES ?= overhead step-cost longtail longtail-user startup-mock heterogeneous mujoco-state startup mujoco-pixels vector-gpu controller convergence lag policies scaling gpu-split soak
+SUITES ?= overhead step-cost longtail longtail-user startup-mock heterogeneous mujoco-state startup mujoco-pixels vector-gpu embodied controller convergence lag policies scaling gpu-split soak embodied-learning
 BENCH_DIR ?= docs/benchmarks
 bench: $(STAMP)
 	set -e; for s in $(SUITES); do \
