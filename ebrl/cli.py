@@ -19,7 +19,7 @@ of hyperparameters per algorithm (``[ppo]`` PPOConfig, ``[dppo]`` DecoupledPPOCo
 entry, see :mod:`ebrl.policies.encoders`) and ``[env_kwargs]``
 (keywords of ``ebrl.envs.make``, e.g. ``pixels = 84``). With ``run.sim.vector_size > 1`` each
 group of that many envs is one vector env (``ebrl.envs.make_vector``); ManiSkill tasks are one
-GPU vector env of ``run.num_envs`` unless set otherwise.
+GPU vector env of ``run.num_envs`` on a CUDA machine unless set otherwise (on a CPU, one env each).
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def build_algo(spec: dict[str, Any]):
 def build_trainer(spec: dict[str, Any]):
     import ebrl
     from ebrl.algos import resolve_run_config
-    from ebrl.envs import VECTOR_SUITES, make, make_vector
+    from ebrl.envs import make, make_vector, natively_vectorised
     from ebrl.runtime.env_facts import EnvFacts
 
     name, env_kwargs = spec["env"], dict(spec["env_kwargs"])
@@ -151,7 +151,7 @@ def build_trainer(spec: dict[str, Any]):
         raise ConfigError("run.sim", sim, "must be a table: --set 'run.sim={backend=\"process\", num_workers=2}' "
                           "or --set run.sim.backend=process")
     sim = dict(sim)
-    if name.startswith(VECTOR_SUITES) and sim.get("vector_size", 1) == 1:
+    if natively_vectorised(name, **env_kwargs) and sim.get("vector_size", 1) == 1:
         sim["vector_size"] = run.get("num_envs", RunConfig.num_envs)  # one GPU simulator for every env
         run["sim"] = sim
     run_cfg = RunConfig().with_overrides(run)

