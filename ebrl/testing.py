@@ -96,17 +96,20 @@ class MockEnv(gym.Env):
     or spun (``SPIN``, holds it). On a virtual-time loop nothing is slept: the cost is
     declared in ``virtual_step_cost`` and charged by the runtime.
 
+    ``reset_latency`` is slept at every reset (not on a virtual-time loop): the scene rebuild
+    of simulators such as LIBERO, whose resets take seconds while steps take milliseconds.
+
     Faults: ``fail_at_step=k`` raises on this instance's k-th step (counting from 1);
     ``nan_at_step=k`` returns a NaN reward there.
     """
 
     def __init__(self, dim: int = 4, *, action: str = "box", episode_len: int = 16,
                  latency: Latency = Latency(), latency_mode: LatencyMode | str = LatencyMode.SLEEP,
-                 fail_at_step: int | None = None, nan_at_step: int | None = None):
+                 reset_latency: Latency = Latency(), fail_at_step: int | None = None, nan_at_step: int | None = None):
         if action not in ("box", "discrete"):
             raise ValueError(f"MockEnv action={action!r}: must be 'box' or 'discrete'")
         self.dim, self.kind, self.episode_len = dim, action, episode_len
-        self.latency, self.latency_mode = latency, LatencyMode(latency_mode)
+        self.latency, self.latency_mode, self.reset_latency = latency, LatencyMode(latency_mode), reset_latency
         self.fail_at_step, self.nan_at_step = fail_at_step, nan_at_step
         self.observation_space = gym.spaces.Box(-1.0, 1.0, (dim,), np.float32)
         self.action_space = (gym.spaces.Box(-1.0, 1.0, (dim,), np.float32) if action == "box"
@@ -135,6 +138,9 @@ class MockEnv(gym.Env):
             self._rng = np.random.default_rng(seed)
             self._lat_rng = np.random.default_rng([seed, 7])
         self._t = 0
+        cost = self.reset_latency.sample(self._lat_rng)
+        if cost > 0 and not isinstance(asyncio._get_running_loop(), VirtualTimeLoop):
+            time.sleep(cost)
         return self._observe(), {}
 
     def step(self, action: Any):
