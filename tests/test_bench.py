@@ -22,7 +22,12 @@ def test_list_names_every_suite(capsys):
         assert name in out
 
 
-@pytest.mark.parametrize("suite", sorted(list_suites()))
+# the real simulators build slowly (a LIBERO env with a camera: ~4 s, steps 0.1 s): more time
+SLOW = {"embodied": 300}
+
+
+@pytest.mark.parametrize("suite", [pytest.param(s, marks=pytest.mark.timeout(SLOW[s])) if s in SLOW else s
+                                   for s in sorted(list_suites())])
 def test_suite_runs_quick_and_reports_every_field(suite, tmp_path, capsys):
     # in this process: a fresh interpreter per run (the default) costs seconds of imports each;
     # the next test runs the default path

@@ -19,7 +19,11 @@ Workloads (each sized to fit 15 minutes on 2 cores with 3 seeds):
   sigma 1), the longtail suite's env and sizes; threshold mean return 10 of a possible 16
   (random actions earn about 2.4);
 - ``halfcheetah``: ``HalfCheetah-v5`` to a mean return of 1,000;
-- ``fetchreach``: ``FetchReachDense-v4`` (flattened observations) to ``success_once >= 0.9``.
+- ``fetchreach``: ``FetchReachDense-v4`` (flattened observations) to ``success_once >= 0.9``;
+- ``pushcube`` (not in the default set: ``ebrl bench embodied-learning`` runs it): ManiSkill3
+  ``PushCube-v1`` from state on SAPIEN's CPU backend (ManiSkill's dense reward, 50-step
+  episodes), 16 envs, to ``success_once >= 0.8``, capped at 30 minutes a run; async and sync
+  only.
 
 Learning curves against wall time are drawn to ``convergence-<workload>.png`` next to the JSON.
 """
@@ -57,6 +61,12 @@ def halfcheetah_env(i: int) -> gym.Env:
     return gym.make("HalfCheetah-v5")
 
 
+def pushcube_env(i: int) -> gym.Env:
+    from ebrl.envs import make
+
+    return make("maniskill/PushCube-v1")
+
+
 def fetchreach_env(i: int) -> gym.Env:
     from ebrl.envs.robotics import make_robotics
 
@@ -74,6 +84,7 @@ class Workload:
     quick_steps: int
     minibatch_size: int = 512
     segment_len: int = 32
+    runners: tuple[str, ...] = RUNNERS
 
 
 WORKLOADS = {
@@ -82,7 +93,10 @@ WORKLOADS = {
                             quick_steps=2_048, segment_len=64),
     "fetchreach": Workload(fetchreach_env, "success_once", 0.9, num_envs=16, steps=150_000, max_s=150,
                            quick_steps=2_048, segment_len=50),
+    "pushcube": Workload(pushcube_env, "success_once", 0.8, num_envs=16, steps=5_000_000, max_s=1_800,
+                         quick_steps=256, segment_len=50, runners=("ebrl-async", "ebrl-sync")),
 }
+DEFAULT_WORKLOADS = ("longtail", "halfcheetah", "fetchreach")
 TARGETS = {"longtail: async/sync": 2.5, "halfcheetah: async/sync": 1.5, "halfcheetah: async/cleanrl": 1.3}
 
 
@@ -174,7 +188,7 @@ def _plot(case: str, rows: list[dict], w: Workload, out_dir: Path) -> str | None
 
 
 def run(quick: bool, workloads: tuple[str, ...] | None = None, out_dir: Path | None = None) -> dict:
-    names = workloads or tuple(os.environ.get("EBRL_CONVERGENCE", ",".join(WORKLOADS)).split(","))
+    names = workloads or tuple(os.environ.get("EBRL_CONVERGENCE", ",".join(DEFAULT_WORKLOADS)).split(","))
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         raise ValueError(f"unknown convergence workload(s) {unknown}; known: {sorted(WORKLOADS)}")
@@ -184,7 +198,7 @@ def run(quick: bool, workloads: tuple[str, ...] | None = None, out_dir: Path | N
         w = WORKLOADS[case]
         steps = w.quick_steps if quick else w.steps
         for seed in seeds:
-            for runner in RUNNERS:
+            for runner in w.runners:
                 t0 = time.perf_counter()
                 if runner == "cleanrl":
                     curve, out = _run_cleanrl(w, seed, steps, w.max_s)
@@ -202,9 +216,9 @@ def run(quick: bool, workloads: tuple[str, ...] | None = None, out_dir: Path | N
                       f"{'at %.0f s' % hit['time'] if hit else 'not reached'}", flush=True)
     ratios, figures = {}, {}
     for case in names:
-        for other in ("ebrl-sync", "cleanrl"):
+        for other in WORKLOADS[case].runners[1:]:
             ratios[f"{case}: async/{other.removeprefix('ebrl-')}"] = _ratio(rows, case, other)
-        for runner in RUNNERS:
+        for runner in WORKLOADS[case].runners:
             mine = [r for r in rows if r["case"] == case and r["runner"] == runner]
             figures[f"{case}: {runner} final {WORKLOADS[case].score}"] = spread(r["final_score"] for r in mine)
             figures[f"{case}: {runner} seconds to threshold"] = spread(

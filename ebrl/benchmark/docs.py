@@ -21,8 +21,8 @@ from pathlib import Path
 from ebrl.benchmark.report import fmt_ratio, fmt_spread, results_markdown
 
 ORDER = ("overhead", "longtail", "longtail-user", "heterogeneous", "mujoco-state", "startup", "startup-mock",
-         "mujoco-pixels", "vector-gpu", "controller", "convergence", "lag", "policies", "scaling", "gpu-split", "soak",
-         "step-cost")
+         "mujoco-pixels", "vector-gpu", "embodied", "controller", "convergence", "embodied-learning", "lag", "policies",
+         "scaling", "gpu-split", "soak", "step-cost")
 
 
 def load_reports(bench_dir: Path) -> dict[str, dict]:
@@ -144,10 +144,14 @@ def overhead_table(rep: dict) -> str:
 
 
 def step_cost_table(rep: dict) -> str:
-    lines = ["| env | observation | steps/s | µs/step |", "|---|---|---:|---:|"]
+    lines = ["| env | observation | steps/s | µs/step | reset s |", "|---|---|---:|---:|---:|"]
     for env, runners in rep["summary"].items():
         for obs, figs in runners.items():
-            lines.append(f"| `{env}` | {obs} | {fmt_spread(figs['steps_per_s'])} | {fmt_spread(figs['us_per_step'])} |")
+            if "steps_per_s" not in figs:  # not installed where the suite ran
+                lines.append(f"| `{env}` | {obs} | skipped | | |")
+                continue
+            lines.append(f"| `{env}` | {obs} | {fmt_spread(figs['steps_per_s'])} | {fmt_spread(figs['us_per_step'])} "
+                         f"| {fmt_spread(figs.get('reset_s'))} |")
     meta = rep["meta"]
     lines += ["", f"Median (min-max) over {meta.get('rounds', 1)} rounds; {meta['date'][:10]}, commit "
               f"{meta.get('commit', '?')}, mujoco {meta.get('versions', {}).get('mujoco')}."]
@@ -189,9 +193,33 @@ def controller_table(rep: dict) -> str:
     return "\n".join(lines)
 
 
+def embodied_table(rep: dict) -> str:
+    """``ebrl bench embodied``: per real-simulator workload and schedule, end-to-end env steps/s
+    (RLinf's metric: env steps over iteration time, rollout and training) and rollout env
+    steps/s, then the ratios and the targets."""
+    meta = rep["meta"]
+    lines = ["| workload | envs | schedule | env steps/s (end to end) | rollout env steps/s | first env step (s) |",
+             "|---|---:|---|---:|---:|---:|"]
+    for case, runners in rep["summary"].items():
+        envs = meta.get("case_sizes", {}).get(case, {}).get("num_envs", meta.get("num_envs"))
+        for runner, figs in runners.items():
+            lines.append(f"| {case} | {envs} | {runner.removeprefix('ebrl-')} | {fmt_spread(figs.get('steps_per_s'))} "
+                         f"| {fmt_spread(figs.get('rollout_steps_per_s'))} | {fmt_spread(figs.get('first_step_s'))} |")
+    lines += ["", "| ratio (end to end, within each round) | measured | target | |", "|---|---:|---|---|"]
+    for name, ratio in rep.get("ratios", {}).items():
+        target = next((t for t in rep.get("targets", []) if t["figure"] == name), None)
+        lines.append(f"| {name} | {fmt_ratio(ratio)} | {target['target'] if target else 'none set'} | "
+                     f"{('met' if target['met'] else '**missed**') if target else ''} |")
+    lines += ["", f"Median (min-max) over {meta.get('rounds')} alternating rounds, every run a fresh process at the "
+              f"defaults; {meta['date'][:10]}, commit {meta.get('commit', '?')}; raw rows in "
+              "[docs/benchmarks/embodied.json](docs/benchmarks/embodied.json)."]
+    return "\n".join(lines)
+
+
 def convergence_table(rep: dict) -> str:
-    """``ebrl bench convergence``: per workload and runner, the seconds and env steps to the
-    threshold and the final score; then the time-to-threshold ratios and the targets."""
+    """``ebrl bench convergence`` (and ``embodied-learning``): per workload and runner, the seconds
+    and env steps to the threshold and the final score; then the time-to-threshold ratios and
+    the targets."""
     lines = ["| workload (score >= threshold) | runner | seconds to threshold | env steps to threshold | reached "
              "| final score | env steps/s |", "|---|---|---:|---:|---:|---:|---:|"]
     figures, rows = rep.get("figures", {}), rep["rows"]
@@ -221,7 +249,7 @@ def convergence_table(rep: dict) -> str:
     lines += ["", f"Each workload: {len(meta.get('seeds', []))} seeds, runners alternating per seed, every knob at "
               f"its default; {meta['date'][:10]}, commit {meta.get('commit', '?')}. Learning curves: "
               + ", ".join(f"[{c}](docs/benchmarks/{p})" for c, p in meta.get("plots", {}).items() if p)
-              + "; raw curves in [docs/benchmarks/convergence.json](docs/benchmarks/convergence.json)."]
+              + f"; raw curves in [docs/benchmarks/{meta['suite']}.json](docs/benchmarks/{meta['suite']}.json)."]
     return "\n".join(lines)
 
 
@@ -340,6 +368,10 @@ def render(bench_dir: Path, readme: Path) -> list[str]:
         text = replace_block(text, "controller", controller_table(reports["controller"]))
     if "convergence" in reports:
         text = replace_block(text, "convergence", convergence_table(reports["convergence"]))
+    if "embodied" in reports:
+        text = replace_block(text, "embodied", embodied_table(reports["embodied"]))
+    if "embodied-learning" in reports:
+        text = replace_block(text, "embodied-learning", convergence_table(reports["embodied-learning"]))
     if "lag" in reports:
         text = replace_block(text, "lag", lag_table(reports["lag"]))
     if "policies" in reports:

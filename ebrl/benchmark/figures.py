@@ -56,7 +56,7 @@ def spread(values: Iterable[float]) -> dict:
 
 def summarize_rows(rows: list[dict], fields: tuple[str, ...] = ("steps_per_s", "rollout_steps_per_s", "cpu_util",
                                                                  "us_per_step", "mean_return", "first_step_s",
-                                                                 "first_update_s", "steady_steps_per_s")) -> dict:
+                                                                 "first_update_s", "steady_steps_per_s", "reset_s")) -> dict:
     """``{case: {runner: {field: spread}}}`` over the rounds, for the fields the rows have."""
     out: dict[str, dict[str, dict]] = {}
     for row in rows:

@@ -104,8 +104,8 @@ def write_traces(suite, name: str, out_dir: Path, quick: bool) -> dict[str, str]
     from ebrl.benchmark.suite import measure_schedule
     from ebrl.runtime.profiler import Timeline
 
-    suite = suite.sized(quick)
     case, env_fn = next(iter(suite.cases.items()))
+    suite = suite.for_case(case).sized(quick)
     steps = min(suite.quick_steps if quick else suite.steps, 4 * suite.num_envs * suite.segment_len)
     written = {}
     for schedule in suite.schedules:

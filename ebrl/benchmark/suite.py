@@ -74,6 +74,15 @@ class Suite:
     # EBRL runs as `asyncio.run(main())` awaiting ebrl.run: the user's own (default asyncio) loop,
     # not run_sync's uvloop
     embedded: bool = False
+    # per-case (num_envs, steps) where the cases' envs differ in cost by orders of magnitude (a
+    # LIBERO env with a camera steps 50x slower than ManiSkill's); the others take the suite's
+    case_sizes: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def for_case(self, case: str) -> "Suite":
+        if case not in self.case_sizes:
+            return self
+        num_envs, steps = self.case_sizes[case]
+        return replace(self, num_envs=num_envs, steps=steps)
 
     def sized(self, quick: bool) -> "Suite":
         if not quick:
@@ -199,7 +208,7 @@ def measure_case(suite: str, case: str, runner: str, steps: int, seed: int, quic
     ``peer:KIND``. What a fresh process (:func:`ebrl.benchmark.fresh.call_fresh`) calls."""
     from ebrl.benchmark.loader import load_suite
 
-    spec = load_suite(suite, suites_dir).SUITE.sized(quick)
+    spec = load_suite(suite, suites_dir).SUITE.for_case(case).sized(quick)
     return measure_runner(spec, spec.cases[case], runner, steps, seed)
 
 
@@ -217,10 +226,9 @@ def run_suite_rounds(suite: Suite, quick: bool, *, source: tuple[str, str | None
     run is in this process after an untimed warm-up run."""
     from ebrl.benchmark.fresh import call_fresh
 
-    suite = suite.sized(quick)
-    steps = suite.quick_steps if quick else suite.steps
+    whole = suite
     fresh = source is not None and not in_process
-    rows, limits = [], {}
+    rows, limits, sizes = [], {}, {}
 
     def measure(case: str, env_fn, runner: str, seed: int) -> dict:
         if fresh:
@@ -229,7 +237,10 @@ def run_suite_rounds(suite: Suite, quick: bool, *, source: tuple[str, str | None
                                    seed=seed, quick=quick))
         return measure_runner(suite, env_fn, runner, steps, seed)
 
-    for case, env_fn in suite.cases.items():
+    for case, env_fn in whole.cases.items():
+        suite = whole.for_case(case).sized(quick)
+        steps = suite.quick_steps if quick else suite.steps
+        sizes[case] = {"num_envs": suite.num_envs, "steps_per_run": steps}
         # in one process, an untimed warm-up: imports, lazy initialisation and first-call costs
         # would otherwise land on whichever runner goes first
         if not quick and not fresh:
@@ -249,5 +260,6 @@ def run_suite_rounds(suite: Suite, quick: bool, *, source: tuple[str, str | None
     return {"rows": rows, "summary": summarize_rows(rows), "ratios": ratios, "limits": limits,
             "targets": check_targets(ratios, suite.targets),
             "meta": {"num_envs": suite.num_envs, "steps_per_run": steps, "rounds": suite.rounds,
+                     **({"case_sizes": sizes} if whole.case_sizes else {}),
                      "segment_len": suite.segment_len, "description": suite.description,
                      "fresh_processes": fresh, "embedded": suite.embedded}}
