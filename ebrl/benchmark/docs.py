@@ -193,6 +193,18 @@ def controller_table(rep: dict) -> str:
     return "\n".join(lines)
 
 
+def ratio_rows(rep: dict) -> list[str]:
+    """One table row per ratio of ``rep``: the measured spread (and how many of its values are
+    lower bounds, where a runner never reached a threshold), its target and met or missed."""
+    rows = []
+    for name, ratio in rep.get("ratios", {}).items():
+        target = next((t for t in rep.get("targets", []) if t["figure"] == name), None)
+        bound = f" ({ratio['lower_bounds']} a lower bound: not reached by the other)" if ratio.get("lower_bounds") else ""
+        rows.append(f"| {name} | {fmt_ratio(ratio)}{bound} | {target['target'] if target else 'none set'} | "
+                    f"{('met' if target['met'] else '**missed**') if target else ''} |")
+    return rows
+
+
 def embodied_table(rep: dict) -> str:
     """``ebrl bench embodied``: per real-simulator workload and schedule, end-to-end env steps/s
     (RLinf's metric: env steps over iteration time, rollout and training) and rollout env
@@ -206,10 +218,7 @@ def embodied_table(rep: dict) -> str:
             lines.append(f"| {case} | {envs} | {runner.removeprefix('ebrl-')} | {fmt_spread(figs.get('steps_per_s'))} "
                          f"| {fmt_spread(figs.get('rollout_steps_per_s'))} | {fmt_spread(figs.get('first_step_s'))} |")
     lines += ["", "| ratio (end to end, within each round) | measured | target | |", "|---|---:|---|---|"]
-    for name, ratio in rep.get("ratios", {}).items():
-        target = next((t for t in rep.get("targets", []) if t["figure"] == name), None)
-        lines.append(f"| {name} | {fmt_ratio(ratio)} | {target['target'] if target else 'none set'} | "
-                     f"{('met' if target['met'] else '**missed**') if target else ''} |")
+    lines += ratio_rows(rep)
     lines += ["", f"Median (min-max) over {meta.get('rounds')} alternating rounds, every run a fresh process at the "
               f"defaults; {meta['date'][:10]}, commit {meta.get('commit', '?')}; raw rows in "
               "[docs/benchmarks/embodied.json](docs/benchmarks/embodied.json)."]
@@ -236,11 +245,7 @@ def convergence_table(rep: dict) -> str:
                      fmt_spread(figures.get(f"{case}: {runner} final {score}")), fmt_spread(speed)]
             lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "| time to threshold | measured | target | |", "|---|---:|---|---|"]
-    for name, ratio in rep.get("ratios", {}).items():
-        target = next((t for t in rep.get("targets", []) if t["figure"] == name), None)
-        bound = f" ({ratio['lower_bounds']} a lower bound: not reached by the other)" if ratio.get("lower_bounds") else ""
-        lines.append(f"| {name} | {fmt_ratio(ratio)}{bound} | {target['target'] if target else 'none set'} | "
-                     f"{('met' if target['met'] else '**missed**') if target else ''} |")
+    lines += ratio_rows(rep)
     for t in rep.get("targets", []):
         if t["figure"] not in rep.get("ratios", {}):
             lines.append(f"| {t['figure']} | not measured (async never reached the threshold) | {t['target']} "
@@ -324,10 +329,7 @@ def scaling_table(rep: dict) -> str:
                      f"| {fmt_spread(figures.get(f'fetchreach: {runner} final ' + meta['score']))} "
                      f"| {'yes' if all(r['weights_agree'] for r in mine) else '**no**'} |")
     lines += ["", "| figure | measured | target | |", "|---|---:|---|---|"]
-    for name, ratio in rep.get("ratios", {}).items():
-        target = next((t for t in rep.get("targets", []) if t["figure"] == name), None)
-        lines.append(f"| {name} | {fmt_ratio(ratio)} | {target['target'] if target else 'none set'} | "
-                     f"{('met' if target['met'] else '**missed**') if target else ''} |")
+    lines += ratio_rows(rep)
     lines += ["", f"`{meta['env']}`, {meta['steps_per_rank']:,} env steps per rank, {meta['score']} >= "
               f"{meta['threshold']:g}; {len(meta.get('seeds', []))} rounds alternating; {meta['date'][:10]}, commit "
               f"{meta.get('commit', '?')}; raw rows: [docs/benchmarks/scaling.json](docs/benchmarks/scaling.json)."]
