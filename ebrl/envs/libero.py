@@ -73,7 +73,6 @@ class LiberoFiles:
     bddl_files: Path
     init_states: Path
     assets: Path
-    root: Path | None = None  # a user's checkout (assets= or $EBRL_LIBERO_ASSETS); None: the installed package
 
 
 def _packaged() -> bool:
@@ -124,7 +123,7 @@ def locate(assets: str | os.PathLike | None = None) -> LiberoFiles:
     root = asset_root(assets)
     if root is not None:
         _write_config(root)
-        return LiberoFiles(root / "bddl_files", root / "init_files", root / "assets", root)
+        return LiberoFiles(root / "bddl_files", root / "init_files", root / "assets")
     if not _packaged():
         raise FileNotFoundError(f"the installed LIBERO brings no task files or assets: {INSTALL}, or pass assets= "
                                 f"(or set {ASSETS_ENV}) to a LIBERO checkout's asset root (LIBERO/libero/libero)")
@@ -152,16 +151,6 @@ def _suite(name: str, known: dict[str, Any]) -> Any:
                          f"benchmark's {len(known) - len(SUITES)} others)")
     with contextlib.redirect_stdout(io.StringIO()):
         return known[full]()
-
-
-def suite_name(name: str) -> str:
-    """``"spatial"`` or ``"libero_spatial"`` -> ``"libero_spatial"``, checked against the five
-    standard suites (no LIBERO needed)."""
-    full = name if name.startswith("libero_") else f"libero_{name}"
-    if full not in SUITES:
-        hint = did_you_mean(full, SUITES, n=3, cutoff=0.5)
-        raise ValueError(f"unknown LIBERO suite {name!r}{hint} (suites: {', '.join(SUITES)})")
-    return full
 
 
 def task_names(suite: str) -> list[str]:
@@ -241,7 +230,8 @@ def make_libero(task: str, *, assets: str | os.PathLike | None = None, image_siz
         raise ValueError(f"LIBERO cameras are names (e.g. {', '.join(CAMERAS)}), got {unknown[0]!r}")
     base = "_".join(suite.split("_")[:2])  # a LIBERO-PRO variant (libero_spatial_swap) keeps its suite's limit
     steps = MAX_STEPS.get(base, 400) if max_episode_steps is None else max_episode_steps
-    object_dims = OBJECT_DIMS * object_count(bddl) if (not cameras if object_state is None else object_state) else 0
+    with_objects = not cameras if object_state is None else object_state
+    object_dims = OBJECT_DIMS * object_count(bddl) if with_objects else 0
     # robosuite's own horizon ends episodes with done=True: keep it past ours, settle steps included
     kwargs.setdefault("horizon", max(1000, steps + settle_steps + 1))
     env_kwargs = dict(bddl_file_name=str(bddl), camera_names=list(cameras) or ["agentview"],
