@@ -40,8 +40,6 @@ from ebrl.policies.heads import LOG_SQRT_2PI, ActorCriticHeads, action_bounds
 
 _ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU, "gelu": nn.GELU, "silu": nn.SiLU}
 _NP_ACTIVATIONS = {"tanh": np.tanh, "relu": lambda h: np.maximum(h, 0.0)}
-_OBS_CLIP = OBS_CLIP
-_EPS = EPS
 
 
 def _mlp(in_dim: int, hidden: Sequence[int], out_dim: int, act: type[nn.Module], out_gain: float,
@@ -197,7 +195,7 @@ class MLPPolicy(ReadsObservations, ActorCriticHeads, nn.Module):
             norm, enc = None, self.obs_encoder
             if enc.normalize:
                 norm = (enc.obs_mean.numpy().astype(np.float32),
-                        (1.0 / np.sqrt(enc.obs_var.numpy() + _EPS)).astype(np.float32))
+                        (1.0 / np.sqrt(enc.obs_var.numpy() + EPS)).astype(np.float32))
             log_std = None if self.discrete else self.log_std.detach().numpy().copy()
             self._np_cache = (layers(self.actor), layers(self.critic), norm, log_std)
             self._np_versions = versions
@@ -210,7 +208,7 @@ class MLPPolicy(ReadsObservations, ActorCriticHeads, nn.Module):
         f = _NP_ACTIVATIONS[self.activation]
         x = self.obs_encoder.vector_numpy(obs)
         if norm is not None:
-            x = np.clip((x - norm[0]) * norm[1], -_OBS_CLIP, _OBS_CLIP)
+            x = np.clip((x - norm[0]) * norm[1], -OBS_CLIP, OBS_CLIP)
 
         def mlp(layers, h):
             for w, b in layers[:-1]:
