@@ -83,24 +83,23 @@ def build_spec(config: str | None, overrides: list[str]) -> dict[str, Any]:
     return spec
 
 
-POLICY_KINDS = ("auto", "mlp", "cnn", "token", "flow")
 ALGO_KINDS = ("ppo", "dppo", "vtrace", "grpo")
 
 
 def build_policy(observation_space, action_space, options: dict[str, Any]):
     """``policy.kind``: ``mlp`` (vectors), ``cnn`` (observations with images), ``token`` (action
     tokens, :class:`~ebrl.policies.TokenPolicy`), ``flow`` (flow-matching chunks,
-    :class:`~ebrl.policies.FlowPolicy`) or ``auto`` (the CNN whenever the observation has an image
-    entry, else the MLP); the other ``[policy]`` keys go to the policy class."""
+    :class:`~ebrl.policies.FlowPolicy`), ``hf-token`` (a Hugging Face model from the local
+    directory ``policy.path``), a kind registered with :func:`ebrl.policies.register_policy`, or
+    ``auto`` (the CNN whenever the observation has an image entry, else the MLP); the other
+    ``[policy]`` keys go to the kind's builder."""
     from gymnasium import spaces
 
-    from ebrl.policies import CNNPolicy, FlowPolicy, MLPPolicy, TokenPolicy
     from ebrl.policies.encoders import ObsLayout
+    from ebrl.policies.registry import policy_builder, policy_kinds
 
     options = dict(options)
     kind = options.pop("kind", "auto")
-    if kind not in POLICY_KINDS:
-        raise ConfigError("policy.kind", kind, f"must be one of {', '.join(POLICY_KINDS)}")
     if kind == "auto":
         try:
             layout = ObsLayout.from_space(observation_space, image_keys=options.get("image_keys"),
@@ -110,12 +109,15 @@ def build_policy(observation_space, action_space, options: dict[str, Any]):
                 raise ConfigError("policy.kind", kind, str(exc)) from None
             layout = ObsLayout()  # a Box that is not an image: the MLP reads it whole, as it always did
         kind = "cnn" if layout.images else "mlp"
-    cls = {"cnn": CNNPolicy, "mlp": MLPPolicy, "token": TokenPolicy, "flow": FlowPolicy}[kind]
     try:
-        return cls.from_spaces(observation_space, action_space, **options)
-    except TypeError as exc:  # an unknown keyword for this policy class
-        raise ConfigError("policy", options, f"{cls.__name__}: {exc}") from None
-    except ValueError as exc:  # spaces this policy cannot read
+        builder = policy_builder(kind)
+    except KeyError:
+        raise ConfigError("policy.kind", kind, f"must be one of {', '.join(policy_kinds())}") from None
+    try:
+        return builder(observation_space, action_space, **options)
+    except TypeError as exc:  # an unknown keyword for this policy
+        raise ConfigError("policy", options, f"{kind}: {exc}") from None
+    except (ValueError, FileNotFoundError) as exc:  # spaces this policy cannot read, a missing model
         raise ConfigError("policy.kind", kind, str(exc)) from None
 
 
@@ -240,6 +242,27 @@ def rank_argv(argv: list[str]) -> list[str]:
     return out
 
 
+def import_user_module(name: str) -> None:
+    """``--import``: a module name (``mylab.policies``) or a ``.py`` file, imported once so that
+    what it registers (``ebrl.policies.register_policy``) exists before the run is built."""
+    import importlib
+    import importlib.util
+
+    try:
+        if name.endswith(".py"):
+            path = Path(name).resolve()
+            if not path.is_file():
+                raise ConfigError("--import", name, "no such file")
+            spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[path.stem] = module  # so that its classes pickle by name, as an installed module's do
+            spec.loader.exec_module(module)
+        else:
+            importlib.import_module(name)
+    except ImportError as exc:
+        raise ConfigError("--import", name, f"cannot import it: {exc}") from None
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from ebrl import distributed
     from ebrl.checkpoint import load_checkpoint, save_checkpoint
@@ -258,6 +281,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         from ebrl.runtime.threads import exit_with_parent
 
         exit_with_parent(int(os.environ["EBRL_LAUNCHER_PID"]))
+    for module in args.imports or ():  # a user's policies register themselves on import
+        import_user_module(module)
     spec = build_spec(args.config, args.set or [])
     # one directory for the job: rank 0's choice (its clock names it)
     log_dir = Path(distributed.share("log_dir", lambda: str(resolve_log_dir(spec, args.log_dir))))
@@ -353,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--log-dir", help="where the run's files go (default runs/<env>-<time>; "
                                          "run.log_dir, when set, wins)")
     train.add_argument("--quiet", action="store_true", help="no progress bar or info logs")
+    train.add_argument("--import", dest="imports", action="append", metavar="MODULE",
+                       help="import a module or .py file first (it may register policy kinds); repeatable")
     train.add_argument("--resume", metavar="CHECKPOINT", help="continue from a checkpoint.pt up to run.total_env_steps")
     train.add_argument("--nproc", type=int, default=1, metavar="N",
                        help="N data-parallel ranks on this machine (torchrun's agent; see ebrl.distributed)")

@@ -1,0 +1,89 @@
+"""Policy kinds by name: what ``--set policy.kind=NAME`` builds.
+
+A kind is a builder ``builder(observation_space, action_space, **options) -> policy`` (a class's
+``from_spaces`` is one); the ``[policy]`` table's other keys are its ``options``. EBRL's own kinds
+are registered here; a user's model joins them with :func:`register_policy`, from the script or
+module that defines it (``ebrl train --import mymodule`` imports one before the run is built):
+
+    >>> import gymnasium as gym
+    >>> from ebrl.policies import MLPPolicy, build_policy, register_policy, unregister_policy
+    >>> def small_mlp(observation_space, action_space, **options):
+    ...     return MLPPolicy.from_spaces(observation_space, action_space, hidden=(16,), **options)
+    >>> register_policy("small-mlp", small_mlp)
+    >>> policy = build_policy("small-mlp", gym.spaces.Box(-1, 1, (3,)), gym.spaces.Box(-1, 1, (2,)), seed=1)
+    >>> [tuple(p.shape) for p in policy.actor.parameters()][:1]
+    [(16, 3)]
+    >>> unregister_policy("small-mlp")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+PolicyBuilder = Callable[..., Any]
+
+_BUILDERS: dict[str, PolicyBuilder] = {}
+BUILTIN_KINDS = ("mlp", "cnn", "token", "flow", "hf-token")
+
+
+def register_policy(kind: str, builder: PolicyBuilder, *, replace: bool = False) -> None:
+    """Make ``policy.kind=kind`` build ``builder(observation_space, action_space, **options)``.
+
+    A class with a ``from_spaces`` classmethod may be given itself. Registering a taken name is
+    an error unless ``replace=True``; EBRL's own kinds cannot be replaced."""
+    if not isinstance(kind, str) or not kind or kind == "auto":
+        raise ValueError(f"policy kind must be a non-empty string other than 'auto', got {kind!r}")
+    if isinstance(builder, type) and hasattr(builder, "from_spaces"):
+        builder = builder.from_spaces
+    if not callable(builder):
+        raise TypeError(f"register_policy({kind!r}, ...): the builder must be callable, got {builder!r}")
+    if kind in BUILTIN_KINDS:
+        raise ValueError(f"policy kind {kind!r} is EBRL's own; register yours under another name")
+    if kind in _BUILDERS and not replace:
+        raise ValueError(f"policy kind {kind!r} is already registered; pass replace=True to replace it")
+    _BUILDERS[kind] = builder
+
+
+def unregister_policy(kind: str) -> None:
+    """Forget a kind registered by :func:`register_policy` (tests, notebooks)."""
+    if kind in BUILTIN_KINDS:
+        raise ValueError(f"policy kind {kind!r} is EBRL's own and cannot be removed")
+    _BUILDERS.pop(kind, None)
+
+
+def policy_kinds() -> tuple[str, ...]:
+    """Every name ``policy.kind`` accepts: ``auto``, EBRL's kinds, then the registered ones."""
+    return ("auto", *BUILTIN_KINDS, *sorted(_BUILDERS))
+
+
+def _builtin(kind: str) -> PolicyBuilder:
+    # imported here: hf-token pulls in transformers, which a user of the MLP never needs
+    if kind == "hf-token":
+        return _hf_token
+    from ebrl.policies import CNNPolicy, FlowPolicy, MLPPolicy, TokenPolicy
+
+    return {"mlp": MLPPolicy, "cnn": CNNPolicy, "token": TokenPolicy, "flow": FlowPolicy}[kind].from_spaces
+
+
+def _hf_token(observation_space, action_space, path=None, **options):
+    if path is None:
+        raise ValueError("policy.kind=hf-token needs policy.path: the local directory of a Hugging Face model")
+    from ebrl.policies.hf_token import HFTokenPolicy
+
+    return HFTokenPolicy.from_pretrained(path, observation_space, action_space, **options)
+
+
+def policy_builder(kind: str) -> PolicyBuilder:
+    """The builder of ``kind``; an unknown kind is a ``KeyError`` listing the known ones."""
+    if kind in BUILTIN_KINDS:
+        return _builtin(kind)
+    if kind in _BUILDERS:
+        return _BUILDERS[kind]
+    raise KeyError(f"unknown policy kind {kind!r}; known: {', '.join(policy_kinds())} "
+                   f"(register your own with ebrl.policies.register_policy)")
+
+
+def build_policy(kind: str, observation_space, action_space, **options):
+    """Build a policy of ``kind`` for these spaces (``auto`` is the CLI's choice, not a kind here)."""
+    return policy_builder(kind)(observation_space, action_space, **options)
