@@ -37,8 +37,12 @@ def save_checkpoint(path: str | os.PathLike, trainer, **meta: Any) -> None:
     """Write ``trainer.policy``'s and ``trainer.algo``'s state and ``meta`` (e.g. ``env_steps``) to ``path``.
 
     Written to a temporary file first and renamed, so a crash never leaves half a checkpoint.
+    A policy with a frozen part (``trainable_state_dict``, e.g. a LoRA-tuned backbone) saves only
+    what trains; its frozen base is loaded from where it came from.
     """
-    write_checkpoint(path, trainer.policy.state_dict(), algo_state(trainer.algo), type(trainer.policy).__name__,
+    from ebrl.policies.base import published_state
+
+    write_checkpoint(path, published_state(trainer.policy), algo_state(trainer.algo), type(trainer.policy).__name__,
                      **meta)
 
 
@@ -100,8 +104,10 @@ def load_checkpoint(path: str | os.PathLike, trainer) -> dict[str, Any]:
     ours = type(trainer.policy).__name__
     if data["policy_class"] != ours:
         raise ValueError(f"{path} holds a {data['policy_class']}, the trainer's policy is a {ours}")
+    from ebrl.policies.base import load_published
+
     try:
-        trainer.policy.load_state_dict(data["policy"])
+        load_published(trainer.policy, data["policy"])
     except RuntimeError as exc:  # torch names the missing keys and shape mismatches
         raise ValueError(f"{path} does not fit the trainer's {ours}: {exc}") from None
     if data["algo"] is not None and callable(getattr(trainer.algo, "load_state_dict", None)):

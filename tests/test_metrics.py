@@ -22,7 +22,7 @@ from ebrl.testing import MockEnv, run_virtual
 
 # tags every update writes, whatever the env and the host
 RUNTIME_TAGS = ["charts/mean_return", "charts/episodes", "perf/env_steps_per_s", "perf/env_steps_per_s_overall",
-                "perf/update_s", "perf/gen_batch_mean", "lag/mean", "lag/max", "counters/trained",
+                "perf/update_s", "perf/gen_batch_mean", "perf/publish_bytes", "perf/publish_s", "lag/mean", "lag/max", "counters/trained",
                 "counters/dropped", "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/approx_kl"]
 
 

@@ -42,3 +42,40 @@ class Policy(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict, strict: bool = True): ...
+
+
+# ------------------------------------------------------------------ what weight publication moves
+#
+# A policy with a frozen part (a pretrained backbone under LoRA) says which tensors train with
+# ``trainable_state_dict()`` / ``load_trainable_state_dict(state)``, and may give the generator
+# a copy that shares the frozen part with ``inference_copy()``. Publication then moves only what
+# trains; the frozen part is loaded once per process. Other policies publish their whole state_dict.
+
+
+def published_state(policy) -> dict:
+    """The tensors a weight publication carries: the trainable ones where the policy names them."""
+    trainable = getattr(policy, "trainable_state_dict", None)
+    return trainable() if callable(trainable) else policy.state_dict()
+
+
+def load_published(policy, state: dict) -> None:
+    """Load what :func:`published_state` gave (on the acting copy, or back on the training copy)."""
+    load = getattr(policy, "load_trainable_state_dict", None)
+    if callable(load):
+        load(state)
+    else:
+        policy.load_state_dict(state)
+
+
+def acting_copy(policy):
+    """The generator's copy of the policy: ``policy.inference_copy()`` where defined (a frozen
+    backbone shared, not duplicated), else a deep copy."""
+    import copy
+
+    make = getattr(policy, "inference_copy", None)
+    return make() if callable(make) else copy.deepcopy(policy)
+
+
+def state_nbytes(state: dict) -> int:
+    """Bytes of a state dict's tensors (what one publication moves)."""
+    return int(sum(v.numel() * v.element_size() for v in state.values() if hasattr(v, "element_size")))

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ebrl.config import Offload
-from ebrl.policies.base import ActResult
+from ebrl.policies.base import ActResult, load_published
 from ebrl.runtime.state import RunState
 from ebrl.runtime.virtual_time import is_virtual
 from ebrl.spaces import batch_of_one, concat
@@ -93,6 +93,7 @@ class Generator:
         self._idle = asyncio.Event()  # no batch is running
         self._idle.set()
         self._new_weights: tuple[dict, int] | None = None
+        self.load_weights_s = 0.0  # loading published weights into the acting copy
         self._executor: ThreadPoolExecutor | None = None
         self._cost_ewma: float | None = None  # seconds per inline policy call (AUTO offload)
         self._warmed = False  # AUTO: the first call ran (in the thread)
@@ -186,12 +187,15 @@ class Generator:
         if self._new_weights is not None:
             state, self.version, event = self._new_weights
             self._new_weights = None
+            t0 = time.perf_counter()
             if self.streams is not None:
                 self.streams.wait_published(event)
                 with self.streams.generation():
-                    self.policy.load_state_dict(state)
+                    load_published(self.policy, state)
             else:
-                self.policy.load_state_dict(state)
+                load_published(self.policy, state)
+            if not virtual:  # only the loop clock means anything under virtual time
+                self.load_weights_s += time.perf_counter() - t0
         now = loop.time()
         self.max_request_wait_s = max(self.max_request_wait_s, now - batch[0][3])
         if len(batch) == 1:

@@ -41,6 +41,7 @@ import torch._dynamo  # noqa: F401
 from ebrl.algos.batch import Batch
 from ebrl.checkpoint import algo_state, write_checkpoint
 from ebrl.config import NonFinite
+from ebrl.policies.base import load_published, published_state, state_nbytes
 from ebrl.runtime.drivers import NonFiniteError
 from ebrl.runtime.generation import Generator
 from ebrl.runtime.rollout import RolloutQueue, collate
@@ -68,10 +69,16 @@ def snapshot(state: dict) -> dict:
 
 
 def update_once(policy, algo, batch: Batch):
-    """Update, snapshot: the learner's unit of work, wherever it runs."""
+    """Update, snapshot what publication carries (the trainable tensors of a policy with a frozen
+    part, else the state_dict): the learner's unit of work, wherever it runs. The metrics gain
+    the publication's size and the snapshot's seconds."""
     lags = batch.lags.numpy()
-    metrics = algo.update(policy, batch) or {}
-    return {k: float(v) for k, v in metrics.items()}, snapshot(policy.state_dict()), lags
+    metrics = {k: float(v) for k, v in (algo.update(policy, batch) or {}).items()}
+    t0 = time.perf_counter()
+    state = snapshot(published_state(policy))
+    metrics["publish_s"] = time.perf_counter() - t0
+    metrics["publish_bytes"] = float(state_nbytes(state))
+    return metrics, state, lags
 
 
 def nonfinite_weights(state: dict) -> list[str]:
@@ -83,7 +90,7 @@ def nonfinite_weights(state: dict) -> list[str]:
 def restore(policy, algo, state: dict) -> None:
     """Undo an update: the weights as published last, and a fresh optimiser (its moments may
     hold the NaN) where the algorithm can reset one."""
-    policy.load_state_dict(state)
+    load_published(policy, state)
     reset = getattr(algo, "reset_optimizer", None)
     if callable(reset):
         reset()
@@ -219,7 +226,7 @@ class Learner:
         self.policy = policy
         self.algo = algo
         self.nonfinite = nonfinite  # faults.nonfinite: a NaN/inf loss or weights raise, or skip the update
-        self._published = snapshot(policy.state_dict())  # what an update that went NaN is undone to
+        self._published = snapshot(published_state(policy))  # what an update that went NaN is undone to
         self.streams = streams  # GPU: updates go to the training stream (resources.gpu)
         self.threads: int | None = None  # torch threads for the learner process (the controller's), None: as started
         self._event = None  # the CUDA event recorded after the latest update's weight snapshot
@@ -361,6 +368,7 @@ class Learner:
                 rollout.release(slots)
                 slots = []
                 metrics, state, lags = self._update(batch)
+                metrics["publish_s"] = 0.0  # only the loop clock means anything here (as for update_s)
                 if self._virtual_cost is not None:
                     await asyncio.sleep(float(self._virtual_cost(n)))
             else:
@@ -385,6 +393,8 @@ class Learner:
             self._published = state
             self.version += 1
             self.generator.publish(state, self.version, self._event)
+            self.stats.published_bytes += int(metrics.get("publish_bytes", 0))
+            self.stats.publish_snapshot_s += metrics.get("publish_s", 0.0)
         if self.pause_generation:
             self.generator.resume()
         self.untrained_in_hand = 0

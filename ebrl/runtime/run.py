@@ -12,7 +12,6 @@ TensorBoard event file, written after every update (:mod:`ebrl.telemetry.metrics
 from __future__ import annotations
 
 import asyncio
-import copy
 import math
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from ebrl.algos.needs import resolve_run_config
 from ebrl.algos.ppo import MinibatchAlgo
 from ebrl.config import DEFAULT_MAX_WAIT_S, ConfigError, LearnerMode, RunConfig, SegmentCut, SimBackend
 from ebrl.distributed import DataParallel, combine_results, rank_config, reseed_sampling, weight_hash
+from ebrl.policies.base import acting_copy
 from ebrl.policies.expects import check_policy_spaces
 from ebrl.runtime.drivers import Driver
 from ebrl.runtime.env_facts import inspect_env
@@ -114,7 +114,7 @@ async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop
     mode = learner_mode(cfg, trainer.policy, virtual)
     learner_threads = cfg.resources.learner_threads or cfg.torch_threads  # the learner process's
     streams = gpu_streams(trainer.policy) if mode is LearnerMode.THREAD and not virtual else None
-    acting = copy.deepcopy(trainer.policy)
+    acting = acting_copy(trainer.policy)  # shares a frozen backbone where the policy has one
     if dp is not None:  # the ranks' weights are one, their exploration noise is not
         reseed_sampling(acting, cfg.seed)
     generator = Generator(acting, batch_target=generation_target(cfg),
@@ -196,6 +196,10 @@ async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop
     result.profiles = [p.to_dict() for p in manager.profiles]
     result.decisions = [d.to_dict() for d in manager.decisions]
     result.migrations = driver.migrations
+    if learner.version:
+        result.publications = learner.version
+        result.publish_bytes = stats.published_bytes / learner.version
+        result.publish_s = (stats.publish_snapshot_s + generator.load_weights_s) / learner.version
     if result.wall_s > 0:
         result.busy = {"generator": generator.busy_s / result.wall_s, "learner": learner.busy_s / result.wall_s}
         if timeline is not None:

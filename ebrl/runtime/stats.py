@@ -32,6 +32,8 @@ class RunStats:
     success_once: deque = field(default_factory=lambda: deque(maxlen=100))  # succeeded at any step
     success_at_end: deque = field(default_factory=lambda: deque(maxlen=100))  # succeeded at the last step
     last_metrics: dict = field(default_factory=dict)
+    published_bytes: int = 0  # weight publications: bytes moved, seconds snapshotting them
+    publish_snapshot_s: float = 0.0
     # start-up, in loop time: run() called, the first env step done, the first update done
     started_at: float = math.nan
     first_step_at: float = math.nan
@@ -113,6 +115,11 @@ class RunResult:
     rank_weight_hashes: list[str] = field(default_factory=list)
     ranks: list[dict[str, Any]] = field(default_factory=list)
     weight_checks: int = 0
+    # weight publications to the generator: how many, bytes each (only the trainable tensors of a
+    # policy with a frozen part) and seconds each (the learner's snapshot + the generator's load)
+    publications: int = 0
+    publish_bytes: float = math.nan
+    publish_s: float = math.nan
 
     def accounting_ok(self) -> bool:
         return self.env_steps == self.trained + sum(self.dropped.values()) + self.in_flight_at_stop

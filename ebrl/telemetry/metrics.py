@@ -47,6 +47,8 @@ TAGS = {
     "env_steps_per_s_overall": "perf/env_steps_per_s_overall",
     "update_s": "perf/update_s",
     "gen_batch_mean": "perf/gen_batch_mean",
+    "publish_bytes": "perf/publish_bytes",
+    "publish_s": "perf/publish_s",
     "lag_mean": "lag/mean",
     "lag_max": "lag/max",
     "trained": "counters/trained",
