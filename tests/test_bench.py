@@ -77,3 +77,19 @@ def test_targets_are_judged_on_the_median_and_missing_figures_count_as_missed():
     assert rows[-1]["note"] == "not measured"
     low = check_targets({"x": spread([5.0, 7.0, 6.5])}, {"x": Target(6.0, lower_is_better=True)}, unit=" µs")
     assert low[0]["met"] is False and low[0]["target"] == "<= 6 µs"
+
+
+def test_run_capped_stops_when_until_says_so():
+    """The convergence suites' stop at a threshold: ``until(row)`` ends the run cleanly, with
+    every step accounted for, long before its step budget."""
+    import ebrl
+    from ebrl.algos import PPO
+    from ebrl.benchmark.suite import run_capped
+    from ebrl.policies import MLPPolicy
+    from ebrl.testing import MockEnv
+
+    cfg = ebrl.RunConfig(num_envs=4, segment_len=16, total_env_steps=1_000_000, log_every_s=0.05)
+    trainer = ebrl.Trainer(lambda i: MockEnv(dim=3, episode_len=8), MLPPolicy(3, 3, seed=0), PPO(minibatch_size=32), cfg)
+    result = run_capped(trainer, 60.0, until=lambda row: row["update"] >= 3)
+    assert 3 <= result.updates < 100 and result.env_steps < 1_000_000
+    assert result.env_steps == result.trained + sum(result.dropped.values()) + result.in_flight_at_stop

@@ -150,9 +150,11 @@ def measure_schedule(suite: Suite, env_fn, schedule: str, steps: int, seed: int,
     }
 
 
-def run_capped(trainer, max_s: float):
+def run_capped(trainer, max_s: float, until=None):
     """``ebrl.run(trainer)`` on a fresh uvloop, stopped cleanly (as by Ctrl-C) after ``max_s``
-    seconds if it has not finished: the convergence suites' wall-time cap."""
+    seconds if it has not finished: the convergence suites' wall-time cap. ``until(row)``, if
+    given, is asked about the newest history row every ``run.log_every_s`` and stops the run
+    once it says yes."""
     import asyncio
 
     from ebrl.runtime.run import loop_factory
@@ -160,8 +162,12 @@ def run_capped(trainer, max_s: float):
     async def capped():
         stop = asyncio.Event()
         timer = asyncio.get_running_loop().call_later(max_s, stop.set)
+        def progress(stats, learner) -> None:
+            if until is not None and learner.history and until(learner.history[-1]):
+                stop.set()
+
         try:
-            return await ebrl.run(trainer, stop=stop)
+            return await ebrl.run(trainer, stop=stop, progress=progress if until is not None else None)
         finally:
             timer.cancel()
 
