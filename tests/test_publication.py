@@ -30,12 +30,6 @@ class FrozenCritic(MLPPolicy):
         assert not missing, missing
         self.load_state_dict(state, strict=False)
 
-    def inference_copy(self):
-        twin = FrozenCritic(3, 3, hidden=(8,), seed=self.seed)
-        twin.load_state_dict(self.state_dict())
-        twin.critic = self.critic  # shared, as a frozen backbone would be
-        return twin
-
 
 def trainer(policy, tmp_path=None, **cfg):
     config = ebrl.RunConfig(num_envs=4, segment_len=16, total_env_steps=256,
@@ -69,7 +63,8 @@ def test_frozen_part_is_neither_published_nor_trained(tmp_path):
 def test_acting_copy_shares_the_frozen_part_and_loads_publications():
     policy = FrozenCritic(3, 3, hidden=(8,), seed=0)
     acting = acting_copy(policy)
-    assert acting.critic is policy.critic and acting.actor is not policy.actor
+    assert acting.critic[0].weight is policy.critic[0].weight  # frozen: shared, as a pretrained backbone
+    assert acting.actor[0].weight is not policy.actor[0].weight
     with torch.no_grad():
         policy.actor[0].weight.add_(1.0)
     load_published(acting, published_state(policy))

@@ -68,12 +68,18 @@ def load_published(policy, state: dict) -> None:
 
 
 def acting_copy(policy):
-    """The generator's copy of the policy: ``policy.inference_copy()`` where defined (a frozen
-    backbone shared, not duplicated), else a deep copy."""
+    """The generator's copy of the policy: ``policy.inference_copy()`` where defined; else a deep
+    copy that, for a policy naming its trainable tensors, shares the frozen parameters (they never
+    change, so one copy of a pretrained backbone serves both); else a plain deep copy."""
     import copy
 
     make = getattr(policy, "inference_copy", None)
-    return make() if callable(make) else copy.deepcopy(policy)
+    if callable(make):
+        return make()
+    memo: dict = {}
+    if callable(getattr(policy, "trainable_state_dict", None)) and hasattr(policy, "parameters"):
+        memo = {id(p): p for p in policy.parameters() if not p.requires_grad}  # deepcopy hands these back as they are
+    return copy.deepcopy(policy, memo)
 
 
 def state_nbytes(state: dict) -> int:
