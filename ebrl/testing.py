@@ -167,6 +167,74 @@ class MockEnv(gym.Env):
         return self._observe(), reward, False, self._t >= self.episode_len, {}
 
 
+REACH_COLOURS = ("red", "green", "blue", "yellow", "purple", "orange", "white", "black")
+
+
+class InstructedReach(gym.Env):
+    """A reach task that only the instruction makes solvable: a point in ``[-1, 1]^dim`` must go
+    to one of ``tasks`` fixed targets, and which one is said by the ``instruction`` entry
+    (a task index, as LIBERO's envs give; :meth:`instructions` has the words). The bring-your-own
+    VLA tests and ``ebrl bench vla`` train on it.
+
+    Observation ``{"state": Box(2 * dim) (position, velocity), "instruction": Discrete(tasks)}``;
+    action a velocity change in ``[-1, 1]^dim``; reward minus the distance to the target, plus 1
+    while within ``0.1`` of it (``info["success"]``); truncated after ``episode_len``. ``latency``
+    is slept per step as in :class:`MockEnv` (the simulator's cost).
+
+        >>> env = InstructedReach(tasks=2, dim=2)
+        >>> obs, info = env.reset(seed=0)
+        >>> sorted(obs), int(obs["instruction"]), env.instructions()
+        (['instruction', 'state'], 1, ['reach the red target', 'reach the green target'])
+    """
+
+    def __init__(self, tasks: int = 4, dim: int = 2, *, episode_len: int = 32, latency: Latency = Latency(),
+                 task: int | None = None):
+        if not 1 <= tasks <= len(REACH_COLOURS):
+            raise ValueError(f"InstructedReach tasks={tasks!r}: must be 1..{len(REACH_COLOURS)}")
+        self.tasks, self.dim, self.episode_len, self.latency, self.fixed_task = tasks, dim, episode_len, latency, task
+        angles = 2 * np.pi * np.arange(tasks) / tasks  # targets on a circle (dims past 2 at 0)
+        self.targets = np.zeros((tasks, dim), np.float32)
+        self.targets[:, 0], self.targets[:, 1 % dim] = 0.7 * np.cos(angles), 0.7 * np.sin(angles)
+        self.observation_space = gym.spaces.Dict({
+            "state": gym.spaces.Box(-1.0, 1.0, (2 * dim,), np.float32),  # |velocity| stays under 0.2
+            "instruction": gym.spaces.Discrete(tasks)})
+        self.action_space = gym.spaces.Box(-1.0, 1.0, (dim,), np.float32)
+        self.metadata = {"render_modes": [], "ebrl.releases_gil": True}
+        self._rng, self._lat_rng = np.random.default_rng(0), np.random.default_rng(1)
+        self._pos = np.zeros(dim, np.float32)
+        self._vel = np.zeros(dim, np.float32)
+        self._task, self._t = 0, 0
+
+    def instructions(self) -> list[str]:
+        return [f"reach the {c} target" for c in REACH_COLOURS[:self.tasks]]
+
+    def _obs(self) -> dict:
+        return {"state": np.concatenate([self._pos, self._vel]).astype(np.float32), "instruction": self._task}
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        if seed is not None:
+            self._rng, self._lat_rng = np.random.default_rng(seed), np.random.default_rng([seed, 7])
+        self._task = int(self._rng.integers(self.tasks)) if self.fixed_task is None else int(self.fixed_task)
+        self._pos = self._rng.uniform(-0.3, 0.3, self.dim).astype(np.float32)
+        self._vel[:] = 0.0
+        self._t = 0
+        return self._obs(), {"instruction": self.instructions()[self._task]}
+
+    def step(self, action: Any):
+        cost = self.latency.sample(self._lat_rng)
+        self.virtual_step_cost = cost
+        if cost > 0 and not isinstance(asyncio._get_running_loop(), VirtualTimeLoop):
+            time.sleep(cost)
+        a = np.clip(np.asarray(action, np.float32), -1.0, 1.0)
+        self._vel = 0.5 * self._vel + 0.1 * a
+        self._pos = np.clip(self._pos + self._vel, -1.0, 1.0)
+        dist = float(np.linalg.norm(self._pos - self.targets[self._task]))
+        success = dist < 0.1
+        self._t += 1
+        return self._obs(), -dist + float(success), False, self._t >= self.episode_len, {"success": success}
+
+
 class MockPolicy:
     """A policy with no network: zero (or seeded random) actions, and a declared virtual cost.
 

