@@ -4,7 +4,8 @@ it ends with, on the same envs, policy, algorithm and step budget.
 Runners: EBRL's ``async`` and ``sync`` schedules (same MLP policy, same PPO, every other knob at
 its default) and the CleanRL-style PPO loop of ``bench/peers/cleanrl_ppo.py`` (its own networks,
 a gymnasium ``SyncVectorEnv``). Each runs the workload's env-step budget (or until its wall-time
-cap), once per seed, runners alternating within a seed. The score is the mean over the last 100
+cap), once per seed, runners alternating within a seed, each run in a fresh Python process (as a
+user's script; ``--in-process`` runs them all in the bench's own). The score is the mean over the last 100
 episodes (return, or ``success_once`` for Fetch), read after every update.
 
 - *time to threshold*: seconds from the start until the score first reaches the workload's
@@ -196,7 +197,22 @@ def _plot(case: str, rows: list[dict], w: Workload, out_dir: Path) -> str | None
     return path.name
 
 
-def run(quick: bool, workloads: tuple[str, ...] | None = None, out_dir: Path | None = None) -> dict:
+def measure_run(workload: str, runner: str, seed: int, steps: int) -> dict:
+    """One run, ``{"curve": [...], "out": {...}}``: what a fresh process
+    (``call_fresh("suite:convergence:measure_run", ...)``) computes."""
+    w = WORKLOADS[workload]
+    if runner == "cleanrl":
+        curve, out = _run_cleanrl(w, seed, steps, w.max_s)
+    else:
+        curve, out = _run_ebrl(w, runner.removeprefix("ebrl-"), seed, steps, w.max_s)
+    return {"curve": curve, "out": out}
+
+
+def run(quick: bool, workloads: tuple[str, ...] | None = None, out_dir: Path | None = None,
+        in_process: bool = False) -> dict:
+    """Every run in a fresh process (as a user's script), unless ``in_process``."""
+    from ebrl.benchmark.fresh import call_fresh
+
     names = workloads or tuple(os.environ.get("EBRL_CONVERGENCE", ",".join(DEFAULT_WORKLOADS)).split(","))
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
@@ -209,10 +225,9 @@ def run(quick: bool, workloads: tuple[str, ...] | None = None, out_dir: Path | N
         for seed in seeds:
             for runner in w.runners:
                 t0 = time.perf_counter()
-                if runner == "cleanrl":
-                    curve, out = _run_cleanrl(w, seed, steps, w.max_s)
-                else:
-                    curve, out = _run_ebrl(w, runner.removeprefix("ebrl-"), seed, steps, w.max_s)
+                args = {"workload": case, "runner": runner, "seed": seed, "steps": steps}
+                one = measure_run(**args) if in_process else call_fresh("suite:convergence:measure_run", args)
+                curve, out = one["curve"], one["out"]
                 hit = _reached(curve, w.threshold)
                 rows.append({"case": case, "round": seed, "runner": runner, **out,
                              "time_to_threshold_s": None if hit is None else hit["time"],
@@ -242,6 +257,7 @@ def run(quick: bool, workloads: tuple[str, ...] | None = None, out_dir: Path | N
             plots[case] = _plot(case, [r for r in rows if r["case"] == case], WORKLOADS[case], out_dir)
     return {"rows": rows, "summary": {}, "ratios": ratios, "figures": figures, "targets": targets,
             "meta": {"description": DESCRIPTION, "quick": quick, "seeds": list(seeds), "rounds": len(seeds), "plots": plots,
+                     "fresh_processes": not in_process,
                      "workloads": {n: {"score": WORKLOADS[n].score, "threshold": WORKLOADS[n].threshold,
                                        "num_envs": WORKLOADS[n].num_envs, "steps": WORKLOADS[n].steps,
                                        "max_s": WORKLOADS[n].max_s, "ppo": dict(WORKLOADS[n].ppo),

@@ -20,5 +20,5 @@ from ebrl.benchmark.loader import load_suite
 DESCRIPTION = "PPO + MLP on real ManiSkill PushCube-v1 (CPU, 16 envs): time to success 0.8, async vs sync, 3 seeds"
 
 
-def run(quick: bool, out_dir: Path | None = None) -> dict:
-    return load_suite("convergence").run(quick, ("pushcube",), out_dir)
+def run(quick: bool, out_dir: Path | None = None, in_process: bool = False) -> dict:
+    return load_suite("convergence").run(quick, ("pushcube",), out_dir, in_process=in_process)

@@ -251,8 +251,14 @@ def convergence_table(rep: dict) -> str:
             lines.append(f"| {t['figure']} | not measured (async never reached the threshold) | {t['target']} "
                          "| **missed** |")
     meta = rep["meta"]
+    own = "; ".join(f"{c}: PPO's {', '.join(f'{k}={v:g}' for k, v in w['ppo'].items())} (the task's own baseline)"
+                    for c, w in meta.get("workloads", {}).items() if w.get("ppo"))
+    stops = [c for c, w in meta.get("workloads", {}).items() if w.get("stop_at_threshold")]
     lines += ["", f"Each workload: {len(meta.get('seeds', []))} seeds, runners alternating per seed, every knob at "
-              f"its default; {meta['date'][:10]}, commit {meta.get('commit', '?')}. Learning curves: "
+              f"its default{' but ' + own if own else ''}"
+              + (f"; {', '.join(stops)} runs stop at the threshold, so the final score is the one there" if stops
+                 else "")
+              + f"; {meta['date'][:10]}, commit {meta.get('commit', '?')}. Learning curves: "
               + ", ".join(f"[{c}](docs/benchmarks/{p})" for c, p in meta.get("plots", {}).items() if p)
               + f"; raw curves in [docs/benchmarks/{meta['suite']}.json](docs/benchmarks/{meta['suite']}.json)."]
     return "\n".join(lines)
