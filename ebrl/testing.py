@@ -356,3 +356,48 @@ def run_virtual(trainer, **kwargs):
 
     with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
         return runner.run(run(trainer, **kwargs))
+
+
+def save_random_hf_model(path, *, kind: str = "llama", hidden: int = 32, layers: int = 2, heads: int = 4,
+                         kv_heads: int = 2, intermediate: int = 64, vocab: int = 512,
+                         sentences: tuple[str, ...] = (), initializer_range: float = 0.02, seed: int = 0):
+    """Write a randomly initialised Hugging Face model to ``path``, built from a config (nothing is
+    downloaded): a Llama causal LM (``kind="llama"``) or a LLaVA image-text model with a tiny CLIP
+    vision tower and image processor (``kind="llava"``), with a word-level tokenizer trained on
+    OpenVLA's prompt and ``sentences``. For tests and ``ebrl bench vla``; ``path`` then loads as a
+    user's own model would (``policy.kind=hf-token``, ``policy.path=...``). Returns the model.
+    Needs the ``vla`` extra (transformers)."""
+    from pathlib import Path
+
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    if kind not in ("llama", "llava"):
+        raise ValueError(f"save_random_hf_model kind={kind!r}: must be 'llama' or 'llava'")
+    from ebrl.policies.hf_token import OPENVLA_PROMPT
+
+    path = Path(path)
+    words = [OPENVLA_PROMPT.replace("{instruction}", s) for s in sentences] + ["reach the goal", "Out: done"]
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(words, trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "</s>", "<pad>", "<image>"]))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                        pad_token="<pad>")
+    text = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                       initializer_range=initializer_range, bos_token_id=1, eos_token_id=2, pad_token_id=3)
+    torch.manual_seed(seed)
+    if kind == "llama":
+        model = LlamaForCausalLM(text)
+    else:
+        from transformers import CLIPImageProcessor, CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+
+        vision = CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                  image_size=16, patch_size=8, projection_dim=16)
+        model = LlavaForConditionalGeneration(LlavaConfig(vision_config=vision, text_config=text, image_token_index=4))
+        CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16}).save_pretrained(path)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model

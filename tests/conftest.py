@@ -21,3 +21,18 @@ def no_leaks():
     yield
     assert ebrl_threads() == []
     assert [p for p in multiprocessing.active_children() if p.name.startswith("ebrl-")] == []
+
+
+@pytest.fixture
+def hf_offline(monkeypatch):
+    """No test may reach the network: connecting a socket raises, and the hub is told it is
+    offline (the bring-your-own-VLA tests load every model from a local directory)."""
+    import socket
+
+    def refuse(*args, **kwargs):
+        raise OSError("network access attempted in an offline test")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
