@@ -80,7 +80,41 @@ def _gauss_logp(x: Tensor, mean: Tensor, sigma: Tensor) -> Tensor:
     return (-0.5 * z.square() - sigma.log() - LOG_SQRT_2PI).sum(-1)
 
 
-class FlowPolicy(ReadsObservations, Pretrained, nn.Module):
+def check_flow_args(predict: str, denoise_steps: int, sigma_min: float, init_sigma: float, sigma_max: float) -> None:
+    """The flow's own arguments, one ``ValueError`` naming the bad one."""
+    if predict not in ("action", "velocity"):
+        raise ValueError(f"predict={predict!r} must be 'action' (the network predicts the final chunk) "
+                         "or 'velocity' (it predicts the velocity field)")
+    if not isinstance(denoise_steps, int) or denoise_steps < 1:
+        raise ValueError(f"denoise_steps={denoise_steps!r} must be an int >= 1")
+    if not 0 < sigma_min < init_sigma < sigma_max:
+        raise ValueError(f"need 0 < sigma_min < init_sigma < sigma_max, got {sigma_min!r}, {init_sigma!r}, {sigma_max!r}")
+
+
+class ChunkSpace:
+    """Between the env's chunk Box and the flow's ``[-1, 1]`` space, for a policy with
+    ``chunk_shape``, ``chunk_dim`` and the Box bounds ``action_low``/``action_high``
+    (:class:`FlowPolicy`, :class:`~ebrl.policies.hf_flow.HFFlowPolicy`)."""
+
+    chunk_shape: tuple[int, ...]
+    chunk_dim: int
+    action_low: np.ndarray
+    action_high: np.ndarray
+
+    def to_env(self, x: np.ndarray) -> np.ndarray:
+        """Final flow states ``[B, K * A]`` (normalised space) -> env actions ``[B, *chunk_shape]``."""
+        x = np.clip(x.reshape(-1, *self.chunk_shape), -1.0, 1.0)
+        return (self.action_low + (x + 1.0) * 0.5 * (self.action_high - self.action_low)).astype(np.float32)
+
+    def normalize_actions(self, chunks: Tensor) -> Tensor:
+        """Env-space chunks ``[B, *chunk_shape]`` -> the flow's ``[-1, 1]`` space, ``[B, K * A]``."""
+        low = torch.as_tensor(self.action_low, device=chunks.device, dtype=chunks.dtype)
+        high = torch.as_tensor(self.action_high, device=chunks.device, dtype=chunks.dtype)
+        x = 2.0 * (chunks.reshape(-1, *self.chunk_shape) - low) / (high - low) - 1.0
+        return x.clamp(-1.0, 1.0).reshape(-1, self.chunk_dim)
+
+
+class FlowPolicy(ChunkSpace, ReadsObservations, Pretrained, nn.Module):
     """Flow-matching actor (velocity field + learned noise head) and an MLP critic.
 
     ``obs_dim`` is the size of the observation features the networks read: with ``obs_layout``
@@ -126,14 +160,7 @@ class FlowPolicy(ReadsObservations, Pretrained, nn.Module):
         self.chunk_shape = tuple(int(d) for d in chunk_shape)
         if len(self.chunk_shape) not in (1, 2) or min(self.chunk_shape) < 1:
             raise ValueError(f"chunk_shape={self.chunk_shape} must be (K, A) or (A,) with positive sizes")
-        if predict not in ("action", "velocity"):
-            raise ValueError(f"predict={predict!r} must be 'action' (the network predicts the final chunk) "
-                             "or 'velocity' (it predicts the velocity field)")
-        if not isinstance(denoise_steps, int) or denoise_steps < 1:
-            raise ValueError(f"denoise_steps={denoise_steps!r} must be an int >= 1")
-        if not 0 < sigma_min < init_sigma < sigma_max:
-            raise ValueError(f"need 0 < sigma_min < init_sigma < sigma_max, got "
-                             f"{sigma_min!r}, {init_sigma!r}, {sigma_max!r}")
+        check_flow_args(predict, denoise_steps, sigma_min, init_sigma, sigma_max)
         if time_dim < 2 or time_dim % 2:
             raise ValueError(f"time_dim={time_dim!r} must be an even int >= 2 (sin and cos pairs)")
         low = np.broadcast_to(np.asarray(action_low, np.float32), self.chunk_shape).copy()
@@ -239,18 +266,6 @@ class FlowPolicy(ReadsObservations, Pretrained, nn.Module):
         feat = self._features(obs)
         tau = torch.full((x.shape[0],), k / self.denoise_steps, device=feat.device, dtype=feat.dtype)
         return self._mean_sigma(x.to(feat.dtype), tau, feat)
-
-    def to_env(self, x: np.ndarray) -> np.ndarray:
-        """Final flow states ``[B, K * A]`` (normalised space) -> env actions ``[B, *chunk_shape]``."""
-        x = np.clip(x.reshape(-1, *self.chunk_shape), -1.0, 1.0)
-        return (self.action_low + (x + 1.0) * 0.5 * (self.action_high - self.action_low)).astype(np.float32)
-
-    def normalize_actions(self, chunks: Tensor) -> Tensor:
-        """Env-space chunks ``[B, *chunk_shape]`` -> the flow's ``[-1, 1]`` space, ``[B, K * A]``."""
-        low = torch.as_tensor(self.action_low, device=chunks.device, dtype=chunks.dtype)
-        high = torch.as_tensor(self.action_high, device=chunks.device, dtype=chunks.dtype)
-        x = 2.0 * (chunks.reshape(-1, *self.chunk_shape) - low) / (high - low) - 1.0
-        return x.clamp(-1.0, 1.0).reshape(-1, self.chunk_dim)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         if self._gen.device != device:  # moved to another device: restart the stream there

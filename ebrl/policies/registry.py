@@ -24,7 +24,7 @@ from typing import Any
 PolicyBuilder = Callable[..., Any]
 
 _BUILDERS: dict[str, PolicyBuilder] = {}
-BUILTIN_KINDS = ("mlp", "cnn", "token", "flow", "hf-token")
+BUILTIN_KINDS = ("mlp", "cnn", "token", "flow", "hf-token", "hf-flow")
 
 
 def register_policy(kind: str, builder: PolicyBuilder, *, replace: bool = False) -> None:
@@ -58,9 +58,11 @@ def policy_kinds() -> tuple[str, ...]:
 
 
 def _builtin(kind: str) -> PolicyBuilder:
-    # imported here: hf-token pulls in transformers, which a user of the MLP never needs
+    # imported here: hf-token and hf-flow pull in transformers, which a user of the MLP never needs
     if kind == "hf-token":
         return _hf_token
+    if kind == "hf-flow":
+        return _hf_flow
     from ebrl.policies import CNNPolicy, FlowPolicy, MLPPolicy, TokenPolicy
 
     return {"mlp": MLPPolicy, "cnn": CNNPolicy, "token": TokenPolicy, "flow": FlowPolicy}[kind].from_spaces
@@ -72,6 +74,14 @@ def _hf_token(observation_space, action_space, path=None, **options):
     from ebrl.policies.hf_token import HFTokenPolicy
 
     return HFTokenPolicy.from_pretrained(path, observation_space, action_space, **options)
+
+
+def _hf_flow(observation_space, action_space, path=None, **options):
+    if path is None:
+        raise ValueError("policy.kind=hf-flow needs policy.path: the local directory of a Hugging Face model")
+    from ebrl.policies.hf_flow import HFFlowPolicy
+
+    return HFFlowPolicy.from_pretrained(path, observation_space, action_space, **options)
 
 
 def policy_builder(kind: str) -> PolicyBuilder:
