@@ -90,8 +90,8 @@ def build_policy(observation_space, action_space, options: dict[str, Any]):
     """``policy.kind``: ``mlp`` (vectors), ``cnn`` (observations with images), ``token`` (action
     tokens, :class:`~ebrl.policies.TokenPolicy`), ``flow`` (flow-matching chunks,
     :class:`~ebrl.policies.FlowPolicy`), ``hf-token`` (a Hugging Face model from the local
-    directory ``policy.path``), a kind registered with :func:`ebrl.policies.register_policy`, or
-    ``auto`` (the CNN whenever the observation has an image entry, else the MLP); the other
+    directory ``policy.path``), ``hf-flow`` (a flow-matching action expert on one), a kind
+    registered with :func:`ebrl.policies.register_policy`, or ``auto`` (the CNN whenever the observation has an image entry, else the MLP); the other
     ``[policy]`` keys go to the kind's builder."""
     from gymnasium import spaces
 
@@ -170,7 +170,7 @@ def build_trainer(spec: dict[str, Any]):
         raise ConfigError("env_kwargs", env_kwargs, str(exc)) from None
     try:
         facts = EnvFacts.of(probe)
-        policy = build_policy(facts.observation_space, facts.action_space, spec["policy"])
+        policy = build_policy(facts.observation_space, facts.action_space, with_env_instructions(spec["policy"], probe))
     finally:
         probe.close()
     algo = build_algo(spec)
@@ -178,6 +178,20 @@ def build_trainer(spec: dict[str, Any]):
     # algorithm's needs (GRPO: sync, episode cuts, reset groups, segments of the time limit)
     run_cfg = resolve_run_config(run_cfg, algo, facts.max_episode_steps)
     return ebrl.Trainer(env_fn=env_fn, policy=policy, algo=algo, config=run_cfg)
+
+
+def with_env_instructions(options: dict[str, Any], env) -> dict[str, Any]:
+    """A language-conditioned policy (``hf-token``, ``hf-flow``) without ``policy.instruction``
+    reads the env's own words: ``env.instructions()`` (LIBERO, ``mock/reach``), one per value of its Discrete
+    ``instruction`` entry, or a single string when it has one task."""
+    if options.get("kind") not in ("hf-token", "hf-flow") or "instruction" in options:
+        return options
+    try:
+        said = list(env.get_wrapper_attr("instructions")())
+    except AttributeError:
+        return options
+    spaces = getattr(env.observation_space, "spaces", {})
+    return {**options, "instruction": said if "instruction" in spaces or len(said) != 1 else said[0]}
 
 
 def run_until_signal(trainer, progress=None):
@@ -326,6 +340,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     save_checkpoint(checkpoint, trainer, env_steps=env_steps, trained=result.trained,
                     updates=result.updates, resumed_from=args.resume, stopped_early=stopped,
                     world_size=result.world_size)
+    if callable(getattr(trainer.policy, "save_adapters", None)):  # a LoRA-tuned model: adapters + base path
+        trainer.policy.save_adapters(log_dir / "adapters")
     title = f"{spec['env']}: {result.schedule} schedule"
     print_summary(result, title=title + (f", {result.world_size} ranks" if result.world_size > 1 else ""))
     print(f"logs, metrics, result and checkpoint: {log_dir}/  (tensorboard --logdir {log_dir.parent})")

@@ -83,3 +83,33 @@ def test_train_imports_a_users_module_that_registers_a_kind(tmp_path):
     finally:
         unregister_policy("tiny-user")
     assert main(["train", "--quiet", "--import", str(tmp_path / "missing.py"), "--set", "env=mock/3"]) == 2
+
+
+def test_hf_token_trains_from_the_cli_and_resumes_from_its_adapters(tmp_path, hf_offline):
+    """A user's Hugging Face model by path: trained by ``ebrl train`` with LoRA, the env's own
+    instructions read through its tokenizer, only trainable tensors in the checkpoint, adapters
+    written, and ``--resume`` loading them."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    from ebrl.checkpoint import load_safely
+    from ebrl.testing import InstructedReach, save_random_hf_model
+
+    model = tmp_path / "model"
+    save_random_hf_model(model, sentences=tuple(InstructedReach().instructions()))
+    flags = ["--quiet", "--set", "env=mock/reach", "--set", "policy.kind=hf-token", "--set", f"policy.path={model}",
+             "--set", "policy.lora_rank=4", "--set", "run.num_envs=2", "--set", "run.segment_len=8",
+             "--set", "run.total_env_steps=32", "--set", "ppo.minibatch_size=8"]
+    assert main(["train", "--log-dir", str(tmp_path / "run"), *flags]) == 0
+    spec = json.loads((tmp_path / "run" / "spec.json").read_text())
+    assert spec["policy"]["kind"] == "hf-token"
+    saved = load_safely(tmp_path / "run" / "checkpoint.pt")["policy"]
+    adapters = load_file(str(tmp_path / "run" / "adapters" / "adapters.safetensors"))
+    assert set(saved) == set(adapters) and any("lora_" in k for k in saved)
+    assert not any("lora_" not in k and k.startswith("backbone.") for k in saved)  # the frozen base stays out
+    policy_json = json.loads((tmp_path / "run" / "adapters" / "ebrl_policy.json").read_text())
+    assert policy_json["instruction"] == InstructedReach().instructions()
+    resumed = ["train", "--log-dir", str(tmp_path / "again"), "--resume", str(tmp_path / "run" / "checkpoint.pt"),
+               *flags[:-4], "--set", "run.total_env_steps=64", "--set", "ppo.minibatch_size=8"]
+    assert main(resumed) == 0

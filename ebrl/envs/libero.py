@@ -294,6 +294,14 @@ class LiberoEnv(gym.Env):
 
     metadata: ClassVar[dict[str, Any]] = {"render_modes": ["rgb_array"]}
 
+    def instructions(self) -> list[str]:
+        """The words of each value of ``obs["instruction"]`` (the suite's, in task order), or this
+        task's alone without that entry: what a language-conditioned policy reads
+        (``policy.kind=hf-token`` takes them from here unless ``policy.instruction`` is set)."""
+        if self.instruction is None:
+            return [self.language]
+        return instructions(self.task.split("/")[0])
+
     def __init__(self, build: Callable[[], Any], init_states: np.ndarray, *, cameras: tuple[str, ...], image_size: int,
                  max_episode_steps: int, init_state: int | None, settle_steps: int, task: str, language: str,
                  object_dims: int = 0, instruction: tuple[int, int] | None = None, seed: int | None = None):
