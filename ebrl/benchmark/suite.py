@@ -46,6 +46,7 @@ import psutil
 import ebrl
 from ebrl.benchmark.figures import Target, check_targets, suite_ratios, summarize_rows
 from ebrl.benchmark.limits import physical_limit
+from ebrl.policies.base import state_nbytes
 from ebrl.runtime.sim_types import single_spaces
 
 PEERS_DIR = Path(__file__).resolve().parent.parent.parent / "bench" / "peers"
@@ -147,6 +148,8 @@ def measure_schedule(suite: Suite, env_fn, schedule: str, steps: int, seed: int,
         "gen_batch_mean": result.gen_batch_mean, "gen_batch_hist": result.gen_batch_hist,
         "lag_mean": result.lag_mean, "lag_hist": result.lag_hist,
         "sim_backend": result.sim_backend, "learner": result.learner_mode,
+        "publications": result.publications, "publish_bytes": result.publish_bytes, "publish_s": result.publish_s,
+        "state_bytes": state_nbytes(policy.state_dict()),
     }
 
 
