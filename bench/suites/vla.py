@@ -80,7 +80,7 @@ SUITE = Suite(
     policy_fn=policy_fn,
     algo_fn=lambda seed: PPO(seed=seed, minibatch_size=64),
     num_envs=8,
-    steps=2_048,
+    steps=1_024,
     quick_steps=64,
     segment_len=16,
     schedules=("async", "pipelined", "sync"),

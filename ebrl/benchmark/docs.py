@@ -18,10 +18,11 @@ import json
 import re
 from pathlib import Path
 
+from ebrl.benchmark.figures import spread
 from ebrl.benchmark.report import fmt_ratio, fmt_spread, results_markdown
 
 ORDER = ("overhead", "longtail", "longtail-user", "heterogeneous", "mujoco-state", "startup", "startup-mock",
-         "mujoco-pixels", "vector-gpu", "embodied", "controller", "convergence", "embodied-learning", "lag", "policies",
+         "mujoco-pixels", "vector-gpu", "embodied", "controller", "convergence", "embodied-learning", "vla", "lag", "policies",
          "scaling", "gpu-split", "soak", "step-cost")
 
 
@@ -225,6 +226,41 @@ def embodied_table(rep: dict) -> str:
     return "\n".join(lines)
 
 
+def vla_table(rep: dict) -> str:
+    """``ebrl bench vla``: per schedule, end-to-end env steps/s, the generation batches, and what
+    each weight publication moved and took; then the ratios (schedules, and publication of the
+    trainable tensors against the whole state) and the targets."""
+    meta = rep["meta"]
+    lines = ["| workload | schedule | env steps/s (end to end) | mean generation batch | generation batches (rows: count) "
+             "| MB per publication (whole state) | ms per publication |", "|---|---|---:|---:|---|---:|---:|"]
+    for case, runners in rep["summary"].items():
+        for runner in runners:
+            mine = [r for r in rep["rows"] if r["case"] == case and r["runner"] == runner]
+            hist: dict[str, int] = {}
+            for r in mine:
+                for size, count in r.get("gen_batch_hist", {}).items():
+                    hist[str(size)] = hist.get(str(size), 0) + int(count)
+            sizes = ", ".join(f"{k}: {v:,}" for k, v in sorted(hist.items(), key=lambda kv: int(kv[0])))
+            mb = spread(r["publish_bytes"] / 1e6 for r in mine if r.get("publications"))
+            whole = spread(r["state_bytes"] / 1e6 for r in mine if r.get("publications"))
+            ms = spread(r["publish_s"] * 1e3 for r in mine if r.get("publications"))
+            lines.append(f"| {case} | {runner.removeprefix('ebrl-')} | {fmt_spread(runners[runner].get('steps_per_s'))} "
+                         f"| {fmt_spread(spread(r['gen_batch_mean'] for r in mine))} | {sizes} "
+                         f"| {fmt_spread(mb)} ({whole['median']:.1f}) | {fmt_spread(ms)} |")
+    lines += ["", "| ratio (within each round) | measured | target | |", "|---|---:|---|---|"]
+    lines += ratio_rows(rep)
+    seconds = rep.get("publication_seconds", {})
+    if seconds:
+        lines += ["", f"One publication snapshotted and loaded in one process: LoRA's trainable tensors "
+                      f"{seconds['lora']['median'] * 1e3:.1f} ms, the whole state "
+                      f"{seconds['full']['median'] * 1e3:.1f} ms (median of {seconds['lora']['n']} each)."]
+    lines += ["", f"Median (min-max) over {meta.get('rounds')} alternating rounds, every run a fresh process; "
+              f"{meta.get('segment_len')}-step segments and PPO minibatches of 64 (an update sized for a 23M "
+              f"backbone on this CPU), every other knob at its default; {meta['date'][:10]}, commit "
+              f"{meta.get('commit', '?')}; raw rows in [docs/benchmarks/vla.json](docs/benchmarks/vla.json)."]
+    return "\n".join(lines)
+
+
 def convergence_table(rep: dict) -> str:
     """``ebrl bench convergence`` (and ``embodied-learning``): per workload and runner, the seconds
     and env steps to the threshold and the final score; then the time-to-threshold ratios and
@@ -380,6 +416,8 @@ def render(bench_dir: Path, readme: Path) -> list[str]:
         text = replace_block(text, "embodied", embodied_table(reports["embodied"]))
     if "embodied-learning" in reports:
         text = replace_block(text, "embodied-learning", convergence_table(reports["embodied-learning"]))
+    if "vla" in reports:
+        text = replace_block(text, "vla", vla_table(reports["vla"]))
     if "lag" in reports:
         text = replace_block(text, "lag", lag_table(reports["lag"]))
     if "policies" in reports:
