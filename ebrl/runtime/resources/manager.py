@@ -145,8 +145,12 @@ class ResourceManager:
         if not self.cfg.resources.adapt:
             return []
         moving = self.driver.moves or self.driver.migrating  # a placement read now would be stale
-        if self._retire_to is not None and not moving:
-            self._retire()
+        if self._retire_to is not None and not moving and self._retire():
+            # the knobs read above still count the retired workers: a decision from them could
+            # place envs on a worker that is gone. The window ran on the old pool: decide next epoch
+            self.knobs = self._current()
+            postpone_trials(self.memory, profile.epoch)
+            return []
         if moving or self._grow_to is not None:  # a change under way: nothing else changes
             postpone_trials(self.memory, profile.epoch)
             return []
@@ -158,15 +162,16 @@ class ResourceManager:
                      reason=d.reason)
         return decisions
 
-    def _retire(self) -> None:
+    def _retire(self) -> bool:
         """The envs have left the workers past ``_retire_to``: retire those workers (unless a
-        migration failed and left an env there, which keeps its worker)."""
+        migration failed and left an env there, which keeps its worker). True if it did."""
         n, self._retire_to = self._retire_to, None
         left = np.flatnonzero(self.pool.placement >= n).tolist()
         if left:
             log.warning("workers_kept", workers=self._workers, wanted=n, envs_left=left)
-            return
+            return False
         self._resize_workers(n)
+        return True
 
     def _place_on(self, n: int) -> None:
         """Place every env on workers ``0..n-1`` by measured cost per step (longest first),
