@@ -23,9 +23,8 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-from pathlib import Path
-
 import time
+from pathlib import Path
 
 from ebrl.algos import PPO
 from ebrl.benchmark import Suite

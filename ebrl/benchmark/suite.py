@@ -165,8 +165,9 @@ def run_capped(trainer, max_s: float, until=None):
     async def capped():
         stop = asyncio.Event()
         timer = asyncio.get_running_loop().call_later(max_s, stop.set)
+
         def progress(stats, learner) -> None:
-            if until is not None and learner.history and until(learner.history[-1]):
+            if learner.history and until(learner.history[-1]):
                 stop.set()
 
         try:

@@ -47,9 +47,9 @@ class Policy(Protocol):
 # ------------------------------------------------------------------ what weight publication moves
 #
 # A policy with a frozen part (a pretrained backbone under LoRA) says which tensors train with
-# ``trainable_state_dict()`` / ``load_trainable_state_dict(state)``, and may give the generator
-# a copy that shares the frozen part with ``inference_copy()``. Publication then moves only what
-# trains; the frozen part is loaded once per process. Other policies publish their whole state_dict.
+# ``trainable_state_dict()`` / ``load_trainable_state_dict(state)``; the generator's copy then
+# shares the frozen part. Publication moves only what trains, and the frozen part is loaded once
+# per process. Other policies publish their whole state_dict.
 
 
 def published_state(policy) -> dict:
@@ -68,14 +68,11 @@ def load_published(policy, state: dict) -> None:
 
 
 def acting_copy(policy):
-    """The generator's copy of the policy: ``policy.inference_copy()`` where defined; else a deep
-    copy that, for a policy naming its trainable tensors, shares the frozen parameters (they never
-    change, so one copy of a pretrained backbone serves both); else a plain deep copy."""
+    """The generator's copy of the policy: a deep copy that, for a policy naming its trainable
+    tensors, shares the frozen parameters (they never change, so one copy of a pretrained
+    backbone serves both)."""
     import copy
 
-    make = getattr(policy, "inference_copy", None)
-    if callable(make):
-        return make()
     memo: dict = {}
     if callable(getattr(policy, "trainable_state_dict", None)) and hasattr(policy, "parameters"):
         memo = {id(p): p for p in policy.parameters() if not p.requires_grad}  # deepcopy hands these back as they are

@@ -71,7 +71,7 @@ Example (a model directory of your own; nothing is fetched)::
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +80,7 @@ import torch
 from torch import Tensor, nn
 
 from ebrl.policies.base import ActResult
-from ebrl.policies.encoders import ObsLayout, as_tensor
+from ebrl.policies.encoders import as_tensor
 from ebrl.policies.flow import ChunkSpace, _gauss_logp, check_flow_args
 from ebrl.policies.heads import LOG_SQRT_2PI
 from ebrl.policies.hf_backbone import HFBackbonePolicy, action_bounds, read_spaces
@@ -142,16 +142,11 @@ class HFFlowPolicy(ChunkSpace, HFBackbonePolicy):
     SAVED_OPTIONS = ("denoise_steps", "predict", "expert_width", "expert_layers", "expert_heads", "sigma_min",
                      "sigma_max", "init_sigma")
 
-    def __init__(self, model: nn.Module, tokenizer: Any, *, obs_layout: ObsLayout | Sequence[Mapping[str, Any]],
-                 action_low, action_high, image_processor: Any = None,
-                 instruction: str | Sequence[str] | None = None, instruction_classes: tuple[int, int] | None = None,
-                 prompt: str | None = None, denoise_steps: int = 4, predict: str = "action", expert_width: int = 128,
-                 expert_layers: int = 2, expert_heads: int = 4, sigma_min: float = 0.01, sigma_max: float = 1.0,
-                 init_sigma: float = 0.5, lora_rank: int | None = None, lora_alpha: float | None = None,
-                 lora_targets: Sequence[str] | None = None, value_head: bool = True, state_tokens: int = 1,
-                 camera_grid: int = 4, normalize_obs: bool = True, autocast_bf16: bool = False,
-                 gradient_checkpointing: bool = False, seed: int = 0, base_path: str | None = None,
-                 dtype: str = "auto"):
+    def __init__(self, model: nn.Module, tokenizer: Any, *, action_low, action_high, denoise_steps: int = 4,
+                 predict: str = "action", expert_width: int = 128, expert_layers: int = 2, expert_heads: int = 4,
+                 sigma_min: float = 0.01, sigma_max: float = 1.0, init_sigma: float = 0.5, **backbone: Any):
+        """``backbone``: :class:`~ebrl.policies.hf_backbone.HFBackbonePolicy`'s keywords
+        (``obs_layout``, ``instruction``, ``lora_rank``, ``value_head``, ``seed``, ...)."""
         low, high = action_bounds(action_low, action_high, "HFFlowPolicy")
         if not (np.isfinite(low).all() and np.isfinite(high).all() and (high > low).all()):
             raise ValueError("HFFlowPolicy needs finite action bounds with high > low (the flow lives in "
@@ -160,13 +155,7 @@ class HFFlowPolicy(ChunkSpace, HFBackbonePolicy):
         if expert_layers < 1 or expert_heads < 1 or expert_width % expert_heads or expert_width % 2:
             raise ValueError(f"expert_width={expert_width} must be even (sin and cos pairs) and a multiple of "
                              f"expert_heads={expert_heads}, and expert_layers={expert_layers} >= 1")
-        super().__init__(model, tokenizer, obs_layout=obs_layout, action_low=low, action_high=high,
-                         image_processor=image_processor, instruction=instruction,
-                         instruction_classes=instruction_classes, prompt=prompt, lora_rank=lora_rank,
-                         lora_alpha=lora_alpha, lora_targets=lora_targets, value_head=value_head,
-                         state_tokens=state_tokens, camera_grid=camera_grid, normalize_obs=normalize_obs,
-                         autocast_bf16=autocast_bf16, gradient_checkpointing=gradient_checkpointing, seed=seed,
-                         base_path=base_path, dtype=dtype)
+        super().__init__(model, tokenizer, action_low=low, action_high=high, **backbone)
         self.chunk_shape = self.action_shape
         self.chunk_len, self.action_dim = self.chunk_shape if len(self.chunk_shape) == 2 else (1, self.chunk_shape[0])
         self.chunk_dim = self.chunk_len * self.action_dim

@@ -100,7 +100,6 @@ from torch import Tensor, nn
 
 from ebrl.policies import hf_backbone
 from ebrl.policies.base import ActResult
-from ebrl.policies.encoders import ObsLayout
 from ebrl.policies.hf_backbone import OPENVLA_PROMPT, HFBackbonePolicy, action_bounds, read_spaces
 
 BINS = 256  # OpenVLA's bins per action dimension
@@ -140,24 +139,13 @@ class HFTokenPolicy(HFBackbonePolicy):
 
     SAVED_OPTIONS = ("action_stats", "vocab_size")
 
-    def __init__(self, model: nn.Module, tokenizer: Any, *, obs_layout: ObsLayout | Sequence[Mapping[str, Any]],
-                 action_low, action_high, image_processor: Any = None,
-                 instruction: str | Sequence[str] | None = None, instruction_classes: tuple[int, int] | None = None,
-                 prompt: str | None = None, action_stats: Mapping[str, Any] | None = None,
-                 lora_rank: int | None = None, lora_alpha: float | None = None,
-                 lora_targets: Sequence[str] | None = None, value_head: bool = True, state_tokens: int = 1,
-                 camera_grid: int = 4, normalize_obs: bool = True, autocast_bf16: bool = False,
-                 gradient_checkpointing: bool = False, vocab_size: int | None = None, seed: int = 0,
-                 base_path: str | None = None, dtype: str = "auto"):
+    def __init__(self, model: nn.Module, tokenizer: Any, *, action_low, action_high,
+                 action_stats: Mapping[str, Any] | None = None, vocab_size: int | None = None, **backbone: Any):
+        """``backbone``: :class:`~ebrl.policies.hf_backbone.HFBackbonePolicy`'s keywords
+        (``obs_layout``, ``instruction``, ``lora_rank``, ``value_head``, ``seed``, ...)."""
         box_low, box_high = action_bounds(action_low, action_high, "HFTokenPolicy")
         bin_low, bin_high, stats = _bin_bounds(box_low, box_high, action_stats)
-        super().__init__(model, tokenizer, obs_layout=obs_layout, action_low=box_low, action_high=box_high,
-                         image_processor=image_processor, instruction=instruction,
-                         instruction_classes=instruction_classes, prompt=prompt, lora_rank=lora_rank,
-                         lora_alpha=lora_alpha, lora_targets=lora_targets, value_head=value_head,
-                         state_tokens=state_tokens, camera_grid=camera_grid, normalize_obs=normalize_obs,
-                         autocast_bf16=autocast_bf16, gradient_checkpointing=gradient_checkpointing, seed=seed,
-                         base_path=base_path, dtype=dtype)
+        super().__init__(model, tokenizer, action_low=box_low, action_high=box_high, **backbone)
         self.config["action_stats"] = stats
         self.num_tokens = box_low.size  # D: tokens per action
         self.bins = BINS
