@@ -234,6 +234,29 @@ def test_batch_target_halves_only_for_an_idle_generator_thread_with_idle_cores_a
     assert batch_target_rule(profile(gen=waiting), Knobs("thread", batch_target=16), fixed, Memory()) is None
 
 
+def test_the_batch_target_follows_the_measured_cost_of_a_call_against_its_rows():
+    from ebrl.runtime.generation import BatchCosts
+    from ebrl.runtime.resources.controller import batch_target_rule
+
+    limits = Limits(num_units=16, cpus=2, num_envs=16)
+    costs = BatchCosts()  # a VLA-like call: 40 ms whatever the batch, 1 ms a row
+    for rows in (1, 2, 4, 8, 16):
+        costs.add(rows, 0.040 + 0.001 * rows)
+    # 100 rows/s: with batches of 16 the thread is busy 35%, and rows wait longer than half a call;
+    # the target halves, but not under 10 rows, with which 10 calls/s keep the thread half busy
+    # (batches of 8 would need 60% of it)
+    waiting = {"gen_batches": 6, "gen_rows": 100, "gen_busy_s": 0.35, "gen_wait_s": 3.0, "offload": "thread",
+               "loop_busy": 0.3, "system": {"cpu_util_mean": 50.0}, "gen_fit": costs.fit()}
+    d = batch_target_rule(profile(gen=waiting), Knobs("thread", batch_target=16), limits, Memory())
+    assert (d.old, d.new) == (16, 10) and "40.00 ms + 1.000 ms a row" in d.reason
+    assert batch_target_rule(profile(gen=waiting), Knobs("thread", batch_target=10), limits, Memory()) is None
+    d = batch_target_rule(profile(gen=waiting), Knobs("thread", batch_target=4), limits, Memory())  # too small
+    assert (d.old, d.new) == (4, 10) and "batches of 10 keep the generator busy under 50%" in d.reason
+    # a small MLP's call (80 us + 1 us a row) at the same rate: batching saves nothing, the target halves
+    cheap = {**waiting, "gen_fit": (80e-6, 1e-6)}
+    assert batch_target_rule(profile(gen=cheap), Knobs("thread", batch_target=16), limits, Memory()).new == 8
+
+
 def test_the_batch_target_waits_a_window_after_the_calls_move():
     starved = profile(epoch=3, gen={"gen_batches": 1000, "gen_rows": 8000, "gen_busy_s": 0.4, "gen_cpu_s": 0.05,
                                     "gen_wait_s": 4.0, "offload": "thread", "loop_busy": 0.3,
@@ -298,6 +321,16 @@ def test_sleeping_envs_converge_to_enough_lanes_within_three_epochs():
     fixed = run_virtual(_sleepers(resources={"adapt": False}))
     assert fixed.decisions == [] and fixed.sim_size == 2 and len(fixed.profiles) > 3
     assert result.env_steps_per_s > 3 * fixed.env_steps_per_s
+
+
+def test_a_run_reports_the_cost_curve_of_its_policy_calls():
+    trainer = _sleepers(total_env_steps=3_000)
+    trainer.policy = MockPolicy(act_dim=4, base_cost_s=0.004, per_item_cost_s=0.0005)
+    result = run_virtual(trainer)
+    costs = result.gen_costs
+    assert len(costs["calls"]) >= 2 and sum(costs["calls"].values()) == sum(result.gen_batch_hist.values()) - 1
+    assert costs["fixed_us"] == pytest.approx(4000, rel=1e-3) and costs["per_row_us"] == pytest.approx(500, rel=1e-3)
+    assert result.profiles[-1]["generation"]["fixed_us"] == costs["fixed_us"]
 
 
 def test_explicit_lanes_are_kept():
@@ -511,10 +544,53 @@ def test_the_learner_gets_a_thread_more_when_training_holds_envs_back_and_cores_
     waits.waits["backpressure"] = np.full(n, 0.4)  # envs parked 40% of the window
     waits.learner_busy_s, waits.system = 0.9, {"cpu_util_mean": 50.0}
     d = threads_rule(waits, Knobs("process", learner_threads=1), Limits(num_units=n, cpus=4), Memory())
-    assert d.knob == "learner_threads" and (d.old, d.new) == (1, 2) and "queue space" in d.reason
+    assert d.knob == "learner_threads" and (d.old, d.new) == (1, 2) and "held the envs back 40%" in d.reason
     waits.system = {"cpu_util_mean": 95.0}  # no idle core to give it
     assert threads_rule(waits, Knobs("process", learner_threads=1), Limits(num_units=n, cpus=4), Memory()) is None
     assert threads_rule(waits, Knobs("process", learner_threads=None), Limits(num_units=n, cpus=4), Memory()) is None
+
+
+def test_an_update_longer_than_the_window_gets_its_thread_in_the_window_it_stalls():
+    # a 30 s update on a big policy: the windows it spans ran no env step, the envs parked (or,
+    # under sync, waited on the paused generator); the learner's rule still runs there, and a
+    # change on trial is not judged on such a window (its rate says nothing about the change)
+    from ebrl.runtime.resources.controller import Decision, Trial, decide
+
+    n = 8
+    stalled = profile(n=n, epoch=3, steps=0.0, mean_step=0.01)
+    stalled.learner_busy_s, stalled.gen_paused_s, stalled.system = 1.0, 1.0, {"cpu_util_mean": 50.0}
+    memory = Memory()
+    memory.trials["batch_target"] = Trial(Decision(0, "batch_target", 8, 4, "x"), rate_before=40.0, judge_at=0)
+    out = decide(stalled, Knobs("thread", learner_threads=1, batch_target=4), Limits(num_units=n, cpus=2), memory)
+    assert [(d.knob, d.new) for d in out] == [("learner_threads", 2)] and "held the envs back 100%" in out[0].reason
+    assert "batch_target" in memory.trials  # still on trial, judged on a window that ran
+
+
+def test_the_profile_counts_an_update_and_a_park_still_in_progress():
+    import asyncio
+
+    from ebrl.runtime.generation import Generator
+    from ebrl.testing import MockPolicy
+
+    class Learner:  # busy_until_now's arithmetic, as the profiler reads it
+        busy_s, _update_t0 = 2.0, 10.0
+
+    from ebrl.runtime.learner import Learner as Real
+
+    assert Real.busy_until_now(Learner(), 12.5) == 4.5
+
+    async def paused() -> tuple[float, float]:
+        gen = Generator(MockPolicy(act_dim=1), batch_target=1, max_wait_s=0.0)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await gen.pause()
+        await asyncio.sleep(0.05)
+        during = gen.paused_until_now(loop.time())
+        gen.resume()
+        return during, gen.paused_s, loop.time() - t0
+
+    during, total, span = asyncio.run(paused())
+    assert 0.05 <= during <= total <= span
 
 
 def test_affinity_splits_the_cores_only_when_each_part_can_have_its_own():

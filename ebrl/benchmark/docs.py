@@ -232,7 +232,8 @@ def vla_table(rep: dict) -> str:
     trainable tensors against the whole state) and the targets."""
     meta = rep["meta"]
     lines = ["| workload | schedule | env steps/s (end to end) | mean generation batch | generation batches (rows: count) "
-             "| MB per publication (whole state) | ms per publication |", "|---|---|---:|---:|---|---:|---:|"]
+             "| ms per policy call (fixed + a row) | MB per publication (whole state) | ms per publication |",
+             "|---|---|---:|---:|---|---|---:|---:|"]
     for case, runners in rep["summary"].items():
         for runner in runners:
             mine = [r for r in rep["rows"] if r["case"] == case and r["runner"] == runner]
@@ -244,8 +245,11 @@ def vla_table(rep: dict) -> str:
             mb = spread(r["publish_bytes"] / 1e6 for r in mine if r.get("publications"))
             whole = spread(r["state_bytes"] / 1e6 for r in mine if r.get("publications"))
             ms = spread(r["publish_s"] * 1e3 for r in mine if r.get("publications"))
+            fits = [r["gen_costs"] for r in mine if (r.get("gen_costs") or {}).get("fixed_us") is not None]
+            call = (f"{spread(f['fixed_us'] / 1e3 for f in fits)['median']:.1f} + "
+                    f"{spread(f['per_row_us'] / 1e3 for f in fits)['median']:.2f}" if fits else "n/a")
             lines.append(f"| {case} | {runner.removeprefix('ebrl-')} | {fmt_spread(runners[runner].get('steps_per_s'))} "
-                         f"| {fmt_spread(spread(r['gen_batch_mean'] for r in mine))} | {sizes} "
+                         f"| {fmt_spread(spread(r['gen_batch_mean'] for r in mine))} | {sizes} | {call} "
                          f"| {fmt_spread(mb)} ({whole['median']:.1f}) | {fmt_spread(ms)} |")
     lines += ["", "| ratio (within each round) | measured | target | |", "|---|---:|---|---|"]
     lines += ratio_rows(rep)

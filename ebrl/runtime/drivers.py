@@ -354,6 +354,15 @@ class Driver:
         self.generator.poke()
         self.rollout.poke()
 
+    def blocked_until_now(self) -> np.ndarray:
+        """``wait_blocked`` with the envs parked right now counted up to now: a long update holds
+        them across profile windows, and each window should see its share."""
+        out = self.wait_blocked.copy()
+        if self.parked:
+            ids = np.concatenate(self.parked)
+            out[ids] += self._loop.time() - self.t_ready[ids]
+        return out
+
     def unpark(self) -> None:
         """The learner took segments: let parked envs try again."""
         if not self.parked:

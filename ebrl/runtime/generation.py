@@ -54,6 +54,48 @@ if TYPE_CHECKING:
     from ebrl.runtime.profiler import Timeline
     from ebrl.runtime.resources.gpu import GpuStreams
 
+class BatchCosts:
+    """Seconds per policy call against the rows in the batch: a running mean per batch size,
+    and the line ``fixed + per_row * rows`` through them. A VLA's call is mostly ``fixed`` (a
+    batch of 16 costs little more than a batch of 1); a small MLP's is close to free either way.
+
+        >>> costs = BatchCosts()
+        >>> for rows, s in [(1, 0.041), (2, 0.042), (4, 0.044), (8, 0.048)]:
+        ...     costs.add(rows, s)
+        >>> [round(x * 1e3, 2) for x in costs.fit()]   # ms: fixed, per row
+        [40.0, 1.0]
+    """
+
+    def __init__(self) -> None:
+        self.mean_s: dict[int, float] = {}
+        self.calls: Counter = Counter()
+
+    def add(self, rows: int, seconds: float) -> None:
+        n = self.calls[rows] = self.calls[rows] + 1
+        # the mean of the first calls, then a running mean: the policy's cost drifts (threads, caches)
+        self.mean_s[rows] = seconds if n == 1 else self.mean_s[rows] + (seconds - self.mean_s[rows]) / min(n, 20)
+
+    def fit(self) -> tuple[float, float] | None:
+        """``(fixed_s, per_row_s)`` by least squares weighted by calls, both at least 0; None
+        until two batch sizes, the larger at least twice the smaller, have been measured."""
+        if len(self.mean_s) < 2 or max(self.mean_s) < 2 * min(self.mean_s):
+            return None
+        rows = np.array(list(self.mean_s), float)
+        secs = np.array([self.mean_s[r] for r in self.mean_s])
+        w = np.array([self.calls[r] for r in self.mean_s], float)
+        xm, ym = np.average(rows, weights=w), np.average(secs, weights=w)
+        per_row = max(0.0, float(np.sum(w * (rows - xm) * (secs - ym)) / np.sum(w * (rows - xm) ** 2)))
+        fixed = max(0.0, float(ym - per_row * xm))
+        return fixed, per_row
+
+    def to_dict(self) -> dict[str, Any]:
+        fit = self.fit()
+        return {"mean_us": {r: round(self.mean_s[r] * 1e6, 1) for r in sorted(self.mean_s)},
+                "calls": dict(sorted(self.calls.items())),
+                "fixed_us": None if fit is None else round(fit[0] * 1e6, 1),
+                "per_row_us": None if fit is None else round(fit[1] * 1e6, 2)}
+
+
 # What act() returns: the batch's result, this request's row in it, and the policy version.
 ActReply = tuple[ActResult, int, int]
 # A request's callback: (env ids, the batch's result, first row, end row, policy version).
@@ -77,6 +119,7 @@ class Generator:
         self._state = state  # where the count of live envs comes from; else ``live`` below
         self._live = live
         self.batch_sizes: Counter = Counter()
+        self.costs = BatchCosts()  # seconds per call against batch size: the controller's batch target
         self.max_request_wait_s = 0.0
         self.request_wait_s = 0.0  # summed over rows: how long each waited for its batch to start
         self.capped_batches = 0  # batches started because the wait reached max_wait_s (not full, not all waiting)
@@ -88,6 +131,8 @@ class Generator:
         self._pending_rows = 0
         self._wake = asyncio.Event()
         self._paused = False
+        self.paused_s = 0.0  # loop time spent paused (lockstep schedules: while the learner trains)
+        self._paused_at = 0.0
         self._unpaused = asyncio.Event()
         self._unpaused.set()
         self._idle = asyncio.Event()  # no batch is running
@@ -140,13 +185,21 @@ class Generator:
 
     async def pause(self) -> None:
         """Stop forming batches (after the running one finishes); used while an update must not overlap generation."""
+        if not self._paused:
+            self._paused_at = asyncio.get_running_loop().time()
         self._paused = True
         self._unpaused.clear()
         await self._idle.wait()
 
     def resume(self) -> None:
+        if self._paused:
+            self.paused_s += asyncio.get_running_loop().time() - self._paused_at
         self._paused = False
         self._unpaused.set()
+
+    def paused_until_now(self, now: float) -> float:
+        """``paused_s`` with a pause in progress counted up to loop time ``now``."""
+        return self.paused_s + (now - self._paused_at if self._paused else 0.0)
 
     # ---------------------------------------------------------------- the server
 
@@ -228,6 +281,8 @@ class Generator:
                 spent = float(self._virtual_cost(rows))
                 await asyncio.sleep(spent)
             self.busy_s += spent
+            if self.batch_sizes:  # the first call pays the policy's lazy set-up: not its cost
+                self.costs.add(rows, spent)
             self.batch_s_ewma = 0.8 * self.batch_s_ewma + 0.2 * spent
         finally:
             self._idle.set()

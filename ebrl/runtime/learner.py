@@ -237,6 +237,7 @@ class Learner:
         self.version = 0
         self.metrics = metrics if metrics is not None else MetricsLog()  # receives one row per update
         self.busy_s = 0.0  # time in updates: loop time (virtual seconds under virtual time)
+        self._update_t0: float | None = None  # loop time the update in progress started
         self.untrained_in_hand = 0  # taken for an update that has not finished
         self.state = state  # state.stopping: finish the update in flight, take no more
         self.t0 = 0.0  # loop time at the run's start; history times are relative to it
@@ -248,6 +249,11 @@ class Learner:
         self.dp = dp  # one rank of a data-parallel job (ebrl.distributed), or None
         self.job: dict[str, Any] = {}  # the job's counters at the latest update's header (data-parallel)
         self._last = (0.0, 0, 0, 0)  # loop time, env steps, generated rows, generation batches at the last row
+
+    def busy_until_now(self, now: float) -> float:
+        """``busy_s`` with the update in progress counted up to loop time ``now``: an update
+        longer than a profile window shows in every window it spans, not only in the last."""
+        return self.busy_s + (now - self._update_t0 if self._update_t0 is not None else 0.0)
 
     @property
     def history(self) -> list[dict[str, Any]]:
@@ -358,6 +364,7 @@ class Learner:
         n = self.rollout.steps_in(slots)
         self.untrained_in_hand = n
         t0, lt0 = time.perf_counter(), loop.time()
+        self._update_t0 = lt0
         virtual = is_virtual(loop)
         rollout, version = self.rollout, self.version
         threads = self.threads
@@ -382,6 +389,7 @@ class Learner:
             raise
         finally:
             rollout.release(slots)
+            self._update_t0 = None
         lt1 = loop.time()
         # under virtual time only the loop clock means anything (the update's cost is slept in it)
         spent = lt1 - lt0 if virtual else time.perf_counter() - t0

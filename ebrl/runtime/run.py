@@ -180,6 +180,7 @@ async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop
         progress(stats, learner)
     stats.gen_batches = generator.batch_sizes
     stats.gen_wait_max_s = generator.max_request_wait_s
+    stats.gen_costs = generator.costs.to_dict()
     t_end = loop.time()
     result = summarize(stats, schedule=cfg.schedule.value, wall_s=t_end - t0,
                        in_flight=rollout.pending_steps() + learner.untrained_in_hand,

@@ -26,6 +26,7 @@ class RunStats:
     lag: Counter = field(default_factory=Counter)  # policy lag -> trained transitions
     gen_batches: Counter = field(default_factory=Counter)  # batch size -> count
     gen_wait_max_s: float = 0.0  # longest a request waited for its batch to start
+    gen_costs: dict = field(default_factory=dict)  # BatchCosts.to_dict(): seconds per call against batch size
     episodes: int = 0
     returns: deque = field(default_factory=lambda: deque(maxlen=100))
     lengths: deque = field(default_factory=lambda: deque(maxlen=100))
@@ -120,6 +121,9 @@ class RunResult:
     publications: int = 0
     publish_bytes: float = math.nan
     publish_s: float = math.nan
+    # the generator's cost curve: mean microseconds per call by batch size, calls by size, and
+    # the line fixed_us + per_row_us * rows through them (None until two sizes were timed)
+    gen_costs: dict[str, Any] = field(default_factory=dict)
 
     def accounting_ok(self) -> bool:
         return self.env_steps == self.trained + sum(self.dropped.values()) + self.in_flight_at_stop
@@ -152,6 +156,7 @@ def summarize(stats: RunStats, *, schedule: str, wall_s: float, in_flight: int, 
         gen_batch_hist=dict(sorted(stats.gen_batches.items())),
         gen_batch_mean=sum(k * v for k, v in stats.gen_batches.items()) / gen_n if gen_n else 0.0,
         gen_wait_max_s=stats.gen_wait_max_s,
+        gen_costs=stats.gen_costs,
         episodes=stats.episodes,
         mean_return=stats.mean_return,
         success_once=_mean(stats.success_once),

@@ -37,6 +37,19 @@ def _fmt(x: float) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:,.1f}"
 
 
+def _batches(result: RunResult) -> str:
+    """The batch-size histogram, mean first, and the measured cost curve where there is one."""
+    hist = result.gen_batch_hist
+    shown = dict(sorted(hist.items(), key=lambda kv: -kv[1])[:6])  # the commonest sizes
+    text = f"mean {result.gen_batch_mean:.1f}; " + ", ".join(f"{k}: {v:,}" for k, v in sorted(shown.items()))
+    if len(hist) > len(shown):
+        text += f", {len(hist) - len(shown)} more sizes"
+    costs = result.gen_costs or {}
+    if costs.get("fixed_us") is not None:
+        text += f"\na call: {costs['fixed_us'] / 1e3:.2f} ms + {costs['per_row_us'] / 1e3:.3f} ms a row"
+    return text
+
+
 def summary_table(result: RunResult, title: str = "EBRL run") -> Table:
     first = next((h["mean_return"] for h in result.history if not math.isnan(h["mean_return"])), math.nan)
     rows = [
@@ -49,7 +62,7 @@ def summary_table(result: RunResult, title: str = "EBRL run") -> Table:
         ("mean return: first updates -> end", f"{_fmt(first)} -> {_fmt(result.mean_return)}"),
         ("episodes", f"{result.episodes:,}"),
         ("policy lag (mean / max)", f"{result.lag_mean:.2f} / {result.lag_max}"),
-        ("generation batch (mean)", f"{result.gen_batch_mean:.1f}"),
+        ("generation batches (rows: calls)", _batches(result)),
         ("busy: generator / learner", f"{result.generator_busy_s:,.1f} s / {result.learner_busy_s:,.1f} s"),
         ("trained / dropped / in flight", f"{result.trained:,} / {sum(result.dropped.values()):,} / "
                                           f"{result.in_flight_at_stop:,}"),

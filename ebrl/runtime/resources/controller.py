@@ -140,12 +140,12 @@ def decide(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) 
     knob is left alone for ``FROZEN_EPOCHS``. The rules' models (balanced workers, fuller
     batches) are guesses about this machine; the throughput is the measurement.
     """
-    out = [d for d in (_judge(profile, knob, memory) for knob in list(memory.trials)) if d is not None]
-    if profile.total_steps < MIN_STEPS_PER_UNIT * limits.num_units:
-        return out
+    stalled = profile.total_steps < MIN_STEPS_PER_UNIT * limits.num_units
+    # a window that barely ran (an update held every env) says nothing about a change's rate: judge a later one
+    out = [] if stalled else [d for d in (_judge(profile, knob, memory) for knob in list(memory.trials)) if d is not None]
     reverted = {d.knob for d in out}
     views = _views(profile, knobs, limits)
-    for rule in RULES:
+    for rule in STALL_RULES if stalled else RULES:
         p, k, lim, remap = views.get(rule, (profile, knobs, limits, None))
         d = None if p is None else rule(p, k, lim, memory)
         if d is None or d.knob in reverted:
@@ -360,8 +360,33 @@ def offload_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Me
 LOOP_FULL_ABOVE = 0.85  # the event loop busy over this share of the window is the bottleneck
 
 
+GEN_BUSY_GOAL = 0.5  # the smallest batch target that serves the rows' rate with the generator busy at most this
+
+
+def rows_needed(fit: tuple[float, float], rate: float, n: int) -> int:
+    """The smallest batch with which policy calls costing ``fixed + per_row * rows`` seconds
+    serve ``rate`` rows/s with the generator busy at most ``GEN_BUSY_GOAL``; ``n`` when none does.
+
+        >>> rows_needed((0.040, 0.001), rate=40.0, n=16)   # a VLA: 40 ms a call, 1 ms a row
+        4
+        >>> rows_needed((80e-6, 1e-6), rate=5000.0, n=16)  # a small MLP: batching saves little
+        1
+    """
+    fixed, per_row = fit
+    room = GEN_BUSY_GOAL - rate * per_row
+    if room <= 0:
+        return n
+    return max(1, min(n, math.ceil(rate * fixed / room)))
+
+
 def batch_target_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> Decision | None:
     """The rows that start a batch at once (without waiting for the adaptive wait to run out).
+
+    Once calls of two batch sizes have been timed, the generator's cost curve (``fixed +
+    per_row * rows`` seconds a call, :class:`~ebrl.runtime.generation.BatchCosts`) gives the
+    smallest batch that serves the window's rows/s with the generator busy at most
+    ``GEN_BUSY_GOAL`` (:func:`rows_needed`): the target is raised to it when below, and never
+    halved under it. A VLA's call is mostly its fixed cost, so its batches must stay full.
 
     Halved when the policy runs in the generator thread, rows wait for their batch to start
     over half a batch's latency, and both that thread (busy under half the time) and the cores
@@ -385,12 +410,23 @@ def batch_target_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memor
     mean = profile.gen_rows / profile.gen_batches
     wait, latency = profile.gen_request_wait_s, profile.gen_latency_s
     idle = 100.0 - profile.system.get("cpu_util_mean", 100.0)
+    need, curve = 1, ""
+    if profile.gen_fit is not None:
+        rate = profile.gen_rows / profile.window_s
+        need = rows_needed(profile.gen_fit, rate, n)
+        fixed, per_row = profile.gen_fit
+        curve = (f"a policy call costs {fixed * 1e3:.2f} ms + {per_row * 1e3:.3f} ms a row: at {rate:.0f} rows/s "
+                 f"batches of {need} keep the generator busy under {GEN_BUSY_GOAL:.0%}")
+        if target < need:
+            return Decision(profile.epoch, "batch_target", target, need, curve)
     if not inline and caller < 0.5 and idle > 25.0 and wait > 0.5 * latency and target > 1:
-        new = max(1, target // 2)
-        return Decision(profile.epoch, "batch_target", target, new,
-                        f"rows waited {wait * 1e6:.0f} us on average for their batch to start (a batch takes "
-                        f"{latency * 1e6:.0f} us) while the generator thread was busy {caller:.0%} of the time and "
-                        f"the cores idled {idle:.0f}%: a batch starts once {new} rows wait")
+        new = max(1, target // 2, need)
+        if new < target:
+            return Decision(profile.epoch, "batch_target", target, new,
+                            f"rows waited {wait * 1e6:.0f} us on average for their batch to start (a batch takes "
+                            f"{latency * 1e6:.0f} us) while the generator thread was busy {caller:.0%} of the time "
+                            f"and the cores idled {idle:.0f}%: a batch starts once {new} rows wait"
+                            + (f" ({curve})" if curve else ""))
     if caller > (LOOP_FULL_ABOVE if inline else 0.8) and target < n and mean <= 1.5 * target:
         new = min(n, target * 2)
         return Decision(profile.epoch, "batch_target", target, new,
@@ -523,17 +559,18 @@ def sm_split_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: M
 
 def threads_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> Decision | None:
     """One more torch thread for the learner process when training holds envs back (they park
-    on a full queue) while cores idle."""
+    on a full queue, or wait on a generator paused for the update) while cores idle. It runs
+    on windows with few env steps too: an update longer than the window is such a window."""
     n = knobs.learner_threads
     if n is None or "learner_threads" in limits.fixed or _settling("learner_threads", profile, memory):
         return None
     busy = profile.learner_busy_s / profile.window_s
-    held = profile.wait_s("backpressure") / (profile.window_s * max(profile.steps.size, 1))
+    held = profile.held_by_training
     idle = 100.0 - profile.system.get("cpu_util_mean", 100.0)
     if busy > 0.7 and held > 0.1 and idle > 25.0 and n < limits.cpus:
         return Decision(profile.epoch, "learner_threads", n, n + 1,
-                        f"the learner was busy {busy:.0%} of the window and envs waited {held:.0%} of their time "
-                        f"for queue space while the cores idled {idle:.0f}%")
+                        f"the learner was busy {busy:.0%} of the window and held the envs back {held:.0%} of it "
+                        f"while the cores idled {idle:.0f}%")
     return None
 
 
@@ -551,6 +588,7 @@ def affinity_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: M
 
 RULES = (lanes_rule, backend_rule, workers_rule, placement_rule, offload_rule, generation_rule, batch_target_rule, sm_split_rule,
          threads_rule, affinity_rule)
+STALL_RULES = (threads_rule,)  # the rules that judge a window in which few env steps ran
 
 
 def apply(knobs: Knobs, decisions: list[Decision]) -> Knobs:

@@ -77,6 +77,8 @@ class EpochProfile:
     live_envs: int = 0
     updates: int = 0
     learner_busy_s: float = 0.0
+    gen_fit: tuple[float, float] | None = None  # seconds per policy call = fixed + per_row * rows (BatchCosts)
+    gen_paused_s: float = 0.0  # the generator paused while the learner trained (lockstep schedules, lag 0)
     placement: np.ndarray | None = None  # [N] env -> worker (process backend; -1: a mixed pool's lanes)
     workers: int = 0  # worker processes (process or mixed backend)
     system: dict[str, float] = field(default_factory=dict)  # SystemSampler keys: cores, GPUs
@@ -94,6 +96,13 @@ class EpochProfile:
         """CPU over wall time of the window's steps: ~0 for steps that wait, ~1 for GIL-bound ones."""
         wall = float(self.wall_s.sum())
         return min(1.0, float(self.cpu_s.sum()) / wall) if wall > 0 else 1.0
+
+    @property
+    def held_by_training(self) -> float:
+        """The share of the window the envs were held back by training: parked on a full queue
+        (``backpressure``), or waiting on a generator paused for an update (lockstep schedules)."""
+        parked = float(self.waits.get("backpressure", np.zeros(1)).sum()) / (self.window_s * max(self.steps.size, 1))
+        return min(1.0, max(parked, self.gen_paused_s / self.window_s))
 
     @property
     def sim_s(self) -> float:
@@ -171,8 +180,11 @@ class EpochProfile:
                            "capped_batches": self.gen_capped,
                            # rows waiting for a batch, on average (Little's law)
                            "queue_rows": round(self.gen_wait_s / self.window_s, 2),
-                           "batch_target": self.batch_target, "max_wait_s": self.max_wait_s},
+                           "batch_target": self.batch_target, "max_wait_s": self.max_wait_s,
+                           "fixed_us": None if self.gen_fit is None else round(self.gen_fit[0] * 1e6, 1),
+                           "per_row_us": None if self.gen_fit is None else round(self.gen_fit[1] * 1e6, 2)},
             "learner": {"updates": self.updates, "busy": round(self.learner_busy_s / self.window_s, 3),
+                        "held_envs": round(self.held_by_training, 3),
                         "idle": round(max(0.0, 1.0 - self.learner_busy_s / self.window_s), 3),
                         "update_s": round(self.learner_busy_s / self.updates, 4) if self.updates else 0.0},
             "system": {k: round(v, 1) for k, v in self.system.items()},
@@ -209,13 +221,15 @@ class LiveProfiler:
         if costs is None:
             costs = np.zeros((n, 4))
         batches = g.batch_sizes
+        now = self.clock()
         return {
-            "t": self.clock(), "costs": costs, "loop_cpu": time.thread_time(),  # taken on the loop thread
+            "t": now, "costs": costs, "loop_cpu": time.thread_time(),  # taken on the loop thread
             "sim": d.wait_sim.copy(), "action": d.wait_action.copy(), "barrier": d.wait_barrier.copy(),
-            "backpressure": d.wait_blocked.copy(),
+            "backpressure": d.blocked_until_now(),
             "gen_batches": sum(batches.values()), "gen_rows": sum(k * v for k, v in batches.items()),
             "gen_busy": g.busy_s, "gen_cpu": g.cpu_s, "gen_wait": g.request_wait_s, "gen_capped": g.capped_batches,
-            "updates": self.stats.updates, "learner_busy": self.learner.busy_s,
+            "updates": self.stats.updates, "learner_busy": self.learner.busy_until_now(now),
+            "gen_paused": g.paused_until_now(now),
         }
 
     @property
@@ -253,7 +267,8 @@ class LiveProfiler:
             gen_capped=now["gen_capped"] - last["gen_capped"],
             batch_target=self.generator.batch_target, max_wait_s=self.generator.max_wait_s,
             live_envs=self.generator.live, updates=now["updates"] - last["updates"],
-            learner_busy_s=now["learner_busy"] - last["learner_busy"],
+            learner_busy_s=max(0.0, now["learner_busy"] - last["learner_busy"]),
+            gen_paused_s=now["gen_paused"] - last["gen_paused"], gen_fit=self.generator.costs.fit(),
             placement=None if placement is None else np.asarray(placement),
             system=self.system.sample() if self.system is not None else {},
             # under virtual time (no system sampler) CPU time says nothing about the simulated run
