@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e '.[dev,embodied,ray,vla]'
+	$(PY) -m pip install -q -e '.[dev,embodied,ray,vla,demos,wandb]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -47,6 +47,7 @@ DEMO: dict[str, Any] = {
     "dppo": {},
     "vtrace": {},
     "grpo": {},
+    "sft": {},  # ebrl sft's hyperparameters (ebrl.sft.SFTConfig)
     "run": {"num_envs": 64, "segment_len": 32, "total_env_steps": 1_000_000, "log_every_s": 1.0},
 }
 
@@ -168,16 +169,41 @@ def build_trainer(spec: dict[str, Any]):
         raise ConfigError("env", name, str(exc)) from None
     except TypeError as exc:  # a keyword the env does not take
         raise ConfigError("env_kwargs", env_kwargs, str(exc)) from None
+    options, init = policy_options(spec["policy"])
     try:
         facts = EnvFacts.of(probe)
-        policy = build_policy(facts.observation_space, facts.action_space, with_env_instructions(spec["policy"], probe))
+        policy = build_policy(facts.observation_space, facts.action_space, with_env_instructions(options, probe))
     finally:
         probe.close()
+    if init is not None:  # an ebrl sft output (or another run): RL starts from its weights
+        from ebrl.runs import load_policy_weights
+
+        try:
+            load_policy_weights(init, policy)
+        except (ValueError, FileNotFoundError) as exc:
+            raise ConfigError("policy.init", init, str(exc)) from None
     algo = build_algo(spec)
     # as ebrl.run() resolves it, here already so that trainer.config says what runs: the
     # algorithm's needs (GRPO: sync, episode cuts, reset groups, segments of the time limit)
     run_cfg = resolve_run_config(run_cfg, algo, facts.max_episode_steps)
     return ebrl.Trainer(env_fn=env_fn, policy=policy, algo=algo, config=run_cfg)
+
+
+def policy_options(options: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """``[policy]`` without ``init``, and ``init``: the directory of an ``ebrl sft`` output or a run
+    whose weights RL starts from. Its ``[policy]`` table is the default under the one given (the
+    same kind, sizes and backbone path, unless set here)."""
+    options = dict(options)
+    init = options.pop("init", None)
+    if init is None:
+        return options, None
+    from ebrl.runs import read_spec
+
+    try:
+        saved = read_spec(init).get("policy", {})
+    except FileNotFoundError as exc:
+        raise ConfigError("policy.init", init, str(exc)) from None
+    return {**{k: v for k, v in saved.items() if k != "init"}, **options}, str(init)
 
 
 def with_env_instructions(options: dict[str, Any], env) -> dict[str, Any]:
@@ -423,6 +449,9 @@ def main(argv: list[str] | None = None) -> int:
     plot.add_argument("--out", help="PNG path (default: DIR/curve.png for a directory, else next to the file)")
     plot.add_argument("--title")
     plot.set_defaults(fn=cmd_plot)
+    from ebrl.cli_demos import add_parsers
+
+    add_parsers(sub)  # demos collect, sft, eval
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what a launcher passes on to its ranks
     try:

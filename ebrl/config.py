@@ -244,6 +244,14 @@ class RunConfig:
     log_dir: str | None = None
     checkpoint_every_s: float | None = None  # write log_dir/checkpoint.pt after an update, at most this often
     log_every_s: float = 5.0
+    # mirror every TensorBoard scalar to Weights & Biases (the wandb extra; needs log_dir): online
+    # where wandb has credentials (WANDB_API_KEY, `wandb login`), else offline; WANDB_MODE wins
+    wandb: bool = False
+    wandb_project: str = "ebrl"
+    # evaluate the latest published weights this often (seconds) on an env of its own, without
+    # pausing rollout (ebrl.runtime.evaluator); None: never
+    eval_every_s: float | None = None
+    eval_episodes: int = 10
     sim: SimConfig = field(default_factory=SimConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
@@ -282,6 +290,18 @@ class RunConfig:
         _check_int("torch_threads", self.torch_threads, 1, optional=True)
         self.learner = _coerce_enum("learner", self.learner, LearnerMode)
         _check_float("log_every_s", self.log_every_s, 0.0, strict=True)
+        if not isinstance(self.wandb, bool):
+            raise ConfigError("wandb", self.wandb, "must be true or false")
+        if self.wandb and self.log_dir is None:
+            raise ConfigError("wandb", self.wandb, "needs log_dir: the wandb run's files go there")
+        if not isinstance(self.wandb_project, str) or not self.wandb_project:
+            raise ConfigError("wandb_project", self.wandb_project, "must be a non-empty string")
+        if self.eval_every_s is not None:
+            _check_float("eval_every_s", self.eval_every_s, 0.0, strict=True)
+            if self.sim.vector_size > 1:
+                raise ConfigError("eval_every_s", self.eval_every_s, "needs sim.vector_size=1 (it evaluates "
+                                  "in one env of its own)")
+        _check_int("eval_episodes", self.eval_episodes, 1)
         if self.checkpoint_every_s is not None:
             _check_float("checkpoint_every_s", self.checkpoint_every_s, 0.0)
             if self.log_dir is None:

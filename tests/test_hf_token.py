@@ -369,6 +369,12 @@ def test_grpo_trains_it_without_a_value_head(llama_dir):
     batch.group = torch.tensor([7, 7])
     batch.rewards[0], batch.rewards[1] = 1.0, 0.0
     before = {k: v.clone() for k, v in policy.trainable_state_dict().items()}
-    metrics = GRPO(kl_coef=0.05, minibatch_size=4, lr=1e-2).update(policy, batch)
+    algo = GRPO(kl_coef=0.05, minibatch_size=4, lr=1e-2)
+    metrics = algo.update(policy, batch)
     assert metrics["segments_used"] == 2.0 and np.isfinite(metrics["kl_ref"])
+    # the KL reference shares the frozen backbone (no second copy of it), and saves only what trains
+    frozen = [n for n, p in policy.named_parameters() if not p.requires_grad]
+    ref = dict(algo.reference.named_parameters())
+    assert frozen and all(ref[n] is dict(policy.named_parameters())[n] for n in frozen)
+    assert set(algo.state_dict()["reference"]) == set(policy.trainable_state_dict())
     assert any(not torch.equal(v, before[k]) for k, v in policy.trainable_state_dict().items() if "lora_B" in k)

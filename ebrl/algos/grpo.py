@@ -58,7 +58,6 @@ Example::
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from collections.abc import Callable
@@ -73,6 +72,7 @@ from ebrl.algos.batch import Batch
 from ebrl.algos.needs import RunNeeds
 from ebrl.algos.ppo import Checks, MinibatchAlgo, _index
 from ebrl.config import Schedule, SegmentCut
+from ebrl.policies.base import acting_copy, load_published
 from ebrl.spaces import tree_map
 
 LossFn = Callable[[nn.Module, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor | float]]]
@@ -213,7 +213,11 @@ class GRPO(MinibatchAlgo):
         """Optimiser state, the minibatch RNG, and the reference weights when taken here."""
         ref = None
         if self._own_reference and self.reference is not None:
-            ref = {k: v.detach().cpu().clone() for k, v in self.reference.state_dict().items()}
+            state = self.reference.state_dict()
+            named = getattr(self._policy, "trainable_state_dict", None)
+            if callable(named):  # the frozen base is the policy's own (shared): only what trains differs
+                state = {k: state[k] for k in named()}
+            ref = {k: v.detach().cpu().clone() for k, v in state.items()}
         elif self._pending_reference is not None:
             ref = self._pending_reference
         return {"optimizer": self.optimizer.state_dict() if self.optimizer is not None else self._pending_optimizer_state,
@@ -265,9 +269,10 @@ class GRPO(MinibatchAlgo):
     def _take_reference(self, policy: nn.Module) -> None:
         if self.config.kl_coef == 0 or self.reference is not None:
             return
-        ref = copy.deepcopy(policy)
+        # a copy sharing the policy's frozen parameters (a LoRA-tuned backbone is not copied)
+        ref = acting_copy(policy)
         if self._pending_reference is not None:  # restored from a checkpoint
-            ref.load_state_dict(self._pending_reference)
+            load_published(ref, self._pending_reference)
             self._pending_reference = None
         self.reference = _freeze(ref)
         self._own_reference = True

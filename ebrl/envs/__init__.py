@@ -101,6 +101,8 @@ def _make(name: str, *, pixels: int | tuple[int, int] | None = None, frame_stack
 
         domain, _, dm_task = task.partition("-")
         return DMCEnv(domain, dm_task, pixels=pixels, **({"camera": camera} if camera is not None else {}), **kwargs)
+    if kwargs.get("render_mode") in ("rgb_array", "depth_array"):
+        ensure_gl()  # a MuJoCo env rendering offscreen (ebrl eval --video): EGL before mujoco's first use
     if pixels is None:
         if mujoco_pixel_options or camera is not None:
             raise ValueError("frame_stack=, camera=, keep_state= and fast_render= apply to pixel envs: "

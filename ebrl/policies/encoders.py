@@ -480,6 +480,9 @@ class ReadsObservations:
     """
 
     obs_encoder: ObsEncoder
+    # True: act() returns the mode (a Gaussian's mean, the likeliest token, a flow from zero
+    # noise) instead of a sample: ebrl eval --deterministic, demonstrations from a policy
+    deterministic: bool = False
     # old name -> new name; a name ending in "." renames every key under it
     LEGACY_KEYS: dict[str, str] = {"obs_mean": "obs_encoder.obs_mean", "obs_var": "obs_encoder.obs_var",
                                    "obs_count": "obs_encoder.obs_count"}

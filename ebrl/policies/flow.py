@@ -284,12 +284,15 @@ class FlowPolicy(ChunkSpace, ReadsObservations, Pretrained, nn.Module):
         feat = self._features(obs)
         b, gen = feat.shape[0], self._generator(feat.device)
         x = torch.randn((b, self.chunk_dim), generator=gen, device=feat.device, dtype=feat.dtype)
+        if self.deterministic:  # the mode: from zero noise, no noise on the way
+            x = torch.zeros_like(x)
         logp = (-0.5 * x.square() - LOG_SQRT_2PI).sum(-1)
         chain = [x]
         for k in range(self.denoise_steps):
             tau = torch.full((b,), k / self.denoise_steps, device=feat.device, dtype=feat.dtype)
             mean, sigma = self._mean_sigma(x, tau, feat)
             eps = torch.randn(mean.shape, generator=gen, device=feat.device, dtype=feat.dtype)
+            eps = eps * (not self.deterministic)
             x = mean + sigma * eps
             logp = logp + _gauss_logp(x, mean, sigma)  # as evaluate() computes it, not from eps
             chain.append(x)

@@ -29,11 +29,13 @@ class ActorCriticHeads:
         out = self.actor(x)
         if self.discrete:
             logp_all = torch.log_softmax(out, -1)
-            a = torch.multinomial(logp_all.exp(), 1, generator=self._gen)
+            a = (logp_all.argmax(-1, keepdim=True) if self.deterministic
+                 else torch.multinomial(logp_all.exp(), 1, generator=self._gen))
             logp = logp_all.gather(-1, a).squeeze(-1)
             actions = env_actions = a.squeeze(-1).cpu().numpy()  # nothing to clip
         else:
-            noise = torch.randn(out.shape, generator=self._gen, device=x.device, dtype=out.dtype)
+            noise = (torch.zeros_like(out) if self.deterministic  # the mean
+                     else torch.randn(out.shape, generator=self._gen, device=x.device, dtype=out.dtype))
             # log N(a; mu, sigma) with (a - mu) / sigma == noise exactly
             logp = (-0.5 * noise.square() - self.log_std - LOG_SQRT_2PI).sum(-1)
             actions = env_actions = (out + noise * self.log_std.exp()).cpu().numpy()

@@ -261,12 +261,15 @@ class HFFlowPolicy(ChunkSpace, HFBackbonePolicy):
         memory, padding, last = self._read_prefix(obs)
         b, device, gen = memory.shape[0], memory.device, self._generator(memory.device)
         x = torch.randn((b, self.chunk_dim), generator=gen, device=device, dtype=memory.dtype)
+        if self.deterministic:  # the mode: from zero noise, no noise on the way
+            x = torch.zeros_like(x)
         logp = (-0.5 * x.square() - LOG_SQRT_2PI).sum(-1)
         chain = [x]
         for k in range(self.denoise_steps):
             tau = torch.full((b, 1), k / self.denoise_steps, device=device)
             mean, sigma = (t[:, 0] for t in self._mean_sigma(x[:, None], tau, memory, padding))
-            x = mean + sigma * torch.randn(mean.shape, generator=gen, device=device, dtype=mean.dtype)
+            x = mean + sigma * torch.randn(mean.shape, generator=gen, device=device, dtype=mean.dtype) * (
+                not self.deterministic)
             logp = logp + _gauss_logp(x, mean, sigma)  # as evaluate() computes it, not from eps
             chain.append(x)
         actions = torch.stack(chain, 1).cpu().numpy()

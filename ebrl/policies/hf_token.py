@@ -275,7 +275,8 @@ class HFTokenPolicy(HFBackbonePolicy):
             logits = self.bin_logits(h)
             all_logits.append(logits)
             if forced is None:
-                token = torch.multinomial(logits.softmax(-1), 1, generator=gen).squeeze(-1)
+                token = (logits.argmax(-1) if self.deterministic
+                         else torch.multinomial(logits.softmax(-1), 1, generator=gen).squeeze(-1))
             else:
                 token = forced[:, j]
             chosen.append(token)

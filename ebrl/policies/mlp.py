@@ -222,12 +222,16 @@ class MLPPolicy(ReadsObservations, ActorCriticHeads, nn.Module):
             z = out - out.max(1, keepdims=True)
             logp_all = z - np.log(np.exp(z).sum(1, keepdims=True))
             cdf = np.cumsum(np.exp(logp_all), 1)
-            u = self._np_rng.random((len(x), 1), dtype=np.float32) * cdf[:, -1:]
-            actions = np.minimum((u > cdf).sum(1), self.act_dim - 1).astype(np.int64)
+            if self.deterministic:
+                actions = logp_all.argmax(1).astype(np.int64)
+            else:
+                u = self._np_rng.random((len(x), 1), dtype=np.float32) * cdf[:, -1:]
+                actions = np.minimum((u > cdf).sum(1), self.act_dim - 1).astype(np.int64)
             logp = np.take_along_axis(logp_all, actions[:, None], 1)[:, 0]
             env_actions = actions
         else:
-            noise = self._np_rng.standard_normal(out.shape, dtype=np.float32)
+            noise = (np.zeros(out.shape, np.float32) if self.deterministic
+                     else self._np_rng.standard_normal(out.shape, dtype=np.float32))
             actions = out + noise * np.exp(log_std)
             logp = (-0.5 * noise * noise - log_std - LOG_SQRT_2PI).sum(1, dtype=np.float32)
             env_actions = actions

@@ -407,7 +407,8 @@ class TokenPolicy(ReadsObservations, Pretrained, nn.Module):
             logits = self.bin_logits(h)
             all_logits.append(logits)
             if forced is None:
-                token = torch.multinomial(logits.softmax(-1), 1, generator=self._gen).squeeze(-1)
+                token = (logits.argmax(-1) if self.deterministic
+                         else torch.multinomial(logits.softmax(-1), 1, generator=self._gen).squeeze(-1))
             else:
                 token = forced[:, j]
             chosen.append(token)

@@ -250,6 +250,10 @@ class Learner:
         self.job: dict[str, Any] = {}  # the job's counters at the latest update's header (data-parallel)
         self._last = (0.0, 0, 0, 0)  # loop time, env steps, generated rows, generation batches at the last row
 
+    def published(self) -> dict:
+        """The latest published weights (what the generator acts with; only what trains under LoRA)."""
+        return self._published
+
     def busy_until_now(self, now: float) -> float:
         """``busy_s`` with the update in progress counted up to loop time ``now``: an update
         longer than a profile window shows in every window it spans, not only in the last."""

@@ -126,7 +126,8 @@ async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop
         checkpoint = Checkpointing(Path(cfg.log_dir) / "checkpoint.pt", _or(cfg.checkpoint_every_s, math.inf),
                                    type(trainer.policy).__name__, trainer.env_steps_done)
     # log_dir None: rows stay in memory (RunResult.history), nothing is written
-    metrics = MetricsLog(cfg.log_dir)
+    metrics = MetricsLog(cfg.log_dir, wandb={"project": cfg.wandb_project, "config": cfg.to_dict()}
+                         if cfg.wandb else None)
     learner = Learner(trainer.policy, trainer.algo, rollout, generator, stats, state,
                       pause_generation=lockstep or lag == 0, timeline=timeline, checkpoint=checkpoint,
                       metrics=metrics, streams=streams, nonfinite=cfg.faults.nonfinite, dp=dp)
@@ -157,6 +158,12 @@ async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop
                        tg.create_task(manager.run(), name="ebrl-resources")]
             if progress is not None:
                 helpers.append(tg.create_task(_report(progress, stats, learner, cfg.log_every_s)))
+            if cfg.eval_every_s is not None and not virtual:
+                from ebrl.runtime.evaluator import evaluate_periodically
+
+                helpers.append(tg.create_task(evaluate_periodically(
+                    trainer, learner, stats, metrics, every_s=cfg.eval_every_s, episodes=cfg.eval_episodes,
+                    log_dir=cfg.log_dir), name="ebrl-eval"))
             if stop is not None:
                 helpers.append(tg.create_task(_watch_stop(stop, state, rollout)))
             learn = tg.create_task(learner.run(), name="ebrl-learner")

@@ -5,6 +5,9 @@ The learner hands every row to one :class:`MetricsLog`. Under ``RunConfig.log_di
 writes, per update, one JSON line (flushed at once, so ``tail -f`` works) and one
 ``add_scalar`` per number, with env steps as TensorBoard's ``global_step``; at the end
 ``result.json``. Without a log directory it writes nothing and creates no SummaryWriter.
+Evaluations during training (:meth:`MetricsLog.record_eval`) go to ``eval.jsonl`` and
+``eval/*``. With ``wandb`` (``run.wandb=true``) every scalar is mirrored to a Weights & Biases
+run in ``log_dir/wandb/`` under the same tag, against ``env_steps``.
 
     >>> import json, tempfile
     >>> from pathlib import Path
@@ -33,6 +36,7 @@ if TYPE_CHECKING:
     from ebrl.telemetry.system import SystemSampler
 
 HISTORY = "history.jsonl"
+EVAL = "eval.jsonl"
 RESULT = "result.json"
 
 # TensorBoard tags of the runtime's own row keys, grouped as CleanRL does; whatever else the
@@ -74,13 +78,16 @@ class MetricsLog:
     """
 
     def __init__(self, log_dir: str | Path | None = None, system: "SystemSampler | None" = None,
-                 *, flush_secs: float = 5.0):
+                 *, flush_secs: float = 5.0, wandb: dict[str, Any] | None = None):
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.system = system
         self.rows: list[dict[str, Any]] = []
+        self.eval_rows: list[dict[str, Any]] = []
         self.flush_secs = flush_secs  # how stale TensorBoard may be; the JSON lines are never stale
         self._jsonl: IO[str] | None = None
         self._tb = None  # torch.utils.tensorboard.SummaryWriter
+        self.wandb_options = wandb  # {"project": ..., "config": ...}: mirror to W&B; None: don't
+        self._wandb = None  # the wandb run
 
     def open(self) -> None:
         if self.log_dir is None or self._jsonl is not None:
@@ -96,6 +103,12 @@ class MetricsLog:
             self._jsonl.close()
             self._jsonl = None
             raise
+        if self.wandb_options is not None:
+            try:
+                self._wandb = start_wandb(self.log_dir, **self.wandb_options)
+            except BaseException:
+                self.close()
+                raise
 
     def record(self, row: dict[str, Any]) -> None:
         """Keep ``row`` (with the system sample added) and write it out when a log directory is open."""
@@ -106,12 +119,27 @@ class MetricsLog:
             # strict JSON for other tools: NaN and inf (no episode finished yet, ...) become null
             self._jsonl.write(json.dumps(_strict(row), allow_nan=False) + "\n")
             self._jsonl.flush()  # one line, whole, per update: readers never wait for the run's end
+        step = int(row.get("env_steps", len(self.rows)))
+        self.record_scalars({tag(key, system=key in system): float(value) for key, value in row.items()
+                             if key not in AXES and _is_number(value)}, step)
+
+    def record_scalars(self, scalars: dict[str, float], step: int) -> None:
+        """Scalars by their full tag (``sft/train_loss``), at ``step``: TensorBoard, and W&B when mirrored."""
         if self._tb is not None:
-            step = int(row.get("env_steps", len(self.rows)))
-            for key, value in row.items():
-                if key in AXES or not _is_number(value):
-                    continue
-                self._tb.add_scalar(tag(key, system=key in system), float(value), global_step=step)
+            for key, value in scalars.items():
+                if _is_number(value):
+                    self._tb.add_scalar(key, float(value), global_step=step)
+        if self._wandb is not None:
+            self._wandb.log({**{k: float(v) for k, v in scalars.items() if _is_number(v)}, "env_steps": step})
+
+    def record_eval(self, row: dict[str, Any], video: str | None = None) -> None:
+        """One evaluation during training (``row["env_steps"]``: where the weights were): a line of
+        ``eval.jsonl`` and ``eval/<key>`` scalars."""
+        self.eval_rows.append({**row, "video": video})
+        if self.log_dir is not None and self._jsonl is not None:
+            with open(self.log_dir / EVAL, "a", encoding="utf-8") as f:
+                f.write(json.dumps(_strict({**row, "video": video}), allow_nan=False) + "\n")
+        self.record_scalars({f"eval/{k}": v for k, v in row.items() if k != "env_steps"}, int(row["env_steps"]))
 
     def write_result(self, result: Any) -> None:
         """``result.json``: the finished run's :class:`~ebrl.runtime.stats.RunResult`."""
@@ -125,14 +153,49 @@ class MetricsLog:
         """Flush and close the files; the SummaryWriter's thread is joined before this returns."""
         tb, self._tb = self._tb, None
         jsonl, self._jsonl = self._jsonl, None
+        run, self._wandb = self._wandb, None
         try:
             if tb is not None:
                 tb.close()  # flushes, stops and joins its writer thread
+            if run is not None:
+                import wandb
+
+                run.finish()
+                wandb.teardown()  # its service process and threads: nothing outlives run()
         finally:
             if jsonl is not None:
                 jsonl.close()
             if self.system is not None:
                 self.system.close()
+
+
+def start_wandb(log_dir: Path, *, project: str, config: dict[str, Any] | None = None):
+    """A wandb run writing under ``log_dir/wandb``: online where wandb has credentials, else offline."""
+    import os
+
+    try:
+        import wandb
+    except ImportError:
+        raise ImportError("run.wandb=true needs wandb: pip install 'ebrl[wandb]'") from None
+    mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_credentials() else "offline")
+    run = wandb.init(project=project, dir=str(log_dir), name=log_dir.name, mode=mode,
+                     config=json.loads(json.dumps(config or {}, default=str)),
+                     settings=wandb.Settings(console="off", x_disable_stats=True, silent=True))
+    run.define_metric("env_steps")
+    run.define_metric("*", step_metric="env_steps")
+    return run
+
+
+def _wandb_credentials() -> bool:
+    import os
+
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    netrc = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
+    try:
+        return "api.wandb.ai" in netrc.read_text()
+    except OSError:
+        return False
 
 
 def _strict(row: dict[str, Any]) -> dict[str, Any]:

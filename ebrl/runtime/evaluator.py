@@ -1,0 +1,67 @@
+"""Evaluation during training (``run.eval_every_s``): the latest published weights, evaluated on
+an env of its own, in a thread, while rollout goes on.
+
+Every ``eval_every_s`` seconds the evaluator loads the weights the generator acts with (the
+last publication) into its own copy of the policy (sharing a frozen backbone) and runs
+``eval_episodes`` episodes with :func:`ebrl.evaluation.evaluate` (fixed evaluation seeds, the
+policy's mode) on env ``num_envs`` (built by the trainer's ``env_fn``, beside the training
+envs). Nothing pauses: the episodes run in a thread of their own, and the run's envs keep
+stepping. The result becomes one row of ``eval.jsonl`` and ``eval/*`` scalars at the env steps
+the weights had reached; with a log directory and an env that renders (or a camera in its
+observation) the first episode is also written to ``eval/steps-<N>.mp4``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import structlog
+
+from ebrl.evaluation import evaluate
+from ebrl.policies.base import acting_copy, load_published
+
+log = structlog.get_logger("ebrl.eval")
+
+
+async def evaluate_periodically(trainer, learner, stats, metrics, *, every_s: float, episodes: int,
+                                log_dir: str | None) -> None:
+    cfg = trainer.config
+    stop = threading.Event()
+    executor = ThreadPoolExecutor(1, thread_name_prefix="ebrl-eval")
+    loop = asyncio.get_running_loop()
+    policy = env = None
+    try:
+        policy = acting_copy(trainer.policy)
+        env = await loop.run_in_executor(executor, trainer.env_fn, cfg.num_envs)
+        while True:
+            await asyncio.sleep(every_s)
+            version, steps = learner.version, stats.simulated
+            load_published(policy, learner.published())
+            video = None
+            if log_dir is not None:
+                video = Path(log_dir) / "eval" / f"steps-{steps}.mp4"
+            deterministic = hasattr(policy, "deterministic")
+
+            def run():
+                try:
+                    return evaluate(policy, env, episodes=episodes, deterministic=deterministic, video=video,
+                                    stop=stop)
+                except ValueError as exc:  # an env with no frames: evaluate without the video
+                    if video is None or "renders no frames" not in str(exc):
+                        raise
+                    return evaluate(policy, env, episodes=episodes, deterministic=deterministic, stop=stop)
+
+            result = await loop.run_in_executor(executor, run)
+            row = {"env_steps": steps, "policy_version": version, "episodes": result.episodes,
+                   "success_once": result.success_once, "success_at_end": result.success_at_end,
+                   "mean_return": result.mean_return, "mean_length": result.mean_length}
+            metrics.record_eval(row, video=result.video)
+            log.info("eval", **row, video=result.video)
+    finally:
+        stop.set()  # an episode in progress ends at its next step
+        if env is not None:
+            executor.submit(env.close)
+        executor.shutdown(wait=True)

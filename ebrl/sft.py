@@ -1,0 +1,236 @@
+"""Supervised fine-tuning (behaviour cloning) of any EBRL policy on demonstrations.
+
+VLA-RL is "SFT, then RL": the policy first imitates demonstrations, and RL starts from there.
+The loss is the one each policy kind's RL already implies:
+
+- action-token kinds (``token``, ``hf-token``): cross-entropy on the demonstration's action
+  tokens (its actions binned by the policy's own tokenizer): the negative log-prob
+  ``evaluate`` gives, which sums the tokens' log-probs;
+- flow kinds (``flow``, ``hf-flow``): the flow-matching loss (``flow_matching_loss``) on chunks
+  of ``K`` consecutive demonstration actions (the episode's last action repeats past its end);
+- Gaussian kinds (``mlp``, ``cnn``): the negative log-likelihood of the actions under the
+  policy's mean, its ``log_std`` kept where it was (a std shrunk to the demonstrations' would
+  leave RL nothing to explore with).
+
+Whole episodes are held out for validation (``val_fraction``); both losses go to TensorBoard
+under ``sft/``. The critic is not trained unless ``value_pass`` fits it to the demonstrations'
+discounted returns afterwards. Observation statistics (where the policy normalises) come from
+the training split first.
+
+    >>> import tempfile
+    >>> from ebrl.demos import collect, read_lerobot
+    >>> from ebrl.sft import SFTConfig, sft
+    >>> from ebrl.testing import InstructedReach
+    >>> from ebrl.policies import MLPPolicy
+    >>> d = tempfile.mkdtemp() + "/demos"
+    >>> _ = collect("mock/reach", d, episodes=4)
+    >>> env = InstructedReach()
+    >>> policy = MLPPolicy.from_spaces(env.observation_space, env.action_space, seed=0)
+    >>> out = sft(policy, read_lerobot(d), env.observation_space, env.action_space, SFTConfig(epochs=3))
+    >>> out["train_loss"][-1] < out["train_loss"][0], len(out["val_loss"])
+    (True, 3)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ebrl.demos.features import ObsFeatures
+from ebrl.demos.lerobot import Demos
+from ebrl.spaces import tree_map
+
+
+@dataclass
+class SFTConfig:
+    lr: float = 3e-4
+    epochs: int = 30  # passes over the training split
+    minibatch_size: int = 256
+    val_fraction: float = 0.1  # of the episodes (at least one when there are two or more)
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    value_pass: bool = False  # fit the value head to the demonstrations' discounted returns afterwards
+    gamma: float = 0.99  # for the value pass's returns
+    value_epochs: int = 10
+
+    def __post_init__(self) -> None:
+        for name, ok in (("lr", self.lr > 0), ("epochs", self.epochs >= 1), ("minibatch_size", self.minibatch_size >= 1),
+                         ("val_fraction", 0 <= self.val_fraction < 1), ("gamma", 0 <= self.gamma <= 1),
+                         ("max_grad_norm", self.max_grad_norm > 0), ("value_epochs", self.value_epochs >= 1)):
+            if not ok:
+                raise ValueError(f"sft {name}={getattr(self, name)!r} is out of range")
+
+
+def demo_actions(demos: Demos, action_shape: tuple[int, ...]) -> np.ndarray:
+    """The demonstration's actions shaped for the policy: as stored, or chunks ``[N, K, A]`` of
+    the next ``K`` actions of each frame's episode (the last repeated) when the policy acts in chunks."""
+    actions = np.asarray(demos.frames["action"], np.float32)
+    stored = actions.shape[1:]
+    if stored == tuple(action_shape):
+        return actions
+    if len(action_shape) == 2 and stored == tuple(action_shape[1:]):
+        k = action_shape[0]
+        out = np.empty((len(actions), *action_shape), np.float32)
+        for lo, hi in demos.episodes:
+            idx = np.minimum(np.arange(lo, hi)[:, None] + np.arange(k)[None, :], hi - 1)
+            out[lo:hi] = actions[idx]
+        return out
+    raise ValueError(f"the dataset's actions are {stored}, the policy acts with {tuple(action_shape)}: "
+                     "make the env as the demonstrations were (env_kwargs, chunk=)")
+
+
+def bc_loss(policy, obs: Any, actions: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """The behaviour-cloning loss of one minibatch (see the module docstring)."""
+    own = getattr(policy, "bc_loss", None)
+    if callable(own):
+        return own(obs, actions)
+    if callable(getattr(policy, "flow_matching_loss", None)):
+        return policy.flow_matching_loss(obs, actions, generator)
+    if callable(getattr(policy, "tokenize", None)):
+        ids = torch.as_tensor(policy.tokenize(actions.cpu().numpy()), device=actions.device)
+        logp, _, _ = policy.evaluate(obs, ids)
+        return -logp.mean()
+    logp, _, _ = policy.evaluate(obs, actions)
+    return -logp.mean()
+
+
+def _split(demos: Demos, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    n = demos.num_episodes
+    held = 0 if n < 2 or fraction == 0 else max(1, int(round(fraction * n)))
+    order = np.random.default_rng(seed).permutation(n).tolist()
+    return sorted(order[held:]), sorted(order[:held])
+
+
+def _returns(demos: Demos, gamma: float) -> np.ndarray:
+    rewards = np.asarray(demos.frames.get("next.reward", np.zeros(len(demos))), np.float64).reshape(-1)
+    out = np.zeros_like(rewards)
+    for lo, hi in demos.episodes:
+        acc = 0.0
+        for t in range(hi - 1, lo - 1, -1):
+            acc = rewards[t] + gamma * acc
+            out[t] = acc
+    return out.astype(np.float32)
+
+
+def sft(policy, demos: Demos, observation_space, action_space, config: SFTConfig | None = None,
+        *, metrics=None, progress=None) -> dict[str, Any]:
+    """Behaviour-clone ``policy`` on ``demos`` in place; returns the losses per epoch.
+
+    ``metrics``: a :class:`~ebrl.telemetry.metrics.MetricsLog` (open) that gets one row per
+    epoch (``sft/train_loss``, ``sft/val_loss``); ``progress(epoch, train, val)`` is called too.
+    """
+    c = config or SFTConfig()
+    if len(demos) == 0:
+        raise ValueError("the dataset has no frames")
+    torch.manual_seed(c.seed)
+    gen = torch.Generator().manual_seed(c.seed)
+    feats = ObsFeatures(observation_space)
+    obs_all = feats.observations(demos.frames)
+    actions_all = demo_actions(demos, tuple(action_space.shape))
+    train_eps, val_eps = _split(demos, c.val_fraction, c.seed)
+    rows_of = demos.episode_of()
+    train_rows = np.flatnonzero(np.isin(rows_of, train_eps))
+    val_rows = np.flatnonzero(np.isin(rows_of, val_eps))
+    device = next(policy.parameters()).device
+
+    def batch(rows: np.ndarray):
+        obs = tree_map(lambda x: torch.as_tensor(x[rows], device=device), obs_all)
+        return obs, torch.as_tensor(actions_all[rows], device=device)
+
+    if callable(getattr(policy, "update_obs_stats", None)):
+        policy.update_obs_stats(batch(train_rows)[0])
+    # log_std stays: RL needs its exploration (a Gaussian's NLL would shrink it to the demonstrations')
+    params = [p for n, p in policy.named_parameters() if p.requires_grad and not n.endswith("log_std")
+              and not n.startswith("critic")]
+    opt = torch.optim.AdamW(params, lr=c.lr, weight_decay=c.weight_decay)
+    history: dict[str, list[float]] = {"train_loss": [], "val_loss": []}
+    policy.train()
+    for epoch in range(c.epochs):
+        perm = train_rows[torch.randperm(len(train_rows), generator=gen).numpy()]
+        total, count = 0.0, 0
+        for start in range(0, len(perm), c.minibatch_size):
+            rows = perm[start:start + c.minibatch_size]
+            obs, act = batch(rows)
+            loss = bc_loss(policy, obs, act, gen)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, c.max_grad_norm)
+            opt.step()
+            total += float(loss.detach()) * len(rows)
+            count += len(rows)
+        train = total / max(count, 1)
+        val = _evaluate_loss(policy, batch, val_rows, c.minibatch_size) if len(val_rows) else math.nan
+        history["train_loss"].append(train)
+        history["val_loss"].append(val)
+        if metrics is not None:
+            metrics.record_scalars({"sft/train_loss": train, "sft/val_loss": val}, step=epoch + 1)
+        if progress is not None:
+            progress(epoch + 1, train, val)
+    if c.value_pass and callable(getattr(policy, "value", None)):
+        history["value_loss"] = _value_pass(policy, batch, train_rows, _returns(demos, c.gamma), c, gen, metrics)
+    policy.eval()
+    history.update(train_episodes=len(train_eps), val_episodes=len(val_eps), frames=len(demos),
+                   config=dataclasses.asdict(c))
+    return history
+
+
+@torch.no_grad()
+def _evaluate_loss(policy, batch, rows: np.ndarray, size: int) -> float:
+    gen = torch.Generator().manual_seed(1234)  # the same noise every epoch: flow losses compare
+    total = 0.0
+    for start in range(0, len(rows), size):
+        part = rows[start:start + size]
+        obs, act = batch(part)
+        total += float(bc_loss(policy, obs, act, gen)) * len(part)
+    return total / len(rows)
+
+
+def _value_pass(policy, batch, rows: np.ndarray, returns: np.ndarray, c: SFTConfig, gen, metrics) -> list[float]:
+    """The critic's head regressed on the discounted returns of the demonstrations."""
+    params = [p for n, p in policy.named_parameters() if p.requires_grad and n.startswith(("critic", "value"))]
+    if not params:
+        return []
+    opt = torch.optim.Adam(params, lr=c.lr)
+    out = []
+    for epoch in range(c.value_epochs):
+        perm = rows[torch.randperm(len(rows), generator=gen).numpy()]
+        total = 0.0
+        for start in range(0, len(perm), c.minibatch_size):
+            part = perm[start:start + c.minibatch_size]
+            obs, _ = batch(part)
+            target = torch.as_tensor(returns[part], device=next(policy.parameters()).device)
+            loss = (policy.value(obs) - target).square().mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            total += float(loss.detach()) * len(part)
+        out.append(total / len(perm))
+        if metrics is not None:
+            metrics.record_scalars({"sft/value_loss": out[-1]}, step=c.epochs + epoch + 1)
+    return out
+
+
+def save_sft(out: str | Path, policy, spec: dict[str, Any], history: dict[str, Any]) -> Path:
+    """A policy directory ``ebrl train --set policy.init=DIR`` and ``ebrl eval DIR`` read:
+    ``spec.json``, ``checkpoint.pt`` (the policy's weights; only what trains under LoRA) and
+    ``sft.json`` (the losses)."""
+    import json
+
+    from ebrl.checkpoint import write_checkpoint
+    from ebrl.policies.base import published_state
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "spec.json").write_text(json.dumps(spec, indent=2))
+    write_checkpoint(out / "checkpoint.pt", published_state(policy), None, type(policy).__name__, env_steps=0,
+                     sft=True)
+    (out / "sft.json").write_text(json.dumps(history, indent=2, default=float))
+    return out

@@ -1,0 +1,155 @@
+"""Demonstrations in the LeRobot format: writing, reading other tools' layouts, collecting, SFT, eval."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+from ebrl.demos import LeRobotWriter, collect, read_lerobot  # noqa: E402
+
+
+def _frames(n: int, rng) -> list[dict]:
+    return [{"observation.state": rng.standard_normal(3).astype(np.float32),
+             "observation.images.top": rng.integers(0, 255, (16, 16, 3), dtype=np.uint8),
+             "observation.images.wrist": np.full((16, 16, 3), 40 * t % 255, np.uint8),
+             "action": rng.uniform(-1, 1, 2).astype(np.float32), "next.reward": float(t), "next.done": t == n - 1,
+             "next.success": t == n - 1} for t in range(n)]
+
+
+def test_a_dataset_round_trips_vectors_exactly_and_cameras_as_video_or_png(tmp_path):
+    rng = np.random.default_rng(0)
+    episodes = [_frames(5, rng), _frames(3, rng)]
+    w = LeRobotWriter(tmp_path / "d", fps=10, features={
+        "observation.state": ((3,), "float32"), "observation.images.top": ((16, 16, 3), "image"),
+        "observation.images.wrist": ((16, 16, 3), "video"), "action": ((2,), "float32")})
+    for ep, task in zip(episodes, ("open the drawer", "close the drawer")):
+        for f in ep:
+            w.add_frame(f, task=task)
+        w.end_episode()
+    w.close()
+    info = json.loads((tmp_path / "d/meta/info.json").read_text())
+    assert info["codebase_version"] == "v3.0" and info["total_episodes"] == 2 and info["total_frames"] == 8
+    assert info["features"]["observation.images.wrist"]["dtype"] == "video"
+    assert (tmp_path / "d/videos/observation.images.wrist/chunk-000/file-000.mp4").is_file()
+    demos = read_lerobot(tmp_path / "d")
+    flat = [f for ep in episodes for f in ep]
+    assert demos.episodes == [(0, 5), (5, 8)] and demos.tasks == ["open the drawer", "close the drawer"]
+    assert np.array_equal(demos.frames["observation.state"], np.stack([f["observation.state"] for f in flat]))
+    assert np.array_equal(demos.frames["action"], np.stack([f["action"] for f in flat]))
+    assert np.array_equal(demos.frames["observation.images.top"], np.stack([f["observation.images.top"] for f in flat]))
+    wrist = demos.frames["observation.images.wrist"].astype(int)  # H.264 is lossy: flat frames come back close
+    assert wrist.shape == (8, 16, 16, 3)
+    assert np.abs(wrist - np.stack([f["observation.images.wrist"] for f in flat]).astype(int)).mean() < 4
+    assert demos.frames["task_index"].tolist() == [0] * 5 + [1] * 3
+    assert demos.frames["next.success"].tolist() == [False] * 4 + [True, False, False, True]
+
+
+def test_another_tools_v2_layout_with_png_files_loads(tmp_path):
+    # LeRobot v2.1 as other tools write it: a parquet per episode, images as PNG files the rows point at
+    import imageio.v2 as imageio
+
+    root = tmp_path / "v21"
+    rng = np.random.default_rng(1)
+    images = rng.integers(0, 255, (2, 4, 8, 8, 3), dtype=np.uint8)
+    for ep in range(2):
+        paths = []
+        for t in range(4):
+            rel = f"images/observation.image/episode_{ep:06d}/frame_{t:06d}.png"
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            imageio.imwrite(root / rel, images[ep, t])
+            paths.append({"bytes": None, "path": rel})
+        table = pa.table({
+            "observation.image": pa.array(paths, pa.struct([("bytes", pa.binary()), ("path", pa.string())])),
+            "observation.state": pa.array([[float(ep), float(t)] for t in range(4)], pa.list_(pa.float32())),
+            "action": pa.array([[float(t)] for t in range(4)], pa.list_(pa.float32())),
+            "episode_index": pa.array([ep] * 4, pa.int64()), "frame_index": pa.array(range(4), pa.int64()),
+            "index": pa.array(range(ep * 4, ep * 4 + 4), pa.int64()), "task_index": pa.array([0] * 4, pa.int64()),
+            "timestamp": pa.array([t / 10 for t in range(4)], pa.float32())})
+        (root / "data/chunk-000").mkdir(parents=True, exist_ok=True)
+        pq.write_table(table, root / f"data/chunk-000/episode_{ep:06d}.parquet")
+    (root / "meta").mkdir()
+    (root / "meta/tasks.jsonl").write_text(json.dumps({"task_index": 0, "task": "pick up the cube"}) + "\n")
+    (root / "meta/info.json").write_text(json.dumps({
+        "codebase_version": "v2.1", "fps": 10, "chunks_size": 1000,
+        "data_path": "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet", "video_path": None,
+        "features": {"observation.image": {"dtype": "image", "shape": [8, 8, 3]},
+                     "observation.state": {"dtype": "float32", "shape": [2]},
+                     "action": {"dtype": "float32", "shape": [1]},
+                     "episode_index": {"dtype": "int64", "shape": [1]}}}))
+    demos = read_lerobot(root)
+    assert demos.num_episodes == 2 and demos.tasks == ["pick up the cube"] and len(demos) == 8
+    assert np.array_equal(demos.frames["observation.image"], images.reshape(8, 8, 8, 3))
+    assert demos.frames["observation.state"][5].tolist() == [1.0, 1.0]
+
+
+def test_reading_something_else_says_what_is_missing(tmp_path):
+    with pytest.raises(FileNotFoundError, match="meta/info.json"):
+        read_lerobot(tmp_path)
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x/f").write_text("")
+    with pytest.raises(FileExistsError, match="not empty"):
+        LeRobotWriter(tmp_path / "x", fps=1, features={})
+
+
+def test_collect_writes_the_experts_episodes_with_their_instructions(tmp_path):
+    summary = collect("mock/reach", tmp_path / "reach", episodes=6, only_success=True)
+    assert summary["episodes"] == 6 and summary["success_once"] > 0.8
+    demos = read_lerobot(tmp_path / "reach")
+    assert demos.num_episodes == 6 and set(demos.tasks) <= {f"reach the {c} target" for c in
+                                                          ("red", "green", "blue", "yellow")}
+    # the instruction entry and the task agree frame by frame
+    names = [demos.tasks[i] for i in demos.frames["task_index"]]
+    colours = ["red", "green", "blue", "yellow"]
+    assert all(f"the {colours[int(i)]} " in n for i, n in zip(demos.frames["observation.instruction"], names))
+    assert demos.info["ebrl"]["env"] == "mock/reach"
+    # the same seeds give the same dataset
+    collect("mock/reach", tmp_path / "again", episodes=6, only_success=True)
+    assert np.array_equal(read_lerobot(tmp_path / "again").frames["action"], demos.frames["action"])
+
+
+def test_sft_makes_a_policy_that_beats_a_random_one(tmp_path):
+    from ebrl.evaluation import evaluate
+    from ebrl.policies import MLPPolicy
+    from ebrl.sft import SFTConfig, sft
+    from ebrl.testing import InstructedReach
+
+    collect("mock/reach", tmp_path / "demos", episodes=16)
+    env = InstructedReach()
+    random = MLPPolicy.from_spaces(env.observation_space, env.action_space, seed=0)
+    policy = MLPPolicy.from_spaces(env.observation_space, env.action_space, seed=0)
+    out = sft(policy, read_lerobot(tmp_path / "demos"), env.observation_space, env.action_space,
+              SFTConfig(epochs=40, lr=3e-3, minibatch_size=64))
+    assert out["val_loss"][-1] < out["val_loss"][0] and out["val_episodes"] == 2
+    before = evaluate(random, env, episodes=8, deterministic=True)
+    after = evaluate(policy, env, episodes=8, deterministic=True)
+    assert after.mean_return > before.mean_return + 5 and after.success_once >= 0.5 > before.success_once
+
+
+def test_sft_trains_action_tokens_and_flow_chunks(tmp_path):
+    from ebrl.policies import FlowPolicy, TokenPolicy
+    from ebrl.sft import SFTConfig, demo_actions, sft
+    from ebrl.testing import InstructedReach
+
+    collect("mock/reach", tmp_path / "demos", episodes=4)
+    demos = read_lerobot(tmp_path / "demos")
+    env = InstructedReach()
+    token = TokenPolicy.from_spaces(env.observation_space, env.action_space, seed=0)
+    out = sft(token, demos, env.observation_space, env.action_space, SFTConfig(epochs=4, lr=1e-3))
+    assert out["train_loss"][-1] < out["train_loss"][0]
+    from gymnasium import spaces
+
+    chunks = spaces.Box(-1.0, 1.0, (4, 2), np.float32)
+    a = demo_actions(demos, (4, 2))
+    lo, hi = demos.episodes[0]
+    assert np.array_equal(a[lo, 1], demos.frames["action"][lo + 1]) and np.array_equal(a[hi - 1, 3],
+                                                                                     demos.frames["action"][hi - 1])
+    flow = FlowPolicy.from_spaces(env.observation_space, chunks, seed=0)
+    out = sft(flow, demos, env.observation_space, chunks, SFTConfig(epochs=4, lr=1e-3))
+    assert out["train_loss"][-1] < out["train_loss"][0]
+    with pytest.raises(ValueError, match="acts with"):
+        demo_actions(demos, (3,))
