@@ -153,3 +153,13 @@ def test_sft_trains_action_tokens_and_flow_chunks(tmp_path):
     assert out["train_loss"][-1] < out["train_loss"][0]
     with pytest.raises(ValueError, match="acts with"):
         demo_actions(demos, (3,))
+
+
+def test_maniskill_experts_push_and_pick_from_the_end_effector(tmp_path):
+    pytest.importorskip("mani_skill")
+    for task in ("PushCube-v1", "PickCube-v1"):
+        summary = collect(f"maniskill/{task}", tmp_path / task, episodes=2)
+        assert summary["success_once"] == 1.0, task  # control_mode=pd_ee_delta_pos set by collect
+        demos = read_lerobot(tmp_path / task)
+        assert demos.info["ebrl"]["env_kwargs"] == {"control_mode": "pd_ee_delta_pos"}
+        assert demos.frames["next.success"].any() and demos.frames["action"].shape[1] == 4

@@ -91,6 +91,7 @@ def mock_reach(env) -> Expert:
 
 def maniskill_expert(task: str, env) -> Expert:
     base = env.unwrapped
+    base = getattr(base, "env", base).unwrapped  # ebrl's ManiSkillEnv holds ManiSkill's own env
     mode = getattr(base, "control_mode", None)
     if mode != "pd_ee_delta_pos":
         raise ValueError(f"the maniskill/{task} expert drives the end effector: make the env with "
