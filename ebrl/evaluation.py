@@ -60,6 +60,7 @@ class EvalResult:
     deterministic: bool = False
     video: str | None = None
     returns: list[float] = field(default_factory=list)
+    frames: list = field(default_factory=list, repr=False)  # the video's frames (uint8 [H, W, 3]), not saved
 
     @property
     def protocol(self) -> str:
@@ -69,6 +70,7 @@ class EvalResult:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
+        del out["frames"]
         out["protocol"] = self.protocol
         return out
 
@@ -207,4 +209,4 @@ def evaluate(policy, env, *, episodes: int = 10, seed: int = EVAL_SEED, determin
                       success_at_end=float(np.mean(at_end)), success_at_end_ci=wilson(sum(at_end), n),
                       mean_return=float(np.mean(returns)), std_return=float(np.std(returns)),
                       mean_length=float(np.mean(lengths)), per_task=per_task, seeds=(seed, seed + n - 1),
-                      deterministic=deterministic, video=written, returns=returns)
+                      deterministic=deterministic, video=written, returns=returns, frames=frames)

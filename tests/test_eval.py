@@ -177,3 +177,20 @@ def test_deterministic_acting_repeats_the_mode_and_sampling_does_not():
             mode = [p.act(o).env_actions for _ in range(2)]
         assert p.deterministic is False and np.array_equal(*mode), cls.__name__
         assert not np.array_equal(p.act(o).env_actions, p.act(o).env_actions), cls.__name__
+
+
+def test_an_evaluation_video_shows_in_tensorboard_as_an_animated_gif(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from ebrl.telemetry.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path)
+    log.open()
+    frames = [np.full((16, 24, 3), 10 * t, np.uint8) for t in range(12)]
+    log.record_video("eval/video", frames, step=640)
+    log.close()
+    acc = EventAccumulator(str(tmp_path), size_guidance={"images": 0})
+    acc.Reload()
+    [image] = acc.Images("eval/video")
+    assert image.step == 640 and (image.width, image.height) == (24, 16)
+    assert image.encoded_image_string[:6] in (b"GIF87a", b"GIF89a")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from ebrl.benchmark.figures import spread
 from ebrl.benchmark.report import fmt_ratio, fmt_spread, results_markdown
 
 ORDER = ("overhead", "longtail", "longtail-user", "heterogeneous", "mujoco-state", "startup", "startup-mock",
-         "mujoco-pixels", "vector-gpu", "embodied", "controller", "convergence", "embodied-learning", "vla", "lag", "policies",
+         "mujoco-pixels", "vector-gpu", "embodied", "controller", "convergence", "embodied-learning", "vla", "sft-rl", "lag", "policies",
          "scaling", "gpu-split", "soak", "step-cost")
 
 
@@ -265,6 +266,34 @@ def vla_table(rep: dict) -> str:
     return "\n".join(lines)
 
 
+def sft_rl_table(rep: dict) -> str:
+    """``ebrl bench sft-rl``: per seed and RL run, success after SFT and after RL (95% Wilson
+    interval), the gain, the seconds to the first evaluation at SFT + 0.3; then the ratios and
+    the target."""
+    meta = rep["meta"]
+    lines = ["| seed | RL run | success after SFT | success after RL (95% interval) | gain | seconds to +0.3 "
+             "| env steps/s |", "|---:|---|---:|---:|---:|---:|---:|"]
+    for r in rep["rows"]:
+        ci = r.get("rl_success_ci") or [math.nan, math.nan]
+        reached = r.get("time_to_gain_s")
+        lines.append(f"| {r['round']} | {r['case']} | {r['sft_success']:.2f} | {r['rl_success']:.2f} "
+                     f"({ci[0]:.2f}-{ci[1]:.2f}) | {r['gain']:+.2f} | "
+                     f"{'%.0f' % reached if reached is not None else 'not reached'} | {r['steps_per_s']:,.0f} |")
+    lines += ["", "| figure | measured | target | |", "|---|---:|---|---|"]
+    for name, s in rep.get("ratios", {}).items():
+        lines.append(f"| {name} | {fmt_ratio(s)} | none set | |")
+    for t in rep.get("targets", []):
+        lines.append(f"| {t['figure']} | min {t['min']:+.2f}, median {t['median']:+.2f} | {t['target']} "
+                     f"| {'met' if t['met'] else '**missed**'} |")
+    seeds = meta.get("seeds", [])
+    lines += ["", f"Seeds {', '.join(map(str, seeds))} ({len(seeds)} of the suite's 3), {meta.get('demos')} expert "
+              f"demonstrations each, success over {meta.get('eval_episodes')} evaluation episodes (the policy's mode), "
+              f"RL {meta.get('max_s', 0) / 60:.0f} minutes a run in a fresh process, {meta.get('num_envs')} envs; "
+              f"{meta['date'][:10]}, commit {meta.get('commit', '?')}; raw rows in "
+              f"[docs/benchmarks/sft-rl.json](docs/benchmarks/sft-rl.json)."]
+    return "\n".join(lines)
+
+
 def convergence_table(rep: dict) -> str:
     """``ebrl bench convergence`` (and ``embodied-learning``): per workload and runner, the seconds
     and env steps to the threshold and the final score; then the time-to-threshold ratios and
@@ -422,6 +451,8 @@ def render(bench_dir: Path, readme: Path) -> list[str]:
         text = replace_block(text, "embodied-learning", convergence_table(reports["embodied-learning"]))
     if "vla" in reports:
         text = replace_block(text, "vla", vla_table(reports["vla"]))
+    if "sft-rl" in reports:
+        text = replace_block(text, "sft-rl", sft_rl_table(reports["sft-rl"]))
     if "lag" in reports:
         text = replace_block(text, "lag", lag_table(reports["lag"]))
     if "policies" in reports:

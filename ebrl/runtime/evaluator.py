@@ -6,9 +6,10 @@ last publication) into its own copy of the policy (sharing a frozen backbone) an
 ``eval_episodes`` episodes with :func:`ebrl.evaluation.evaluate` (fixed evaluation seeds, the
 policy's mode) on env ``num_envs`` (built by the trainer's ``env_fn``, beside the training
 envs). Nothing pauses: the episodes run in a thread of their own, and the run's envs keep
-stepping. The result becomes one row of ``eval.jsonl`` and ``eval/*`` scalars at the env steps
-the weights had reached; with a log directory and an env that renders (or a camera in its
-observation) the first episode is also written to ``eval/steps-<N>.mp4``.
+stepping. The result becomes one row of ``eval.jsonl`` (and of ``RunResult.evaluations``) and
+``eval/*`` scalars at the env steps and run time the weights had reached; with a log directory and an env that renders (or a camera in its
+observation) the first episode is also written to ``eval/steps-<N>.mp4`` and shown in
+TensorBoard's images as ``eval/video`` (an animated GIF).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ async def evaluate_periodically(trainer, learner, stats, metrics, *, every_s: fl
         env = await loop.run_in_executor(executor, trainer.env_fn, cfg.num_envs)
         while True:
             await asyncio.sleep(every_s)
-            version, steps = learner.version, stats.simulated
+            version, steps, at = learner.version, stats.simulated, loop.time() - learner.t0
             load_published(policy, learner.published())
             video = None
             if log_dir is not None:
@@ -55,10 +56,11 @@ async def evaluate_periodically(trainer, learner, stats, metrics, *, every_s: fl
                     return evaluate(policy, env, episodes=episodes, deterministic=deterministic, stop=stop)
 
             result = await loop.run_in_executor(executor, run)
-            row = {"env_steps": steps, "policy_version": version, "episodes": result.episodes,
+            row = {"env_steps": steps, "time": round(at, 3), "policy_version": version, "episodes": result.episodes,
                    "success_once": result.success_once, "success_at_end": result.success_at_end,
                    "mean_return": result.mean_return, "mean_length": result.mean_length}
             metrics.record_eval(row, video=result.video)
+            metrics.record_video("eval/video", result.frames, steps)
             log.info("eval", **row, video=result.video)
     finally:
         stop.set()  # an episode in progress ends at its next step

@@ -204,6 +204,7 @@ async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop
     result.profiles = [p.to_dict() for p in manager.profiles]
     result.decisions = [d.to_dict() for d in manager.decisions]
     result.migrations = driver.migrations
+    result.evaluations = list(metrics.eval_rows)
     if learner.version:
         result.publications = learner.version
         result.publish_bytes = stats.published_bytes / learner.version

@@ -124,6 +124,8 @@ class RunResult:
     # the generator's cost curve: mean microseconds per call by batch size, calls by size, and
     # the line fixed_us + per_row_us * rows through them (None until two sizes were timed)
     gen_costs: dict[str, Any] = field(default_factory=dict)
+    # run.eval_every_s: one row per evaluation during the run (env_steps, time, success_once, ...)
+    evaluations: list[dict[str, Any]] = field(default_factory=list)
 
     def accounting_ok(self) -> bool:
         return self.env_steps == self.trained + sum(self.dropped.values()) + self.in_flight_at_stop

@@ -132,6 +132,22 @@ class MetricsLog:
         if self._wandb is not None:
             self._wandb.log({**{k: float(v) for k, v in scalars.items() if _is_number(v)}, "env_steps": step})
 
+    def record_video(self, tag_name: str, frames: list, step: int, fps: float = 20.0) -> None:
+        """A short animated GIF in TensorBoard's images (what ``add_video`` makes, without moviepy)."""
+        if self._tb is None or not frames:
+            return
+        import io
+
+        import imageio.v2 as imageio
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        keep = frames[:: max(1, len(frames) // 100)]  # at most ~100 frames: a short clip
+        buf = io.BytesIO()
+        imageio.mimsave(buf, keep, format="gif", duration=1000.0 / fps * (len(frames) / len(keep)), loop=0)
+        h, w = keep[0].shape[:2]
+        image = Summary.Image(height=h, width=w, colorspace=3, encoded_image_string=buf.getvalue())
+        self._tb._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=tag_name, image=image)]), step)
+
     def record_eval(self, row: dict[str, Any], video: str | None = None) -> None:
         """One evaluation during training (``row["env_steps"]``: where the weights were): a line of
         ``eval.jsonl`` and ``eval/<key>`` scalars."""
@@ -139,7 +155,7 @@ class MetricsLog:
         if self.log_dir is not None and self._jsonl is not None:
             with open(self.log_dir / EVAL, "a", encoding="utf-8") as f:
                 f.write(json.dumps(_strict({**row, "video": video}), allow_nan=False) + "\n")
-        self.record_scalars({f"eval/{k}": v for k, v in row.items() if k != "env_steps"}, int(row["env_steps"]))
+        self.record_scalars({f"eval/{k}": v for k, v in row.items() if k not in AXES}, int(row["env_steps"]))
 
     def write_result(self, result: Any) -> None:
         """``result.json``: the finished run's :class:`~ebrl.runtime.stats.RunResult`."""
