@@ -194,3 +194,22 @@ def test_an_evaluation_video_shows_in_tensorboard_as_an_animated_gif(tmp_path):
     [image] = acc.Images("eval/video")
     assert image.step == 640 and (image.width, image.height) == (24, 16)
     assert image.encoded_image_string[:6] in (b"GIF87a", b"GIF89a")
+
+
+def test_a_video_falls_back_to_a_gif_when_ffmpeg_cannot_write(tmp_path, monkeypatch):
+    import imageio.v2 as imageio
+
+    from ebrl.evaluation import write_video
+
+    real = imageio.get_writer
+
+    def no_ffmpeg(path, *args, **kwargs):
+        if str(path).endswith(".mp4"):
+            raise RuntimeError("no ffmpeg here")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(imageio, "get_writer", no_ffmpeg)
+    frames = [np.full((8, 8, 3), 30 * t, np.uint8) for t in range(5)]
+    written = write_video(frames, tmp_path / "clip.mp4")
+    assert written.suffix == ".gif" and not (tmp_path / "clip.mp4").exists()
+    assert len(imageio.mimread(written)) == 5

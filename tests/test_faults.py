@@ -12,7 +12,7 @@ import pytest
 from conftest import ebrl_threads
 
 import ebrl
-from ebrl.runtime.learner import LearnerError
+from ebrl.runtime.errors import LearnerError
 from ebrl.testing import Latency, MockEnv, MockPolicy, NoopAlgo
 
 RELEASE = threading.Event()  # set at a test's end: a step hung on it returns

@@ -36,10 +36,10 @@ def test_no_function_level_imports_between_sim_modules():
 
 
 def test_sim_pool_still_exports_the_names_users_import():
-    from ebrl.runtime import sim_local, sim_types, sim_workers
+    from ebrl.runtime import errors, sim_local, sim_types, sim_workers
     from ebrl.runtime import sim_pool
 
-    assert sim_pool.StepOut is sim_types.StepOut and sim_pool.EnvStepError is sim_types.EnvStepError
+    assert sim_pool.StepOut is sim_types.StepOut and sim_pool.EnvStepError is errors.EnvStepError
     assert sim_pool.SimPool is sim_types.SimPool and sim_pool.single_spaces is sim_types.single_spaces
     assert sim_pool.ThreadSimPool is sim_local.ThreadSimPool and sim_pool.ProcessSimPool is sim_workers.ProcessSimPool
     assert sim_pool.own is spaces.copy_tree and sim_pool.all_finite is spaces.all_finite

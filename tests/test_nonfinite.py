@@ -9,7 +9,7 @@ import torch
 import ebrl
 from ebrl.algos import PPO
 from ebrl.policies.base import ActResult
-from ebrl.runtime.drivers import NonFiniteError
+from ebrl.runtime.errors import NonFiniteError
 from ebrl.testing import MockEnv, MockPolicy, NoopAlgo, run_virtual
 
 RESETS: dict[int, int] = {}  # env id -> resets so far, over rebuilds (a rebuilt env does not fail again)

@@ -12,9 +12,9 @@ import pytest
 from conftest import ebrl_threads
 
 import ebrl
-from ebrl.runtime.drivers import TooManyEnvFailures
+from ebrl.runtime.errors import TooManyEnvFailures
 from ebrl.runtime.errors import NOTE, first_error, raise_first
-from ebrl.runtime.sim_types import EnvStepError
+from ebrl.runtime.errors import EnvStepError
 from ebrl.testing import Latency, MockEnv, MockPolicy, NoopAlgo
 
 RELEASE = threading.Event()  # set at a test's end: a lane hung on it returns (a worker is killed instead)
@@ -116,7 +116,7 @@ def test_two_distinct_failures_in_different_tasks_make_one_error_with_a_note():
         ebrl.run_sync(ebrl.Trainer(BrokenStart, MockPolicy(act_dim=3), NoopAlgo(), cfg))
     exc = info.value
     assert type(exc) is EnvStepError and exc.env_id == 0 and "env 0 has no scene" in str(exc)
-    assert exc.__notes__ == [NOTE + "ebrl.runtime.sim_types.EnvStepError: env 1 failed in reset: "
+    assert exc.__notes__ == [NOTE + "ebrl.runtime.errors.EnvStepError: env 1 failed in reset: "
                              "ValueError: env 1 has a bad asset"]
 
 

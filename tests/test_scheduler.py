@@ -147,7 +147,7 @@ def test_env_that_raises_is_rebuilt_and_run_completes():
 
 
 def test_too_many_failures_stop_the_run_with_a_clear_error():
-    from ebrl.runtime.drivers import TooManyEnvFailures
+    from ebrl.runtime.errors import TooManyEnvFailures
 
     tr = ebrl.Trainer(lambda i: MockEnv(fail_at_step=3), MockPolicy(act_dim=4), NoopAlgo(),
                       ebrl.RunConfig(num_envs=2, total_env_steps=1000, faults={"max_env_failures": 3}))
@@ -156,7 +156,7 @@ def test_too_many_failures_stop_the_run_with_a_clear_error():
 
 
 def test_nonfinite_raises_by_default_naming_env_and_step():
-    from ebrl.runtime.drivers import NonFiniteError
+    from ebrl.runtime.errors import NonFiniteError
 
     tr = ebrl.Trainer(lambda i: MockEnv(nan_at_step=7 if i == 1 else None), MockPolicy(act_dim=4), NoopAlgo(),
                       ebrl.RunConfig(num_envs=2, total_env_steps=1000))

@@ -12,7 +12,8 @@ import ebrl
 from ebrl.config import SimBackend
 from ebrl.runtime.resources.controller import Knobs, Limits, Memory, backend_rule
 from ebrl.runtime.sim_mixed import LOCAL, MixedSimPool
-from ebrl.runtime.sim_types import STEPS, EnvStepError
+from ebrl.runtime.errors import EnvStepError
+from ebrl.runtime.sim_types import STEPS
 from ebrl.testing import Latency, LatencyMode, MockEnv, MockPolicy, NoopAlgo
 
 HERE = os.getpid()

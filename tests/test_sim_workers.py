@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from ebrl.runtime import sim_workers
-from ebrl.runtime.sim_types import CPU, QUEUE, STEPS, WALL, EnvStepError, reset_env, step_env
+from ebrl.runtime.errors import EnvStepError
+from ebrl.runtime.sim_types import CPU, QUEUE, STEPS, WALL, reset_env, step_env
 from ebrl.runtime.sim_workers import ProcessSimPool
 from ebrl.testing import Latency, MockEnv
 

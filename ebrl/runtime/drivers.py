@@ -32,10 +32,11 @@ import numpy as np
 
 from ebrl.config import NonFinite, RunConfig, Schedule
 from ebrl.policies.base import ActResult
-from ebrl.runtime.errors import raise_first
+from ebrl.runtime.errors import EnvStepError, NonFiniteError, TooManyEnvFailures, raise_first
 from ebrl.runtime.generation import Generator
 from ebrl.runtime.rollout import RolloutQueue
-from ebrl.runtime.sim_types import Block, EnvStepError, NonFiniteReset, SimPool, TimedOut
+from ebrl.runtime.schedules import lockstep_groups
+from ebrl.runtime.sim_types import Block, NonFiniteReset, SimPool, TimedOut
 from ebrl.runtime.state import RunState
 from ebrl.runtime.stats import RunStats
 from ebrl.spaces import all_finite, batch_of_one, finite_rows, index, stack, tree_map, write
@@ -45,32 +46,6 @@ if TYPE_CHECKING:
     from ebrl.runtime.profiler import Timeline
 
 log = get_logger("ebrl.env")
-
-
-class TooManyEnvFailures(RuntimeError):
-    """More env failures within the window than ``faults.max_env_failures`` allows.
-
-    ``failures`` lists the ones charged, oldest first, as ``(env, reason)`` (``env_error``,
-    ``timeout`` or ``nonfinite``): a worker-mate lost with a hung or dead worker is not one."""
-
-    def __init__(self, message: str, failures: list[tuple[int, str]] | None = None):
-        super().__init__(message)
-        self.failures = list(failures or [])
-
-
-class NonFiniteError(RuntimeError):
-    """An env produced NaN or inf in an observation or reward."""
-
-
-def lockstep_groups(cfg: RunConfig) -> list[list[int]]:
-    """Each lockstep group's units (env ids, or vector env ids when ``sim.vector_size > 1``):
-    contiguous, sizes differing by at most one. Under ``async`` every unit is its own group."""
-    units = cfg.num_envs // cfg.sim.vector_size
-    if cfg.schedule is Schedule.ASYNC:
-        return [[u] for u in range(units)]
-    n = 1 if cfg.schedule is Schedule.SYNC else cfg.num_groups
-    size = -(-units // n)
-    return [list(range(s, min(s + size, units))) for s in range(0, units, size)]
 
 
 class Driver:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import gymnasium as gym
 
-from ebrl.runtime.sim_types import EnvFn, EnvStepError, close_quietly, describe, single_spaces
+from ebrl.runtime.errors import EnvStepError
+from ebrl.runtime.sim_types import EnvFn, close_quietly, describe, single_spaces
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class EnvFacts:
 
 def inspect_env(env_fn: EnvFn) -> EnvFacts:
     """Build ``env_fn(0)``, read its :class:`EnvFacts` and close it; it is never stepped. A
-    failing ``env_fn`` raises :class:`~ebrl.runtime.sim_types.EnvStepError` for env 0, as the
+    failing ``env_fn`` raises :class:`~ebrl.runtime.errors.EnvStepError` for env 0, as the
     pools do."""
     try:
         env = env_fn(0)

@@ -1,4 +1,8 @@
-"""One error out of ``run()``: a TaskGroup's failures become the first of them.
+"""The runtime's exceptions, and one error out of ``run()``: a TaskGroup's failures become the first of them.
+
+Raised by the runtime: :class:`EnvStepError` (an env's ``step``, ``reset`` or constructor
+raised), :class:`NonFiniteError` (NaN or inf from an env), :class:`TooManyEnvFailures` (more than
+``faults.max_env_failures``), :class:`LearnerError` (``algo.update`` raised in the learner process).
 
 A TaskGroup raises a :class:`BaseExceptionGroup` of every task's failure (and nests them, a
 TaskGroup inside a task of another). ``run()`` raises one exception instead: the first failure
@@ -19,6 +23,37 @@ import traceback
 from typing import NoReturn
 
 NOTE = "also failed meanwhile: "
+
+
+class EnvStepError(RuntimeError):
+    """An env raised inside ``step``, ``reset`` or its constructor."""
+
+    def __init__(self, env_id: int, op: str, detail: str):
+        super().__init__(f"env {env_id} failed in {op}: {detail}")
+        self.env_id, self.op, self.detail = env_id, op, detail
+
+    @property
+    def reason(self) -> str:
+        return getattr(self.detail, "reason", "env_error")  # as sim_types.fault_reason
+
+
+class TooManyEnvFailures(RuntimeError):
+    """More env failures within the window than ``faults.max_env_failures`` allows.
+
+    ``failures`` lists the ones charged, oldest first, as ``(env, reason)`` (``env_error``,
+    ``timeout`` or ``nonfinite``): a worker-mate lost with a hung or dead worker is not one."""
+
+    def __init__(self, message: str, failures: list[tuple[int, str]] | None = None):
+        super().__init__(message)
+        self.failures = list(failures or [])
+
+
+class NonFiniteError(RuntimeError):
+    """An env produced NaN or inf in an observation or reward."""
+
+
+class LearnerError(RuntimeError):
+    """``algo.update`` raised in the learner process."""
 
 
 def leaves(exc: BaseException) -> list[BaseException]:

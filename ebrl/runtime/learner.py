@@ -42,7 +42,7 @@ from ebrl.algos.batch import Batch
 from ebrl.checkpoint import algo_state, write_checkpoint
 from ebrl.config import NonFinite
 from ebrl.policies.base import load_published, published_state, state_nbytes
-from ebrl.runtime.drivers import NonFiniteError
+from ebrl.runtime.errors import LearnerError, NonFiniteError
 from ebrl.runtime.generation import Generator
 from ebrl.runtime.rollout import RolloutQueue, collate
 from ebrl.runtime.state import RunState
@@ -131,10 +131,6 @@ def _learner_main(conn, policy, algo, torch_threads: int | None) -> None:
                 return
     except (EOFError, KeyboardInterrupt, BrokenPipeError):
         pass
-
-
-class LearnerError(RuntimeError):
-    """``algo.update`` raised in the learner process."""
 
 
 class LearnerProcess:

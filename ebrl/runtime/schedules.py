@@ -12,7 +12,6 @@ benchmark's ratio between them measures the scheduling alone.
 from __future__ import annotations
 
 from ebrl.config import RunConfig, Schedule
-from ebrl.runtime.drivers import lockstep_groups
 
 
 def is_lockstep(schedule: Schedule) -> bool:
@@ -22,6 +21,17 @@ def is_lockstep(schedule: Schedule) -> bool:
 def effective_lag(cfg: RunConfig) -> int:
     """Lockstep schedules train after the rollout that used the same weights: lag 0."""
     return 0 if is_lockstep(cfg.schedule) else cfg.max_policy_lag
+
+
+def lockstep_groups(cfg: RunConfig) -> list[list[int]]:
+    """Each lockstep group's units (env ids, or vector env ids when ``sim.vector_size > 1``):
+    contiguous, sizes differing by at most one. Under ``async`` every unit is its own group."""
+    units = cfg.num_envs // cfg.sim.vector_size
+    if cfg.schedule is Schedule.ASYNC:
+        return [[u] for u in range(units)]
+    n = 1 if cfg.schedule is Schedule.SYNC else cfg.num_groups
+    size = -(-units // n)
+    return [list(range(s, min(s + size, units))) for s in range(0, units, size)]
 
 
 def generation_target(cfg: RunConfig) -> int:

@@ -41,9 +41,9 @@ import gymnasium as gym
 import numpy as np
 
 from ebrl.config import SimBackend
+from ebrl.runtime.errors import EnvStepError
 from ebrl.runtime.sim_types import (
     EnvFn,
-    EnvStepError,
     SimPool,
     StepRows,
     TimedOut,

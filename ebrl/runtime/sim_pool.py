@@ -45,12 +45,12 @@ import time
 from dataclasses import dataclass
 
 from ebrl.config import ConfigError, SimBackend, SimConfig
+from ebrl.runtime.errors import EnvStepError
 from ebrl.runtime.env_facts import EnvFacts, inspect_env
 from ebrl.runtime.sim_local import InlineSimPool, ThreadSimPool
 from ebrl.runtime.sim_mixed import MixedSimPool
 from ebrl.runtime.sim_types import (
     EnvFn,
-    EnvStepError,
     SimPool,
     StepOut,
     close_quietly,

@@ -276,18 +276,6 @@ def fault_reason(detail: str) -> str:
     return getattr(detail, "reason", "env_error")
 
 
-class EnvStepError(RuntimeError):
-    """An env raised inside ``step``, ``reset`` or its constructor."""
-
-    def __init__(self, env_id: int, op: str, detail: str):
-        super().__init__(f"env {env_id} failed in {op}: {detail}")
-        self.env_id, self.op, self.detail = env_id, op, detail
-
-    @property
-    def reason(self) -> str:
-        return fault_reason(self.detail)
-
-
 def reset_env(env: gym.Env, seed: int | None = None) -> tuple[Any, dict]:
     obs, info = env.reset(seed=seed)
     return copy_tree(obs), info

@@ -57,11 +57,11 @@ import numpy as np
 import psutil
 
 from ebrl.config import SimBackend
+from ebrl.runtime.errors import EnvStepError
 from ebrl.runtime.sim_types import (
     STEPS,
     WALL,
     EnvFn,
-    EnvStepError,
     SimPool,
     StepRows,
     TimedOut,
