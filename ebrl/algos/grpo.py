@@ -70,7 +70,8 @@ from ebrl import distributed
 from ebrl.algos.advantages import _last_valid
 from ebrl.algos.batch import Batch
 from ebrl.algos.needs import RunNeeds
-from ebrl.algos.ppo import Checks, MinibatchAlgo, _index
+from ebrl.algos.minibatch import MinibatchAlgo, _index
+from ebrl.algos.ppo import Checks
 from ebrl.config import Schedule, SegmentCut
 from ebrl.policies.base import acting_copy, load_published
 from ebrl.spaces import tree_map

@@ -29,7 +29,6 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -37,7 +36,8 @@ from torch import Tensor, nn
 from ebrl import distributed
 from ebrl.algos.advantages import build_next_values, chunk_discounting, gae
 from ebrl.algos.batch import Batch
-from ebrl.spaces import tree_map
+from ebrl.algos.minibatch import MinibatchAlgo, _index
+from ebrl.policies.heads import merge_moments
 
 LossFn = Callable[[nn.Module, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor | float]]]
 
@@ -96,113 +96,21 @@ class PPOConfig:
             check(name, isinstance(getattr(self, name), bool), "a bool")
 
 
-def _index(x: Tensor | dict[str, Any], idx: Tensor) -> Tensor | dict[str, Any]:
-    """``x[idx]``, per leaf for dict observations (nested ones too)."""
-    if isinstance(x, Tensor):
-        return x[idx]
-    return {k: _index(v, idx) for k, v in x.items()}
-
-
 class _RunningVar:
-    """Running mean/variance of a stream of scalars (parallel Welford, float64)."""
+    """Running mean/variance of a stream of scalars: :func:`~ebrl.policies.heads.merge_moments`
+    (parallel Welford in float64, every rank's batch in a data-parallel update) on one column."""
 
     def __init__(self):
-        self.mean, self.var, self.count = 0.0, 1.0, 1e-4
+        self._mean = torch.zeros(1, dtype=torch.float64)
+        self._var = torch.ones(1, dtype=torch.float64)
+        self._count = torch.full((), 1e-4, dtype=torch.float64)
+
+    mean = property(lambda self: float(self._mean), lambda self, v: self._mean.fill_(v))
+    var = property(lambda self: float(self._var), lambda self, v: self._var.fill_(v))
+    count = property(lambda self: float(self._count), lambda self, v: self._count.fill_(v))
 
     def update(self, x: Tensor) -> None:
-        x = x.double()
-        n = x.numel()
-        if distributed.active() is not None:  # every rank's batch (see ebrl.policies.heads.merge_moments)
-            d = x - self.mean
-            n, s, sq = distributed.reduce_moments(n, d.sum().reshape(1), d.square().sum().reshape(1))
-            if n == 0:
-                return
-            b_mean, b_var = self.mean + float(s) / n, max(float(sq) / n - (float(s) / n) ** 2, 0.0)
-        elif n == 0:
-            return
-        else:
-            b_mean, b_var = float(x.mean()), float(x.var(unbiased=False))
-        tot = self.count + n
-        delta = b_mean - self.mean
-        m2 = self.var * self.count + b_var * n + delta**2 * self.count * n / tot
-        self.mean, self.var, self.count = self.mean + delta * n / tot, m2 / tot, tot
-
-
-class MinibatchAlgo:
-    """What PPO and GRPO share: an Adam optimiser made at the first update of a policy (with a
-    restored state applied then), batches moved to the policy's device, and the epochs of
-    shuffled minibatches that never step on a NaN/inf loss.
-
-    Needs ``config`` (``lr``, ``update_epochs``, ``minibatch_size``, ``max_grad_norm``),
-    ``loss_fn``/``loss``, ``_gen`` (the minibatch RNG), ``optimizer``, ``_policy`` and
-    ``_pending_optimizer_state``.
-    """
-
-    def reset_optimizer(self) -> None:
-        """A fresh optimiser at the next update (after an update undone for NaN/inf: its moments may hold them)."""
-        self.optimizer = None
-        self._pending_optimizer_state = None
-
-    def _optimizer_for(self, policy: nn.Module) -> None:
-        if self.optimizer is None or policy is not self._policy:
-            self.optimizer = torch.optim.Adam(policy.parameters(), lr=self.config.lr, eps=1e-5)
-            self._policy = policy
-            if self._pending_optimizer_state is not None:
-                self.optimizer.load_state_dict(self._pending_optimizer_state)
-                self._pending_optimizer_state = None
-
-    @staticmethod
-    def _batch_to(batch: Batch, device: torch.device) -> Batch:
-        def to(x):  # dict observations: a tensor per key; other fields (ints) stay as they are
-            return x.to(device) if isinstance(x, Tensor) else x
-
-        return Batch(**{f.name: tree_map(to, getattr(batch, f.name)) for f in dataclasses.fields(batch)})
-
-    def _epochs(self, policy: nn.Module, flat: dict[str, Tensor] | None, n: int, device: torch.device,
-                norm_adv: bool = False) -> tuple[dict[str, Tensor | float], int, bool]:
-        """``update_epochs`` passes over the ``n`` rows of ``flat`` in shuffled minibatches
-        (advantages normalised per minibatch with ``norm_adv``); returns the summed metrics,
-        the minibatches stepped and whether a NaN/inf loss stopped the update there.
-
-        As one rank of a data-parallel job (:mod:`ebrl.distributed`) every rank takes the same
-        number of steps (the most any rank needs at ``minibatch_size`` rows), its rows split
-        evenly over them, and each step applies the rows-weighted mean of the ranks' gradients;
-        a rank with fewer rows (or none) still takes every step."""
-        c = self.config
-        dp = distributed.active()
-        loss_fn = self.loss_fn or self.loss
-        params = [p for p in policy.parameters() if p.requires_grad] if dp is not None else []
-        steps = dp.agree_steps(n, c.minibatch_size) if dp is not None else None
-        sums: dict[str, Tensor | float] = {}
-        count = 0
-        for _ in range(c.update_epochs if steps is None or steps else 0):
-            perm = torch.randperm(n, generator=self._gen).to(device)
-            chunks = (torch.tensor_split(perm, steps) if steps is not None
-                      else [perm[start:start + c.minibatch_size] for start in range(0, n, c.minibatch_size)])
-            for idx in chunks:
-                finite, metrics = True, {}
-                if idx.numel():
-                    mb = {k: _index(v, idx) for k, v in flat.items()}
-                    if norm_adv and idx.numel() > 1:
-                        a = mb["advantages"]
-                        mb["advantages"] = (a - a.mean()) / (a.std() + 1e-8)
-                    loss, metrics = loss_fn(policy, mb)
-                    finite = bool(torch.isfinite(loss))
-                if not finite and dp is None:  # never step on NaN/inf: the rest of the update is skipped
-                    return sums, count, True
-                self.optimizer.zero_grad(set_to_none=True)
-                if idx.numel() and finite:
-                    loss.backward()
-                if dp is not None and not dp.reduce_grads(params, int(idx.numel()), finite):  # some rank's was NaN/inf
-                    return sums, count, True
-                if math.isfinite(c.max_grad_norm):
-                    nn.utils.clip_grad_norm_(policy.parameters(), c.max_grad_norm)
-                self.optimizer.step()
-                if idx.numel():
-                    for k, v in metrics.items():
-                        sums[k] = sums.get(k, 0.0) + (v.detach() if isinstance(v, Tensor) else v)
-                    count += 1
-        return sums, count, False
+        merge_moments(self._mean, self._var, self._count, x.detach().double().reshape(-1, 1).cpu())
 
 
 class PPO(MinibatchAlgo):

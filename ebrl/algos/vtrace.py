@@ -45,7 +45,8 @@ from torch import Tensor, nn
 
 from ebrl.algos.advantages import _last_valid
 from ebrl.algos.batch import Batch
-from ebrl.algos.ppo import PPO, Checks, PPOConfig, _index
+from ebrl.algos.minibatch import _index
+from ebrl.algos.ppo import PPO, Checks, PPOConfig
 
 
 @torch.no_grad()

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ebrl.algos.needs import resolve_run_config
-from ebrl.algos.ppo import MinibatchAlgo
+from ebrl.algos.minibatch import MinibatchAlgo
 from ebrl.config import DEFAULT_MAX_WAIT_S, ConfigError, LearnerMode, RunConfig, SegmentCut, SimBackend
 from ebrl.distributed import DataParallel, combine_results, rank_config, reseed_sampling, weight_hash
 from ebrl.policies.base import acting_copy
@@ -74,7 +74,7 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
         if dp is not None:
             if not isinstance(trainer.algo, MinibatchAlgo):  # its minibatch loop is where the gradients meet
                 raise ConfigError("algo", type(trainer.algo).__name__, "data-parallel training needs an algorithm "
-                                  "derived from ebrl.algos.ppo.MinibatchAlgo (PPO, DecoupledPPO, VTrace, GRPO)")
+                                  "derived from ebrl.algos.minibatch.MinibatchAlgo (PPO, DecoupledPPO, VTrace, GRPO)")
             cfg = rank_config(cfg, dp)
             dp.broadcast_module(trainer.policy)  # every rank starts from rank 0's weights
         result = await _run(trainer, cfg, dp, loop, virtual, called, stop=stop, progress=progress, timeline=timeline)
