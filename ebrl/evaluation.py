@@ -114,23 +114,26 @@ def _task_of(obs: Any, info: dict, names: list[str] | None) -> str:
     return names[0] if names and len(names) == 1 else ""
 
 
-def _frame(env, obs: Any) -> np.ndarray | None:
-    """A video frame: the env's render, else its first camera entry (channels last)."""
+def frame_source(env):
+    """``frame(obs) -> uint8 [H, W, 3]`` for a video of ``env``: its render in ``rgb_array`` mode,
+    else its observation's first camera (channels last); None when it has neither."""
     if getattr(env, "render_mode", None) == "rgb_array":
-        img = env.render()
-        if img is not None:
-            return np.asarray(img, np.uint8)
+        return lambda obs: np.asarray(env.render(), np.uint8)
     from ebrl.demos.features import ObsFeatures
 
     try:
         feats = ObsFeatures(env.observation_space)
     except ValueError:
         return None
-    for name, value in feats.frame(obs).items():
-        if name.startswith("observation.image"):
-            img = np.asarray(value, np.uint8)
-            return np.repeat(img, 3, -1) if img.shape[-1] == 1 else img
-    return None
+    cameras = [name for _, name, _ in feats.entries if name.startswith("observation.image")]
+    if not cameras:
+        return None
+
+    def frame(obs: Any) -> np.ndarray:
+        img = np.asarray(feats.frame(obs)[cameras[0]], np.uint8)
+        return np.repeat(img, 3, -1) if img.shape[-1] == 1 else img
+
+    return frame
 
 
 def write_video(frames: list[np.ndarray], path: str | Path, fps: float = 20.0) -> Path:
@@ -163,6 +166,9 @@ def evaluate(policy, env, *, episodes: int = 10, seed: int = EVAL_SEED, determin
     """
     if episodes < 1:
         raise ValueError(f"episodes={episodes!r}: must be at least 1")
+    frame = frame_source(env) if video is not None else None
+    if video is not None and frame is None:  # said before any episode runs
+        raise ValueError("--video: the env renders no frames (make it with render_mode='rgb_array' or pixels=)")
     names = _task_names(env)
     once, at_end, returns, lengths, tasks = [], [], [], [], []
     frames: list[np.ndarray] = []
@@ -175,8 +181,8 @@ def evaluate(policy, env, *, episodes: int = 10, seed: int = EVAL_SEED, determin
             while True:
                 if stop is not None and stop.is_set():
                     raise InterruptedError("evaluation stopped")
-                if filming and (f := _frame(env, obs)) is not None:
-                    frames.append(f)
+                if filming:
+                    frames.append(frame(obs))
                 result = policy.act(batch_of_one(obs))
                 obs, reward, terminated, truncated, info = env.step(result.env_actions[0])
                 ret += float(reward)
@@ -186,8 +192,8 @@ def evaluate(policy, env, *, episodes: int = 10, seed: int = EVAL_SEED, determin
                 ok = ok or last
                 if terminated or truncated:
                     break
-            if filming and (f := _frame(env, obs)) is not None:
-                frames.append(f)
+            if filming:
+                frames.append(frame(obs))
             once.append(ok)
             at_end.append(last)
             returns.append(ret)
@@ -195,8 +201,6 @@ def evaluate(policy, env, *, episodes: int = 10, seed: int = EVAL_SEED, determin
             tasks.append(task)
     written = None
     if video is not None:
-        if not frames:
-            raise ValueError("--video: the env renders no frames (make it with render_mode='rgb_array' or pixels=)")
         written = str(write_video(frames, video, fps))
     per_task = {}
     for name in sorted(set(tasks)):

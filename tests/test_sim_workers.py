@@ -284,7 +284,7 @@ async def test_an_unsupported_space_raises_type_error_and_leaves_no_process():
 
 
 async def test_a_dead_worker_fails_its_envs_is_respawned_and_its_envs_come_back_when_rebuilt():
-    from ebrl.runtime.sim_types import fault_reason
+    from ebrl.runtime.errors import fault_reason
 
     pool = ProcessSimPool(lambda i: MockEnv(latency=Latency.constant(1.0 if i == 0 else 0.0)), num_envs=4,
                           num_workers=2)

@@ -10,7 +10,7 @@ import types
 import numpy as np
 
 from ebrl.runtime import sim_workers
-from ebrl.runtime.sim_types import fault_reason
+from ebrl.runtime.errors import fault_reason
 from ebrl.runtime.sim_workers import ProcessSimPool
 from ebrl.testing import Latency, MockEnv
 

@@ -25,17 +25,8 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 
-
-def _leaves(space: spaces.Space, prefix: tuple[str, ...] = ()):
-    if isinstance(space, spaces.Dict):
-        for key, sub in space.spaces.items():
-            yield from _leaves(sub, (*prefix, key))
-    else:
-        yield prefix, space
-
-
-def _is_camera(space: spaces.Space) -> bool:
-    return isinstance(space, spaces.Box) and space.dtype == np.uint8 and len(space.shape) == 3
+from ebrl.policies.encoders import _leaves
+from ebrl.policies.encoders import _looks_like_image as _is_camera  # a uint8 Box of rank 3
 
 
 def _chw(shape: tuple[int, ...]) -> bool:

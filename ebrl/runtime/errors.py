@@ -25,6 +25,11 @@ from typing import NoReturn
 NOTE = "also failed meanwhile: "
 
 
+def fault_reason(detail: str) -> str:
+    """The drop reason of a step error's detail: ``env_error`` unless a pool said otherwise."""
+    return getattr(detail, "reason", "env_error")
+
+
 class EnvStepError(RuntimeError):
     """An env raised inside ``step``, ``reset`` or its constructor."""
 
@@ -34,7 +39,7 @@ class EnvStepError(RuntimeError):
 
     @property
     def reason(self) -> str:
-        return getattr(self.detail, "reason", "env_error")  # as sim_types.fault_reason
+        return fault_reason(self.detail)
 
 
 class TooManyEnvFailures(RuntimeError):

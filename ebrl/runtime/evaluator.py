@@ -21,7 +21,7 @@ from pathlib import Path
 
 import structlog
 
-from ebrl.evaluation import evaluate
+from ebrl.evaluation import evaluate, frame_source
 from ebrl.policies.base import acting_copy, load_published
 
 log = structlog.get_logger("ebrl.eval")
@@ -37,25 +37,15 @@ async def evaluate_periodically(trainer, learner, stats, metrics, *, every_s: fl
     try:
         policy = acting_copy(trainer.policy)
         env = await loop.run_in_executor(executor, trainer.env_fn, cfg.num_envs)
+        filmed = log_dir is not None and frame_source(env) is not None  # an env without frames: no video
+        deterministic = hasattr(policy, "deterministic")
         while True:
             await asyncio.sleep(every_s)
             version, steps, at = learner.version, stats.simulated, loop.time() - learner.t0
             load_published(policy, learner.published())
-            video = None
-            if log_dir is not None:
-                video = Path(log_dir) / "eval" / f"steps-{steps}.mp4"
-            deterministic = hasattr(policy, "deterministic")
-
-            def run():
-                try:
-                    return evaluate(policy, env, episodes=episodes, deterministic=deterministic, video=video,
-                                    stop=stop)
-                except ValueError as exc:  # an env with no frames: evaluate without the video
-                    if video is None or "renders no frames" not in str(exc):
-                        raise
-                    return evaluate(policy, env, episodes=episodes, deterministic=deterministic, stop=stop)
-
-            result = await loop.run_in_executor(executor, run)
+            video = Path(log_dir) / "eval" / f"steps-{steps}.mp4" if filmed else None
+            result = await loop.run_in_executor(executor, lambda: evaluate(
+                policy, env, episodes=episodes, deterministic=deterministic, video=video, stop=stop))
             row = {"env_steps": steps, "time": round(at, 3), "policy_version": version, "episodes": result.episodes,
                    "success_once": result.success_once, "success_at_end": result.success_at_end,
                    "mean_return": result.mean_return, "mean_length": result.mean_length}

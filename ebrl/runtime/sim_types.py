@@ -271,11 +271,6 @@ class NonFiniteReset(Fault):
     reason = "nonfinite"  # a reset observation with NaN/inf (faults.nonfinite='drop'): rebuilt like a failure
 
 
-def fault_reason(detail: str) -> str:
-    """The drop reason of a step error's detail: ``env_error`` unless a pool said otherwise."""
-    return getattr(detail, "reason", "env_error")
-
-
 def reset_env(env: gym.Env, seed: int | None = None) -> tuple[Any, dict]:
     obs, info = env.reset(seed=seed)
     return copy_tree(obs), info
