@@ -128,6 +128,24 @@ def test_sft_makes_a_policy_that_beats_a_random_one(tmp_path):
     before = evaluate(random, env, episodes=8, deterministic=True)
     after = evaluate(policy, env, episodes=8, deterministic=True)
     assert after.mean_return > before.mean_return + 5 and after.success_once >= 0.5 > before.success_once
+    # fit_std: the held-out episodes' Gaussian NLL is at its minimum over log_std, where each
+    # dimension's squared error averages one std squared
+    import torch
+    from ebrl.demos.features import ObsFeatures
+    from ebrl.sft import _split, bc_loss, demo_actions
+
+    demos = read_lerobot(tmp_path / "demos")
+    rows = np.flatnonzero(np.isin(demos.episode_of(), _split(demos, 0.1, 0)[1]))
+    obs = {k: torch.as_tensor(v[rows]) for k, v in ObsFeatures(env.observation_space).observations(demos.frames).items()}
+    act = torch.as_tensor(demo_actions(demos, env.action_space.shape)[rows])
+    fitted = torch.tensor(out["log_std"], dtype=torch.float32)
+    assert torch.allclose(policy.log_std.detach(), fitted)
+    nll = float(bc_loss(policy, obs, act))
+    assert abs(nll - float((0.5 + fitted + 0.5 * np.log(2 * np.pi)).sum())) < 1e-3
+    for shift in (-0.2, 0.2):
+        with torch.no_grad():
+            policy.log_std.copy_(fitted + shift)
+        assert float(bc_loss(policy, obs, act)) > nll
 
 
 def test_sft_trains_action_tokens_and_flow_chunks(tmp_path):

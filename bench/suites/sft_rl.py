@@ -5,15 +5,15 @@ On ManiSkill3 ``PickCube-v1`` from state (SAPIEN's CPU backend, end-effector con
 
 1. ``DEMOS`` episodes of the scripted expert (``ebrl demos collect``; it succeeds in each);
 2. SFT of an MLP policy on them (``ebrl sft``'s defaults, 200 epochs, and a value pass so that
-   PPO's critic does not start from nothing); success measured by
+   PPO's critic does not start from nothing; ``log_std`` is SFT's fit to the held-out error,
+   ``SFTConfig.fit_std``); success measured by
    :func:`ebrl.evaluation.evaluate` (``EVAL_EPISODES`` episodes on the evaluation seeds, the
    policy's mode). In exploratory runs 10 demonstrations cloned to success 0.0 and 100 to 0.33:
    too few to solve the task, enough to start from;
 3. RL from the SFT weights for ``MAX_S`` seconds, each run a fresh process: PPO on ManiSkill's
    dense reward under ``async`` and ``sync``, and GRPO on the sparse success under ``sync`` (its
    preferred schedule), 16 envs, every knob at its default but PPO's discount (``gamma=0.8``,
-   ManiSkill's PPO baseline's for its 50-step tasks, as in ``embodied-learning``) and the
-   policy's initial ``log_std`` (-0.5, ManiSkill's PPO baseline's); evaluated every
+   ManiSkill's PPO baseline's for its 50-step tasks, as in ``embodied-learning``); evaluated every
    ``EVAL_EVERY_S`` during the run (``run.eval_every_s``, ``EVAL_DURING`` episodes) and as SFT
    was at the end.
 
@@ -45,7 +45,6 @@ MAX_S = 600.0  # seconds of RL per run
 EVAL_EVERY_S, EVAL_DURING = 60.0, 10  # evaluation during RL: every minute, 10 episodes
 GAIN = 0.3
 RUNS = (("ppo", "async"), ("ppo", "sync"), ("grpo", "sync"))
-INIT_LOG_STD = -0.5
 SFT_EPOCHS = 200  # SFTConfig's 30 epochs are 210 gradient steps on 100 demonstrations' 1,800 frames
 
 
@@ -71,7 +70,7 @@ def prepare(seed: int, root: Path, quick: bool) -> dict:
                         env_kwargs=CONTROL)
     env = make(ENV, **CONTROL)
     try:
-        policy = MLPPolicy.from_spaces(env.observation_space, env.action_space, seed=seed, init_log_std=INIT_LOG_STD)
+        policy = MLPPolicy.from_spaces(env.observation_space, env.action_space, seed=seed)
         t0 = time.perf_counter()
         history = sft(policy, read_lerobot(demos_dir), env.observation_space, env.action_space,
                       SFTConfig(seed=seed, value_pass=True, gamma=0.8, epochs=2 if quick else SFT_EPOCHS))
@@ -79,10 +78,11 @@ def prepare(seed: int, root: Path, quick: bool) -> dict:
         result = evaluate(policy, env, episodes=2 if quick else EVAL_EPISODES, deterministic=True)
     finally:
         env.close()
-    spec = {"env": ENV, "env_kwargs": dict(CONTROL), "policy": {"kind": "mlp", "init_log_std": INIT_LOG_STD}}
+    spec = {"env": ENV, "env_kwargs": dict(CONTROL), "policy": {"kind": "mlp"}}
     save_sft(policy_dir, policy, spec, history)
     return {"demo_success": collected["success_once"], "demo_frames": collected["frames"], "sft_s": sft_s,
-            "sft_success": result.success_once, "sft_val_loss": history["val_loss"][-1], "policy_dir": str(policy_dir)}
+            "sft_success": result.success_once, "sft_val_loss": history["val_loss"][-1],
+            "sft_log_std": history.get("log_std"), "policy_dir": str(policy_dir)}
 
 
 def measure_run(algo: str, schedule: str, seed: int, policy_dir: str, sft_success: float, quick: bool) -> dict:
@@ -99,9 +99,9 @@ def measure_run(algo: str, schedule: str, seed: int, policy_dir: str, sft_succes
 
     fn = env_fn("normalized_dense" if algo == "ppo" else "sparse")
     probe = fn(0)
-    policy = MLPPolicy.from_spaces(probe.observation_space, probe.action_space, seed=seed, init_log_std=INIT_LOG_STD)
+    policy = MLPPolicy.from_spaces(probe.observation_space, probe.action_space, seed=seed)
     probe.close()
-    load_policy_weights(policy_dir, policy)
+    load_policy_weights(policy_dir, policy)  # log_std included: SFT's fit
     algorithm = PPO(seed=seed, gamma=0.8) if algo == "ppo" else GRPO(seed=seed)
     cfg = ebrl.RunConfig(num_envs=NUM_ENVS, segment_len=50, total_env_steps=10_000_000, schedule=schedule,
                          seed=seed, eval_every_s=3.0 if quick else EVAL_EVERY_S, eval_episodes=EVAL_DURING)
@@ -168,5 +168,4 @@ def run(quick: bool, in_process: bool = False) -> dict:
     return {"rows": rows, "summary": {}, "ratios": ratios, "figures": figures, "targets": targets,
             "meta": {"description": DESCRIPTION, "quick": quick, "seeds": list(seeds), "rounds": len(seeds),
                      "fresh_processes": not in_process, "env": ENV, "demos": DEMOS, "eval_episodes": EVAL_EPISODES,
-                     "num_envs": NUM_ENVS, "max_s": MAX_S, "runs": [list(r) for r in RUNS],
-                     "init_log_std": INIT_LOG_STD}}
+                     "num_envs": NUM_ENVS, "max_s": MAX_S, "runs": [list(r) for r in RUNS]}}
