@@ -10,7 +10,8 @@ import pytest
 from ebrl import spaces
 
 SIM_MODULES = ["ebrl.spaces", "ebrl.runtime.sim_types", "ebrl.runtime.vector_envs", "ebrl.runtime.sim_local",
-               "ebrl.runtime.sim_workers", "ebrl.runtime.sim_pool"]
+               "ebrl.runtime.sim_threads", "ebrl.runtime.sim_worker_process", "ebrl.runtime.sim_workers",
+               "ebrl.runtime.sim_pool"]
 
 
 @pytest.mark.parametrize("first", SIM_MODULES)
@@ -33,18 +34,6 @@ def test_no_function_level_imports_between_sim_modules():
                 for inner in ast.walk(node):
                     if isinstance(inner, ast.ImportFrom) and (inner.module or "").startswith("ebrl.runtime.sim"):
                         pytest.fail(f"{name}.{node.name} imports {inner.module} inside a function")
-
-
-def test_sim_pool_still_exports_the_names_users_import():
-    from ebrl.runtime import errors, sim_local, sim_types, sim_workers
-    from ebrl.runtime import sim_pool
-
-    assert sim_pool.StepOut is sim_types.StepOut and sim_pool.EnvStepError is errors.EnvStepError
-    assert sim_pool.SimPool is sim_types.SimPool and sim_pool.single_spaces is sim_types.single_spaces
-    assert sim_pool.ThreadSimPool is sim_local.ThreadSimPool and sim_pool.ProcessSimPool is sim_workers.ProcessSimPool
-    assert sim_pool.own is spaces.copy_tree and sim_pool.all_finite is spaces.all_finite
-    for name in sim_pool.__all__:
-        assert hasattr(sim_pool, name), name
 
 
 def _obs(i: float, as_dict: bool):

@@ -130,7 +130,7 @@ async def test_bad_env_fn_reports_the_env_and_the_cause():
         raise FileNotFoundError("no assets here")
 
     tr = ebrl.Trainer(broken, MockPolicy(act_dim=4), NoopAlgo(), ebrl.RunConfig(num_envs=2, sim={"backend": "thread"}))
-    with pytest.raises(ebrl.runtime.sim_pool.EnvStepError, match="env 0 failed in env_fn: FileNotFoundError: no assets"):
+    with pytest.raises(ebrl.runtime.errors.EnvStepError, match="env 0 failed in env_fn: FileNotFoundError: no assets"):
         await ebrl.run(tr)
 
 

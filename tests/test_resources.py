@@ -515,7 +515,7 @@ def test_fewer_workers_retire_only_after_their_envs_have_moved_off():
             self.size = n
 
     pool, driver = Pool(), SimpleNamespace(moves={}, migrating=set())
-    gen = SimpleNamespace(max_wait_s=0.002, batch_target=8, offload_mode=Offload.INLINE)
+    gen = SimpleNamespace(max_wait_s=0.002, batch_target=8, offload_mode=Offload.INLINE, actuators=dict)
     cfg = ebrl.RunConfig(num_envs=8, sim={"backend": "process"})
     profiler = SimpleNamespace(take=lambda: profile(n=8, placement=pool.placement), close=lambda: None)
     mgr = ResourceManager(cfg, profiler, pool, driver, gen, virtual=False)
@@ -572,12 +572,11 @@ def test_the_profile_counts_an_update_and_a_park_still_in_progress():
     from ebrl.runtime.generation import Generator
     from ebrl.testing import MockPolicy
 
-    class Learner:  # busy_until_now's arithmetic, as the profiler reads it
-        busy_s, _update_t0 = 2.0, 10.0
+    from ebrl.runtime.stage import Stage
 
-    from ebrl.runtime.learner import Learner as Real
-
-    assert Real.busy_until_now(Learner(), 12.5) == 4.5
+    stage = Stage("learner")  # busy_until_now's arithmetic, as the profiler reads the learner's
+    stage.busy_s, stage._started = 2.0, 10.0
+    assert stage.busy_until_now(12.5) == 4.5
 
     async def paused() -> tuple[float, float]:
         gen = Generator(MockPolicy(act_dim=1), batch_target=1, max_wait_s=0.0)
@@ -640,7 +639,7 @@ def test_learner_threads_reach_the_learner_process_with_the_next_update():
 
     import torch
 
-    from ebrl.runtime.learner import LearnerProcess
+    from ebrl.runtime.learner_process import LearnerProcess
 
     policy, algo = torch.nn.Linear(2, 2), ThreadsAlgo()
     remote = LearnerProcess(policy, algo, torch_threads=1)

@@ -405,7 +405,7 @@ async def test_workers_count_each_envs_steps_wall_and_cpu_time(no_leaks):
         return MockEnv(latency=Latency.constant(0.01 if i < 2 else 0.0), latency_mode="spin" if i == 1 else "sleep")
 
     pool = ProcessSimPool(make, num_envs=4, num_workers=2)
-    assert pool.costs() is None and pool.worker_cpu_s() == []
+    assert pool.costs() is None
     col = await started(pool)
     try:
         assert pool.costs().shape[0] == 4 and not pool.costs().any()
@@ -423,9 +423,6 @@ async def test_workers_count_each_envs_steps_wall_and_cpu_time(no_leaks):
         assert costs[1, CPU] / costs[1, WALL] > 0.5
         costs[:] = -1  # a copy
         assert (pool.costs() >= 0).all()
-        cpu = pool.worker_cpu_s()
-        assert len(cpu) == 2 and all(c >= 0 for c in cpu)
-        assert cpu[1] >= 0.5 * pool.costs()[1, CPU]  # psutil counts in clock ticks: a wide margin
     finally:
         pool.close()
     assert pool.costs() is None
@@ -587,7 +584,7 @@ async def test_resize_adds_empty_workers_and_retires_only_empty_ones(tmp_path, s
         with pytest.raises(ValueError, match=">= 1"):
             pool.resize(0)
         pool.resize(3)
-        assert pool.size == 3 and len(pool.worker_cpu_s()) == 3
+        assert pool.size == 3
         pid = pids(pool)
         assert pool.placement.tolist() == [0, 1, 0]
         _, info = await pool.migrate(2, 2, seed=None)

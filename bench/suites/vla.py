@@ -94,7 +94,7 @@ def publication_seconds(reps: int = 5) -> dict:
     """Seconds to snapshot one publication on the training copy and load it into the acting copy:
     LoRA's trainable tensors against the whole state dict, alternating, ``reps`` of each."""
     from ebrl.policies.base import acting_copy, load_published, published_state
-    from ebrl.runtime.learner import snapshot
+    from ebrl.runtime.learner_process import snapshot
 
     env = reach_env(0)
     policy = policy_fn(env.observation_space, env.action_space, 0)

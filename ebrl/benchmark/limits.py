@@ -90,7 +90,7 @@ def generation_capacity(suite: Suite, env_fn, seed: int = 0) -> tuple[float, int
 
 def training_capacity(suite: Suite, env_fn, seed: int = 0) -> float:
     """Env steps/s the algorithm trains on alone (one update on a batch of num_envs x T steps)."""
-    from ebrl.runtime.learner import update_once
+    from ebrl.runtime.learner_process import update_once
     from ebrl.runtime.rollout import RolloutQueue, collate
     from ebrl.runtime.stats import RunStats
 

@@ -273,7 +273,7 @@ class Driver:
             if not go:
                 return
         else:
-            state.budget -= len(ids)
+            state.claim_all(len(ids))
         blocked = self.rollout.need_space(ids)
         if np.count_nonzero(blocked):
             if self.lockstep or self.V > 1:
@@ -328,6 +328,12 @@ class Driver:
         self.t_ready[ids] = now  # from here on "blocked"
         self.generator.poke()
         self.rollout.poke()
+
+    def counters(self) -> dict[str, np.ndarray]:
+        """Per env, the seconds waited so far: for the step (``sim``), for the action, at the
+        lockstep barrier, and parked by backpressure (a park in progress counted up to now)."""
+        return {"sim": self.wait_sim.copy(), "action": self.wait_action.copy(), "barrier": self.wait_barrier.copy(),
+                "backpressure": self.blocked_until_now()}
 
     def blocked_until_now(self) -> np.ndarray:
         """``wait_blocked`` with the envs parked right now counted up to now: a long update holds

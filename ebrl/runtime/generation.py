@@ -10,10 +10,11 @@ soon as one of three things holds:
    never longer than ``max_wait_s``: waiting longer than a batch costs would delay the
    waiting envs more than a second, smaller batch would.
 
-One batch runs at a time, off the event loop in a worker thread once batches cost more
-than a thread hop (``Offload.AUTO``), so simulation results keep flowing while the policy
-runs. New weights are swapped in between batches, never during one, and every action is
-tagged with the version of the weights that produced it. No future or task per request:
+One batch runs at a time, off the event loop in the generator's
+:class:`~ebrl.runtime.stage.Stage` thread once batches cost more than a thread hop
+(``Offload.AUTO``), so simulation results keep flowing while the policy runs. New weights are
+swapped in between batches, never during one, and every action is tagged with the version of
+the weights that produced it. No future or task per request:
 the batch calls each request's callback with its rows of the result.
 
     >>> import asyncio, numpy as np
@@ -39,13 +40,13 @@ import asyncio
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ebrl.config import Offload
 from ebrl.policies.base import ActResult, load_published
+from ebrl.runtime.stage import Stage
 from ebrl.runtime.state import RunState
 from ebrl.runtime.virtual_time import is_virtual
 from ebrl.spaces import batch_of_one, concat
@@ -123,8 +124,9 @@ class Generator:
         self.max_request_wait_s = 0.0
         self.request_wait_s = 0.0  # summed over rows: how long each waited for its batch to start
         self.capped_batches = 0  # batches started because the wait reached max_wait_s (not full, not all waiting)
-        self.busy_s = 0.0  # time spent in policy calls
-        self.cpu_s = 0.0  # CPU time of the threads making them (wall over CPU: how long calls wait for the GIL)
+        # where policy calls run and what they cost (busy and CPU seconds: wall over CPU says how
+        # long calls wait for the GIL)
+        self.stage = Stage("generator", getattr(policy, "virtual_cost", None))
         self._on_batch = on_batch  # (env ids, version) as a batch forms: the rollout marks them in flight
         self._timeline = timeline  # records lane "generator", "batch" (arg: batch size) per policy call
         self._pending: list[tuple[np.ndarray, Any, OnActions, float]] = []  # (ids, obs rows, callback, time)
@@ -139,11 +141,34 @@ class Generator:
         self._idle.set()
         self._new_weights: tuple[dict, int] | None = None
         self.load_weights_s = 0.0  # loading published weights into the acting copy
-        self._executor: ThreadPoolExecutor | None = None
         self._cost_ewma: float | None = None  # seconds per inline policy call (AUTO offload)
         self._warmed = False  # AUTO: the first call ran (in the thread)
         self.batch_s_ewma = 0.0  # seconds per batch, how ever it ran: the adaptive wait
-        self._virtual_cost = getattr(policy, "virtual_cost", None)
+
+    @property
+    def busy_s(self) -> float:
+        return self.stage.busy_s
+
+    @property
+    def cpu_s(self) -> float:
+        return self.stage.cpu_s
+
+    def counters(self, now: float) -> dict[str, float]:
+        """Its counters as they stand at loop time ``now`` (running totals: a profile window is
+        the difference of two snapshots)."""
+        sizes = self.batch_sizes
+        return {"gen_batches": sum(sizes.values()), "gen_rows": sum(k * v for k, v in sizes.items()),
+                "gen_busy": self.busy_s, "gen_cpu": self.cpu_s, "gen_wait": self.request_wait_s,
+                "gen_capped": self.capped_batches, "gen_paused": self.paused_until_now(now)}
+
+    def actuators(self) -> dict[str, Callable[[Any], None]]:
+        """Knob -> setter, for the controller's decisions; each takes effect at the next batch."""
+        def batch_target(rows: int) -> None:
+            self.batch_target = int(rows)
+            self.poke()  # rows waiting now may already make a batch
+
+        return {"max_wait_s": lambda s: setattr(self, "max_wait_s", float(s)), "batch_target": batch_target,
+                "offload": lambda mode: setattr(self, "offload", Offload(mode))}
 
     @property
     def live(self) -> int:
@@ -229,9 +254,7 @@ class Generator:
                     await self._unpaused.wait()
                 await self._run_batch(loop, virtual)
         finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True, cancel_futures=True)
-                self._executor = None
+            self.stage.close()
             self._pending.clear()
 
     async def _run_batch(self, loop: asyncio.AbstractEventLoop, virtual: bool) -> None:
@@ -262,25 +285,14 @@ class Generator:
             self._on_batch(env_ids, self.version)
         self._idle.clear()
         try:
-            t0, cpu0 = time.perf_counter(), time.thread_time()
             act = self.policy.act if self.streams is None else self._act_on_stream
-            if virtual or not self._use_thread():
-                result = act(obs)
-                spent = time.perf_counter() - t0
-                if not virtual:
-                    # CPU time, not wall: waiting for the GIL or a core under load is no reason to offload
-                    cpu = time.thread_time() - cpu0
-                    self.cpu_s += cpu
-                    self._cost_ewma = cpu if self._cost_ewma is None else 0.9 * self._cost_ewma + 0.1 * cpu
-            else:
-                if self._executor is None:
-                    self._executor = ThreadPoolExecutor(1, thread_name_prefix="ebrl-generator")
-                result = await loop.run_in_executor(self._executor, self._timed, act, obs)
-                spent = time.perf_counter() - t0
-            if virtual and self._virtual_cost is not None:
-                spent = float(self._virtual_cost(rows))
-                await asyncio.sleep(spent)
-            self.busy_s += spent
+            threaded = not virtual and self._use_thread()
+            result = await self.stage.call(act, obs, thread=threaded, size=rows)
+            spent = self.stage.last_s
+            if not virtual and not threaded:
+                # CPU time, not wall: waiting for the GIL or a core under load is no reason to offload
+                cpu = self.stage.last_cpu_s
+                self._cost_ewma = cpu if self._cost_ewma is None else 0.9 * self._cost_ewma + 0.1 * cpu
             if self.batch_sizes:  # the first call pays the policy's lazy set-up: not its cost
                 self.costs.add(rows, spent)
             self.batch_s_ewma = 0.8 * self.batch_s_ewma + 0.2 * spent
@@ -297,13 +309,6 @@ class Generator:
             on_actions(ids, result, lo, hi, version)
             lo = hi
         self.request_wait_s += waited
-
-    def _timed(self, act, obs: Any) -> ActResult:
-        c0 = time.thread_time()  # in the generator thread: its own CPU time
-        try:
-            return act(obs)
-        finally:
-            self.cpu_s += time.thread_time() - c0
 
     @property
     def offload_mode(self) -> Offload:

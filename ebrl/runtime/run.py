@@ -30,7 +30,8 @@ from ebrl.runtime.drivers import Driver
 from ebrl.runtime.env_facts import inspect_env
 from ebrl.runtime.errors import raise_first
 from ebrl.runtime.generation import Generator
-from ebrl.runtime.learner import Checkpointing, Learner, LearnerProcess
+from ebrl.runtime.learner import Checkpointing, Learner
+from ebrl.runtime.learner_process import LearnerProcess
 from ebrl.runtime.resources.gpu import GpuStreams
 from ebrl.runtime.resources.manager import ResourceManager
 from ebrl.runtime.resources.profiler import LiveProfiler
@@ -149,7 +150,7 @@ async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop
         metrics.open()
         if not virtual:  # a virtual run's hardware use means nothing, and its history stays deterministic
             metrics.system = SystemSampler()
-        profiler = LiveProfiler(pool, driver, generator, learner, stats, loop.time,
+        profiler = LiveProfiler(pool, driver, generator, learner, loop.time,
                                 system=None if virtual else SystemSampler())  # cores, and GPUs via pynvml
         manager = ResourceManager(cfg, profiler, pool, driver, generator, virtual, streams, learner,
                                   learner_threads=learner_threads)
@@ -185,34 +186,27 @@ async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop
             torch.set_num_threads(old_threads)
     if progress is not None:
         progress(stats, learner)
-    stats.gen_batches = generator.batch_sizes
-    stats.gen_wait_max_s = generator.max_request_wait_s
-    stats.gen_costs = generator.costs.to_dict()
     t_end = loop.time()
-    result = summarize(stats, schedule=cfg.schedule.value, wall_s=t_end - t0,
-                       in_flight=rollout.pending_steps() + learner.untrained_in_hand,
-                       version=learner.version, steps_per_env=rollout.steps_per_env.tolist(),
-                       history=learner.history, ended_at=t_end)
-    result.timeouts = driver.timeouts
-    result.respawns = getattr(pool, "respawns", 0)
-    result.sim_backend = pool.backend.value
-    result.sim_size = pool.size
-    result.learner_mode = mode.value
-    result.generator_busy_s = generator.busy_s
-    result.learner_busy_s = learner.busy_s
-    result.cpu_wall_s = time.perf_counter() - wall0
-    result.profiles = [p.to_dict() for p in manager.profiles]
-    result.decisions = [d.to_dict() for d in manager.decisions]
-    result.migrations = driver.migrations
-    result.evaluations = list(metrics.eval_rows)
-    if learner.version:
-        result.publications = learner.version
-        result.publish_bytes = stats.published_bytes / learner.version
-        result.publish_s = (stats.publish_snapshot_s + generator.load_weights_s) / learner.version
-    if result.wall_s > 0:
-        result.busy = {"generator": generator.busy_s / result.wall_s, "learner": learner.busy_s / result.wall_s}
+    wall_s, versions = t_end - t0, learner.version
+    busy = {}
+    if wall_s > 0:
+        busy = {"generator": generator.busy_s / wall_s, "learner": learner.busy_s / wall_s}
         if timeline is not None:
-            result.busy["sim"] = timeline.busy_fraction("env", t0, t_end, name="sim")
+            busy["sim"] = timeline.busy_fraction("env", t0, t_end, name="sim")
+    result = summarize(
+        stats, schedule=cfg.schedule.value, wall_s=wall_s, in_flight=rollout.pending_steps() + learner.untrained_in_hand,
+        version=versions, gen_batches=generator.batch_sizes, ended_at=t_end,
+        steps_per_env=rollout.steps_per_env.tolist(), history=learner.history,
+        gen_wait_max_s=generator.max_request_wait_s, gen_costs=generator.costs.to_dict(),
+        timeouts=driver.timeouts, respawns=getattr(pool, "respawns", 0), migrations=driver.migrations,
+        sim_backend=pool.backend.value, sim_size=pool.size, learner_mode=mode.value,
+        generator_busy_s=generator.busy_s, learner_busy_s=learner.busy_s, busy=busy,
+        cpu_wall_s=time.perf_counter() - wall0,
+        profiles=[p.to_dict() for p in manager.profiles], decisions=[d.to_dict() for d in manager.decisions],
+        evaluations=list(metrics.eval_rows),
+        publications=versions,
+        publish_bytes=stats.published_bytes / versions if versions else math.nan,
+        publish_s=(stats.publish_snapshot_s + generator.load_weights_s) / versions if versions else math.nan)
     if dp is not None:  # every rank's counters, summed; the weights' hash of every rank
         result = combine_results(dp, result, weight_hash(trainer.policy))
     metrics.write_result(result)

@@ -3,7 +3,7 @@
 A step that mostly waits (a sleep, a device, a C++ simulator that releases the GIL) overlaps
 with others on thread lanes in this process; a step that computes in Python holds the GIL, so
 it belongs in a worker process. One run may have both kinds of env. This pool hosts each env
-on one of two parts, a :class:`~ebrl.runtime.sim_local.ThreadSimPool` and a
+on one of two parts, a :class:`~ebrl.runtime.sim_threads.ThreadSimPool` and a
 :class:`~ebrl.runtime.sim_workers.ProcessSimPool`, and :meth:`MixedSimPool.migrate` moves an
 idle env between them (or between workers) at an episode end, rebuilt from ``env_fn`` where it
 goes. The resource controller decides the moves from each env's measured step
@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from ebrl.config import SimBackend
-from ebrl.runtime.sim_local import ThreadSimPool
+from ebrl.runtime.sim_threads import ThreadSimPool
 from ebrl.runtime.sim_types import EnvFn, OnBlock, SimPool
 from ebrl.runtime.sim_workers import NOWHERE, ProcessSimPool
 from ebrl.spaces import index

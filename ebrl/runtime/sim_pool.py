@@ -5,7 +5,8 @@ Three backends (:class:`~ebrl.config.SimBackend`), one file a role:
 - ``sim_types.py``: what they share (:class:`StepOut`, :class:`EnvStepError`, the
   :class:`SimPool` interface, ``step_env`` with same-step autoreset).
 - ``sim_local.py``: ``InlineSimPool`` steps on the event loop thread (envs cheaper than a
-  thread hop; virtual time), ``ThreadSimPool`` on lane threads (simulators that release the GIL).
+  thread hop; virtual time); ``sim_threads.py``: ``ThreadSimPool`` on lane threads
+  (simulators that release the GIL).
 - ``sim_workers.py``: ``ProcessSimPool`` hosts the envs in worker processes (GIL-bound Python
   envs, which is most gymnasium envs).
 - ``sim_mixed.py``: ``MixedSimPool`` holds both, each env on lanes or in a worker; the resource
@@ -15,8 +16,7 @@ Three backends (:class:`~ebrl.config.SimBackend`), one file a role:
 
 Every backend resets an env in the same call as the step that ends its episode
 (gymnasium's ``AutoresetMode.SAME_STEP``): ``StepOut.obs`` is then the first observation
-of the next episode and ``final_obs`` the last one of the episode that ended. The shared
-names are importable from here too, as before the split.
+of the next episode and ``final_obs`` the last one of the episode that ended.
 
     >>> import asyncio, gymnasium as gym
     >>> from ebrl.runtime.sim_pool import make_sim_pool
@@ -47,34 +47,19 @@ from dataclasses import dataclass
 from ebrl.config import ConfigError, SimBackend, SimConfig
 from ebrl.runtime.errors import EnvStepError
 from ebrl.runtime.env_facts import EnvFacts, inspect_env
-from ebrl.runtime.sim_local import InlineSimPool, ThreadSimPool
+from ebrl.runtime.sim_local import InlineSimPool
+from ebrl.runtime.sim_threads import ThreadSimPool
 from ebrl.runtime.sim_mixed import MixedSimPool
-from ebrl.runtime.sim_types import (
-    EnvFn,
-    SimPool,
-    StepOut,
-    close_quietly,
-    describe,
-    reset_env,
-    single_spaces,
-    step_env,
-)
+from ebrl.runtime.sim_types import EnvFn, SimPool, describe
 from ebrl.runtime.sim_workers import ProcessSimPool
 from ebrl.runtime.threads import ignore_stop_signals, in_thread, usable_cpus
-from ebrl.spaces import all_finite, copy_tree
 from ebrl.telemetry.logging import get_logger
 
 log = get_logger("ebrl.sim")
 DEFAULT_LANES = 2  # thread lanes when neither the probe nor sim.num_threads says
 
-own = copy_tree  # the name this module gave it before the split
-
-__all__ = [
-    "EnvFn", "EnvStepError", "InlineSimPool", "MixedSimPool", "Probe", "ProcessSimPool", "SimPool", "StepOut",
-    "ThreadSimPool", "StepProfile", "all_finite", "choose_backend", "close_quietly", "decide_backend", "decide_lanes",
-    "make_sim_pool", "measure_step_cost",
-    "own", "probe_backend", "reset_env", "single_spaces", "step_env",
-]
+__all__ = ["Probe", "StepProfile", "choose_backend", "decide_backend", "decide_lanes", "make_sim_pool",
+           "measure_step_cost", "probe_backend"]
 
 
 @dataclass(frozen=True)

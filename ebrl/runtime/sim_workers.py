@@ -5,7 +5,8 @@ Env ``i`` lives in worker ``placement[i]``: round-robin (``i % W``) at start, ch
 anew in the target worker from ``env_fn(i)`` and resetting it there, and only then closing the
 old copy (so an ``env_fn`` that fails in the new worker leaves the env where it was).
 :meth:`ProcessSimPool.resize` adds empty workers, or retires the last ones once no env is placed
-on them. The event loop watches each worker's pipe with ``add_reader`` (no thread in between).
+on them. The event loop watches each worker's pipe with ``add_reader`` (no thread in between);
+what runs in the worker is :mod:`ebrl.runtime.sim_worker_process`.
 Every array of :class:`StepRows` (one per observation key, for ``obs`` and ``final_obs``, plus
 actions, rewards, flags and per-env costs) is a shared-memory block made by the parent, so a
 step request or reply is a 1-byte tag and the int32 env ids: nothing is pickled per step. Only
@@ -54,231 +55,28 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
-import psutil
 
 from ebrl.config import SimBackend
 from ebrl.runtime.errors import EnvStepError
-from ebrl.runtime.sim_types import (
-    STEPS,
-    WALL,
-    EnvFn,
-    SimPool,
-    StepRows,
-    TimedOut,
-    WorkerDied,
-    close_quietly,
-    describe,
-    reset_env,
-    step_env,
+from ebrl.runtime.sim_types import EnvFn, SimPool, StepRows, TimedOut, WorkerDied
+from ebrl.runtime.sim_worker_process import (
+    ERRORS,
+    PICKLED,
+    QUIT,
+    READ_BYTES,
+    STEP,
+    release_shared,
+    shm_alloc,
+    worker_main,
 )
-from ebrl.runtime.threads import ignore_stop_signals, in_thread
-from ebrl.spaces import index, tree_map
+from ebrl.runtime.threads import in_thread
+from ebrl.spaces import index
 from ebrl.telemetry.logging import get_logger
 
 log = get_logger("ebrl.sim")
-CLOSE_WAIT_S = 1.0  # close() waits this long for the workers to quit, then kills them (see sim_local)
+CLOSE_WAIT_S = 1.0  # close() waits this long for the workers to quit, then kills them (see sim_threads)
 
 NOWHERE = -1  # the placement of an env this pool does not host (a mixed pool's env on thread lanes)
-
-# message tags. Parent to worker: step ids, pickled requests, quit. Worker to parent: step ids,
-# pickled (step ids, errors), pickled request replies.
-_STEP, _ERRORS, _PICKLED, _QUIT = b"S", b"E", b"P", b"Q"
-_ALPHA = 0.1  # EWMA weight of the latest step time (low: a step preempted by another process is noise)
-_READ_BYTES = 1 << 20  # the most one read of a worker's pipe takes (more waits for the next)
-_STRAGGLER = 3.0  # an env expected to take this many times its message-mates' mean is a straggler
-# ... and to take at least this long: each reply costs the event loop a block (about 0.2 ms of
-# CPU at 32 envs), so holding the finished envs for less than that is cheaper than splitting.
-# Without it, the timing noise of microsecond steps made ~7% of replies single envs.
-_STRAGGLER_MIN_S = 100e-6
-
-
-def _shm_alloc(blocks: list[shared_memory.SharedMemory], names: list[str] | None = None):
-    """An ``alloc`` for :class:`StepRows`: each array a new block (parent), or the next of
-    ``names`` (worker: same spaces, same call order, so the same sequence)."""
-
-    def alloc(shape: tuple, dtype: np.dtype) -> np.ndarray:
-        nbytes = max(1, int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize)
-        if names is None:
-            block = shared_memory.SharedMemory(create=True, size=nbytes)
-        else:
-            # workers share the parent's resource tracker (started before they are), so
-            # attaching registers nothing new; the parent unlinks each block once, at close
-            block = shared_memory.SharedMemory(name=names[len(blocks)])
-        blocks.append(block)
-        return np.ndarray(shape, dtype, buffer=block.buf)
-
-    return alloc
-
-
-def _release(rows: StepRows | None, blocks: list[shared_memory.SharedMemory], unlink: bool) -> None:
-    if rows is not None:
-        rows.close()  # drop the arrays first: a block with live views cannot close
-    for block in blocks:
-        with contextlib.suppress(BufferError):  # a view still held: unlinking still frees the name
-            block.close()
-        if unlink:
-            with contextlib.suppress(FileNotFoundError):
-                block.unlink()
-    blocks.clear()
-
-
-def _worker_main(conn, env_fn: EnvFn, env_ids: list[int], num_envs: int, hold_s: float,
-                 attach: tuple | None = None) -> None:
-    """A worker process: hosts its envs and answers requests until told to quit.
-
-    At start it builds ``env_ids``, sends ``("ready", obs_space, act_space)`` (or ``("error",
-    env_id, detail)``) and waits for ``attach``: the shared-memory block names and the spaces. A
-    worker added later (:meth:`ProcessSimPool.resize`) hosts no env yet and gets ``attach`` as
-    an argument instead: it sends nothing before its first reply.
-    """
-    ignore_stop_signals()  # the parent decides when we stop
-    envs: dict[int, gym.Env] = {}
-    blocks: list[shared_memory.SharedMemory] = []
-    rows = None
-    try:
-        if attach is None:
-            for i in env_ids:
-                try:
-                    envs[i] = env_fn(i)
-                except Exception as exc:
-                    conn.send_bytes(pickle.dumps(("error", i, describe(exc))))
-                    return
-            first = envs[env_ids[0]]
-            conn.send_bytes(pickle.dumps(("ready", first.observation_space, first.action_space)))
-            raw = conn.recv_bytes()
-            if raw == _QUIT:
-                return
-            attach = pickle.loads(raw)
-        names, obs_space, act_space = attach
-        rows = StepRows(num_envs, obs_space, act_space, alloc=_shm_alloc(blocks, names))
-        # EWMA of each env's step wall time, by env id (any env may be adopted later)
-        cost: list[float | None] = [None] * num_envs
-        while True:
-            raw = conn.recv_bytes()
-            kind, body = raw[:1], raw[1:]
-            if kind == _STEP:
-                _step_message(conn, envs, rows, cost, np.frombuffer(body, np.int32).tolist(), hold_s)
-            elif kind == _PICKLED:
-                replies = _serve(envs, env_fn, pickle.loads(body), rows, cost)
-                conn.send_bytes(_PICKLED + pickle.dumps(replies))
-            else:
-                break
-    except (EOFError, KeyboardInterrupt, BrokenPipeError, OSError):
-        pass
-    finally:
-        _release(rows, blocks, unlink=False)
-        for env in envs.values():
-            close_quietly(env)
-
-
-def _step_message(conn, envs, rows: StepRows, cost: list, ids: list[int], hold_s: float) -> None:
-    """Step ``ids`` cheapest first, streaming replies by the rule in the module docstring."""
-    arrived = time.perf_counter()  # the envs' QUEUE cost: from here to their step's start
-    done: list[int] = []
-    errors: list[tuple[int, str]] = []
-    since = 0.0  # when the oldest unsent env finished
-
-    def send() -> None:
-        raw = np.asarray(done, np.int32).tobytes()
-        conn.send_bytes(_ERRORS + pickle.dumps((raw, list(errors))) if errors else _STEP + raw)
-        done.clear()
-        errors.clear()
-
-    stepped, total = 0, 0.0  # envs of this message stepped so far, and their summed expected cost
-    cpu = time.process_time  # the whole process: a simulator's helper threads count too
-    for i in sorted(ids, key=lambda j: cost[j] or 0.0):
-        expect = cost[i] or 0.0
-        if (done or errors) and (expect > hold_s or (stepped and expect > max(_STRAGGLER * total / stepped,
-                                                                               _STRAGGLER_MIN_S))):
-            send()  # (a): a known-slow env (slow outright, or next to its message-mates) must not hold the finished ones
-        stepped, total = stepped + 1, total + expect
-        c0, t0 = cpu(), time.perf_counter()
-        rows.started[i] = t0  # the parent's step timeout counts from here
-        try:
-            rows.write(i, step_env(envs[i], tree_map(lambda a: a.copy(), index(rows.act, i)), rows.reset_seed, i))
-            done.append(i)
-        except Exception as exc:
-            errors.append((i, describe(exc)))
-        t1 = time.perf_counter()
-        rows.started[i] = 0.0
-        rows.add_cost(i, t1 - t0, cpu() - c0, t0 - arrived)  # before the reply: the parent reads it after
-        c = cost[i]
-        cost[i] = t1 - t0 if c is None else c + _ALPHA * (t1 - t0 - c)
-        if len(done) + len(errors) == 1:
-            since = t1
-        elif t1 - since > hold_s:
-            send()  # (b): the oldest unsent one has waited long enough
-    if done or errors:
-        send()
-
-
-def _serve(envs: dict[int, gym.Env], env_fn: EnvFn, requests: list[tuple[str, int, Any]],
-           rows: StepRows | None = None, cost: list | None = None) -> list:
-    """Answer pickled requests ``(op, env_id, arg)`` in order, one reply ``(env_id, ok, payload)``
-    each; a failure's payload is its description, or ``(op, description)`` naming the part of
-    the request that failed (``adopt``: ``env_fn`` or ``reset``).
-
-    ``reset`` (arg: seed) -> (obs, info); ``rebuild`` -> None; ``adopt`` (arg: seed) builds the
-    env from ``env_fn`` and resets it -> (obs, info), keeping nothing if either fails; ``drop``
-    closes the env and forgets it -> None.
-    """
-    replies = []
-    for op, i, arg in requests:
-        if rows is not None:
-            rows.started[i] = time.perf_counter()  # the parent's reset timeout counts from here
-        try:
-            if op == "adopt":
-                replies.append((i, True, _adopt(envs, env_fn, i, arg, rows, cost)))
-                continue
-            if op == "drop":
-                close_quietly(envs.pop(i))
-                if cost is not None:
-                    cost[i] = None
-                replies.append((i, True, None))
-                continue
-            if op == "rebuild":  # the env may be missing: its worker was respawned, or a build failed
-                old = envs.pop(i, None)
-                if old is not None:
-                    close_quietly(old)
-                envs[i] = env_fn(i)
-            if op == "reset" and i not in envs:
-                raise LookupError(f"env {i} is not built in this worker (it was respawned): rebuild the env")
-            replies.append((i, True, reset_env(envs[i], seed=arg) if op == "reset" else None))
-        except _AdoptError as exc:
-            replies.append((i, False, (exc.op, exc.detail)))
-        except Exception as exc:
-            replies.append((i, False, describe(exc)))
-        finally:
-            if rows is not None:
-                rows.started[i] = 0.0
-    return replies
-
-
-class _AdoptError(Exception):
-    def __init__(self, op: str, detail: str):
-        super().__init__(op, detail)
-        self.op, self.detail = op, detail
-
-
-def _adopt(envs: dict[int, gym.Env], env_fn: EnvFn, i: int, seed: Any, rows: StepRows | None,
-           cost: list | None) -> tuple[Any, dict]:
-    stale = envs.pop(i, None)  # a copy left by a cancelled migration: the parent's placement decides
-    if stale is not None:
-        close_quietly(stale)
-    try:
-        env = env_fn(i)
-    except Exception as exc:
-        raise _AdoptError("env_fn", describe(exc)) from exc
-    try:
-        out = reset_env(env, seed=seed)
-    except Exception as exc:
-        close_quietly(env)
-        raise _AdoptError("reset", describe(exc)) from exc
-    envs[i] = env
-    if cost is not None and rows is not None and rows.cost[i, STEPS] > 0:
-        # seed the step-order EWMA with the env's mean step time where it ran before
-        cost[i] = float(rows.cost[i, WALL] / rows.cost[i, STEPS])
-    return out
 
 
 class _Worker:
@@ -289,7 +87,6 @@ class _Worker:
         self.waiting: deque[tuple[int, str, asyncio.Future]] = deque()  # sent requests, in order
         self.dead: str | None = None  # why it is gone
         self.killed = False  # killed for a hung step (its death is on the way)
-        self.ps: psutil.Process | None = None  # for cpu_times, made on first use
         self.inbox = b""  # the start of a reply not yet whole (see ProcessSimPool._on_readable)
 
 
@@ -352,26 +149,10 @@ class ProcessSimPool(SimPool):
         rows = self._rows
         return None if rows is None or rows.cost is None else rows.cost.copy()
 
-    def worker_cpu_s(self) -> list[float]:
-        """Each worker's CPU seconds (user + system) since it started; 0 for a dead one."""
-        out = []
-        for worker in self._workers:
-            total = 0.0
-            if worker.dead is None:
-                try:
-                    if worker.ps is None:
-                        worker.ps = psutil.Process(worker.process.pid)
-                    times = worker.ps.cpu_times()
-                    total = times.user + times.system
-                except (psutil.Error, ValueError):
-                    pass  # it ended between the check and the read: counts 0, like a dead one
-            out.append(total)
-        return out
-
     def _spawn(self, w: int, env_ids: list[int], attach: tuple | None = None) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
         proc = self._ctx.Process(
-            target=_worker_main, name=f"ebrl-sim-worker-{w}", daemon=True,
+            target=worker_main, name=f"ebrl-sim-worker-{w}", daemon=True,
             args=(child, self.env_fn, env_ids, self.num_envs, self.reply_hold_s, attach))
         proc.start()
         child.close()
@@ -424,7 +205,7 @@ class ProcessSimPool(SimPool):
     def _make_rows(self) -> None:
         resource_tracker.ensure_running()  # before the first worker's fork (see start()); a no-op once running
         self._rows = StepRows(self.num_envs, self.observation_space, self.action_space,
-                              alloc=_shm_alloc(self._blocks))
+                              alloc=shm_alloc(self._blocks))
         self._attach = ([b.name for b in self._blocks], self.observation_space, self.action_space)
 
     async def evict(self, env_id: int) -> None:
@@ -507,10 +288,10 @@ class ProcessSimPool(SimPool):
                 ids = np.concatenate(worker.steps).astype(np.int32)
                 worker.steps = []
                 self._sent_at[ids] = time.perf_counter()
-                worker.conn.send_bytes(_STEP + ids.tobytes())
+                worker.conn.send_bytes(STEP + ids.tobytes())
             if worker.requests:
                 reqs, worker.requests = worker.requests, []
-                worker.conn.send_bytes(_PICKLED + pickle.dumps(reqs))
+                worker.conn.send_bytes(PICKLED + pickle.dumps(reqs))
         except (BrokenPipeError, OSError):
             self._fail_worker(worker)
 
@@ -520,7 +301,7 @@ class ProcessSimPool(SimPool):
         for an 8-byte one), as the worker's ``send_bytes`` writes it. ``Connection.recv_bytes``
         cost two reads and a BytesIO per reply."""
         try:
-            data = os.read(worker.conn.fileno(), _READ_BYTES)
+            data = os.read(worker.conn.fileno(), READ_BYTES)
         except OSError:
             data = b""
         if not data:  # the worker's end closed: it died
@@ -544,7 +325,7 @@ class ProcessSimPool(SimPool):
 
     def _on_reply(self, worker: _Worker, raw: bytes) -> None:
         kind, body = raw[:1], raw[1:]
-        if kind == _PICKLED:
+        if kind == PICKLED:
             for env_id, ok, payload in pickle.loads(body):
                 _, op, fut = worker.waiting.popleft()
                 if not ok and isinstance(payload, tuple):  # (the part of the request that failed, why)
@@ -553,7 +334,7 @@ class ProcessSimPool(SimPool):
                     fut.set_result(payload) if ok else fut.set_exception(EnvStepError(env_id, op, payload))
             return
         errors: list[tuple[int, str]] = []
-        if kind == _ERRORS:
+        if kind == ERRORS:
             body, errors = pickle.loads(body)
             self._busy[[i for i, _ in errors]] = False
         ids = np.frombuffer(body, np.int32).astype(np.int64)
@@ -778,7 +559,7 @@ class ProcessSimPool(SimPool):
         with contextlib.suppress(Exception):
             self._loop.remove_reader(worker.conn.fileno())
         with contextlib.suppress(Exception):
-            worker.conn.send_bytes(_QUIT)
+            worker.conn.send_bytes(QUIT)
         for _, _, fut in worker.waiting:
             fut.cancel()
         worker.waiting.clear()
@@ -793,7 +574,7 @@ class ProcessSimPool(SimPool):
                 self._loop.remove_reader(worker.conn.fileno())
         self._stop(self._workers + self._retired + self._starting)
         self._workers, self._retired, self._starting = [], [], []
-        _release(self._rows, self._blocks, unlink=True)
+        release_shared(self._rows, self._blocks, unlink=True)
         self._rows = None
 
     @staticmethod
@@ -802,7 +583,7 @@ class ProcessSimPool(SimPool):
         worker hung in a step never reads the message)."""
         for worker in workers:
             with contextlib.suppress(Exception):
-                worker.conn.send_bytes(_QUIT)
+                worker.conn.send_bytes(QUIT)
         deadline = time.monotonic() + CLOSE_WAIT_S
         for worker in workers:
             worker.process.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -6,8 +6,8 @@ backpressure (``parked``) and the stop request. The driver changes it; the gener
 count is patched onto objects after they are built, and none is kept twice.
 
     >>> state = RunState(budget=10, active=4)
-    >>> state.claim(3), state.budget, state.live
-    (3, 7, 4)
+    >>> state.claim_all(3), state.budget, state.live
+    (True, 7, 4)
     >>> state.parked = 1
     >>> state.live, state.all_parked
     (3, False)
@@ -24,12 +24,6 @@ class RunState:
     active: int  # envs that will still record a step (they stop once the budget is spent)
     parked: int = 0  # active envs held by backpressure (a full rollout queue)
     stopping: bool = False  # stop requested: no new steps; the update in flight finishes
-
-    def claim(self, n: int) -> int:
-        """Claim up to ``n`` steps; returns how many were granted."""
-        k = min(n, self.budget)
-        self.budget -= k
-        return k
 
     def claim_all(self, n: int) -> bool:
         """Claim exactly ``n`` steps, or none."""

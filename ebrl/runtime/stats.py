@@ -24,9 +24,6 @@ class RunStats:
     skipped_updates: int = 0  # updates undone for a NaN/inf loss or weights (faults.nonfinite='drop')
     learner_wakeups: int = 0  # times the rollout queue woke the learner (a segment closed, a driver blocked, ...)
     lag: Counter = field(default_factory=Counter)  # policy lag -> trained transitions
-    gen_batches: Counter = field(default_factory=Counter)  # batch size -> count
-    gen_wait_max_s: float = 0.0  # longest a request waited for its batch to start
-    gen_costs: dict = field(default_factory=dict)  # BatchCosts.to_dict(): seconds per call against batch size
     episodes: int = 0
     returns: deque = field(default_factory=lambda: deque(maxlen=100))
     lengths: deque = field(default_factory=lambda: deque(maxlen=100))
@@ -136,11 +133,13 @@ def _mean(xs) -> float:
 
 
 def summarize(stats: RunStats, *, schedule: str, wall_s: float, in_flight: int, version: int,
-              steps_per_env: list[int], history: list[dict[str, Any]], ended_at: float = math.nan) -> RunResult:
-    """The result of a run that ended at loop time ``ended_at`` (for the steady-state rate)."""
+              gen_batches: Counter, ended_at: float = math.nan, **parts: Any) -> RunResult:
+    """The result of a run that ended at loop time ``ended_at`` (for the steady-state rate), built
+    once: the counters' figures, then ``parts`` (the other fields of :class:`RunResult`, as the
+    run's pieces report them)."""
     lag_n = sum(stats.lag.values())
     steady_s = ended_at - stats.first_update_at
-    gen_n = sum(stats.gen_batches.values())
+    gen_n = sum(gen_batches.values())
     return RunResult(
         schedule=schedule,
         wall_s=wall_s,
@@ -155,20 +154,17 @@ def summarize(stats: RunStats, *, schedule: str, wall_s: float, in_flight: int, 
         lag_hist=dict(sorted(stats.lag.items())),
         lag_mean=sum(k * v for k, v in stats.lag.items()) / lag_n if lag_n else 0.0,
         lag_max=max(stats.lag, default=0),
-        gen_batch_hist=dict(sorted(stats.gen_batches.items())),
-        gen_batch_mean=sum(k * v for k, v in stats.gen_batches.items()) / gen_n if gen_n else 0.0,
-        gen_wait_max_s=stats.gen_wait_max_s,
-        gen_costs=stats.gen_costs,
+        gen_batch_hist=dict(sorted(gen_batches.items())),
+        gen_batch_mean=sum(k * v for k, v in gen_batches.items()) / gen_n if gen_n else 0.0,
         episodes=stats.episodes,
         mean_return=stats.mean_return,
         success_once=_mean(stats.success_once),
         success_at_end=_mean(stats.success_at_end),
-        steps_per_env=steps_per_env,
         metrics=dict(stats.last_metrics),
-        history=history,
         learner_wakeups=stats.learner_wakeups,
         skipped_updates=stats.skipped_updates,
         first_step_s=stats.first_step_at - stats.started_at,
         first_update_s=stats.first_update_at - stats.started_at,
         steady_env_steps_per_s=(stats.simulated - stats.steps_at_first_update) / steady_s if steady_s > 0 else math.nan,
+        **parts,
     )

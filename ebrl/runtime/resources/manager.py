@@ -95,6 +95,14 @@ class ResourceManager:
         self._resize_workers = pool.resize_workers if self.mixed else pool.resize
         self._then_place: tuple[int, ...] | None = None  # a placement waiting for workers to start
         self.knobs = self._current()
+        # knob -> setter: the controller's decisions act through these alone
+        self._actuators = {"lanes": lambda n: self.pool.resize(int(n)), "placement": self._move_to,
+                           "backend": self._to_backend, "workers": self._set_workers,
+                           "learner_threads": self._set_threads, "affinity": self._set_affinity,
+                           **generator.actuators()}
+        if self.streams is not None:
+            # between batches and updates would be safer; resplit waits for both streams first
+            self._actuators["gen_sms"] = lambda sms: self.streams.resplit(int(sms))
 
     @property
     def _workers(self) -> int | None:
@@ -207,43 +215,33 @@ class ResourceManager:
             self.profiles.append(self.profiler.take())
 
     def _apply(self, d: Decision) -> None:
-        if d.knob == "lanes":
-            self.pool.resize(int(d.new))
-        elif d.knob == "placement":
-            self._move_to(d.new)
-        elif d.knob == "backend":  # envs between lanes and workers: start the workers first
-            need = max(d.new) + 1
-            local = sum(w == LOCAL for w in d.new)
-            if local > self.pool.lanes and "lanes" not in self.limits.fixed:
-                self.pool.resize(local)  # only envs whose steps wait go to the lanes: a lane each
-            if need > self.pool.workers:
-                self._grow_to, self._then_place = need, tuple(d.new)
-            else:
-                self._move_to(d.new)
-        elif d.knob == "workers":
-            n = int(d.new)
-            if n > self._workers:
-                self._grow_to = n
-            else:
-                self._place_on(n)
-                self._retire_to = n
-        elif d.knob == "max_wait_s":
-            self.generator.max_wait_s = float(d.new)
-        elif d.knob == "batch_target":
-            self.generator.batch_target = int(d.new)
-            self.generator.poke()  # rows waiting now may already make a batch
-        elif d.knob == "offload":
-            self.generator.offload = Offload(d.new)
-        elif d.knob == "learner_threads":
-            self._threads = int(d.new)
-            self.learner.threads = self._threads  # sent with the next update
-        elif d.knob == "affinity":
-            self._set_affinity(d.new)
-        elif d.knob == "gen_sms":
-            # between batches and updates would be safer; resplit waits for both streams first
-            self.streams.resplit(int(d.new))
-        else:  # a rule without an actuator is a bug
+        act = self._actuators.get(d.knob)
+        if act is None:  # a rule without an actuator is a bug
             raise ValueError(f"no actuator for knob {d.knob!r}")
+        act(d.new)
+
+    def _to_backend(self, placement: tuple[int, ...]) -> None:
+        """Envs between lanes and workers (a mixed pool): the workers start first."""
+        need = max(placement) + 1
+        local = sum(w == LOCAL for w in placement)
+        if local > self.pool.lanes and "lanes" not in self.limits.fixed:
+            self.pool.resize(local)  # only envs whose steps wait go to the lanes: a lane each
+        if need > self.pool.workers:
+            self._grow_to, self._then_place = need, tuple(placement)
+        else:
+            self._move_to(placement)
+
+    def _set_workers(self, n: int) -> None:
+        n = int(n)
+        if n > self._workers:
+            self._grow_to = n
+        else:
+            self._place_on(n)
+            self._retire_to = n
+
+    def _set_threads(self, n: int) -> None:
+        self._threads = int(n)
+        self.learner.threads = self._threads  # sent with the next update
 
 
 def _short(value):

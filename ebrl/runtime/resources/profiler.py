@@ -208,29 +208,19 @@ class LiveProfiler:
     numbers, as under virtual time).
     """
 
-    def __init__(self, pool, driver, generator, learner, stats, clock, system=None):
-        self.pool, self.driver, self.generator, self.learner, self.stats = pool, driver, generator, learner, stats
+    def __init__(self, pool, driver, generator, learner, clock, system=None):
+        self.pool, self.driver, self.generator, self.learner = pool, driver, generator, learner
         self.clock, self.system = clock, system
         self.epoch = 0
         self._last = self._snapshot()
 
     def _snapshot(self) -> dict[str, Any]:
-        d, g = self.driver, self.generator
         costs = self.pool.costs()
-        n = d.cfg.num_envs
         if costs is None:
-            costs = np.zeros((n, 4))
-        batches = g.batch_sizes
+            costs = np.zeros((self.driver.cfg.num_envs, 4))
         now = self.clock()
-        return {
-            "t": now, "costs": costs, "loop_cpu": time.thread_time(),  # taken on the loop thread
-            "sim": d.wait_sim.copy(), "action": d.wait_action.copy(), "barrier": d.wait_barrier.copy(),
-            "backpressure": d.blocked_until_now(),
-            "gen_batches": sum(batches.values()), "gen_rows": sum(k * v for k, v in batches.items()),
-            "gen_busy": g.busy_s, "gen_cpu": g.cpu_s, "gen_wait": g.request_wait_s, "gen_capped": g.capped_batches,
-            "updates": self.stats.updates, "learner_busy": self.learner.busy_until_now(now),
-            "gen_paused": g.paused_until_now(now),
-        }
+        return {"t": now, "costs": costs, "loop_cpu": time.thread_time(),  # taken on the loop thread
+                **self.driver.counters(), **self.generator.counters(now), **self.learner.counters(now)}
 
     @property
     def window_s(self) -> float:

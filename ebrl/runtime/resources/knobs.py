@@ -1,0 +1,81 @@
+"""What the controller's rules read and write: the knobs, their limits, the decisions, and what
+the rules remember between epochs. See :mod:`ebrl.runtime.resources.controller`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ebrl.runtime.resources.profiler import EpochProfile
+
+MIN_STEPS_PER_UNIT = 4  # a window with fewer steps per unit says too little to act on
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """What the controller may set, as it stands."""
+
+    backend: str
+    lanes: int | None = None  # resizable lanes (thread backend, virtual-time inline); None: not resizable
+    workers: int | None = None  # worker processes (process backend)
+    placement: tuple[int, ...] | None = None  # env -> worker (process backend)
+    max_wait_s: float | None = None
+    gen_sms: int | None = None  # generation's SMs (green contexts); None: no split to set
+    learner_threads: int | None = None  # torch threads of the learner process; None: not adjustable
+    affinity: str | None = None  # "shared" (every core for everyone) or "split"; None: not adjustable
+    offload: str | None = None  # where policy calls run: "inline" or "thread"; None: not adjustable
+    mixed: bool = False  # a mixed pool: envs may move between lanes (placement LOCAL) and workers
+    batch_target: int | None = None  # rows that start a batch at once; None: not adjustable
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What bounds the decisions."""
+
+    num_units: int
+    cpus: int
+    num_envs: int = 0  # envs (rows); 0: one per unit
+    fixed: frozenset[str] = frozenset()  # knob names the user set: never changed
+    lane_wait_above: float = 0.1
+    imbalance_above: float = 0.1
+    min_max_wait_s: float = 100e-6
+    total_sms: int = 0  # the GPU's SMs (green contexts)
+    sm_granularity: int = 8
+    act_wait_target_s: float = 0.002  # generation gets the fewest SMs that keep env waits for actions under this
+
+
+@dataclass(frozen=True)
+class Decision:
+    epoch: int
+    knob: str
+    old: Any
+    new: Any
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        new = list(self.new) if isinstance(self.new, tuple) else self.new
+        old = list(self.old) if isinstance(self.old, tuple) else self.old
+        return {"epoch": self.epoch, "knob": self.knob, "old": old, "new": new, "reason": self.reason}
+
+
+@dataclass
+class Trial:
+    """A change on probation: kept only if the env steps/s it runs at hold up."""
+
+    decision: Decision
+    rate_before: float  # env steps/s of the window that led to it
+    judge_at: int  # the first epoch whose window ran entirely with the change in force
+
+
+@dataclass
+class Memory:
+    """What the rules remember between epochs (hysteresis, and the change on trial)."""
+
+    shrink_votes: int = 0
+    lanes_needed: int = 0  # the most lanes at which envs were still seen waiting for one
+    settle_until: dict[str, int] = field(default_factory=dict)  # knob -> first epoch it may change again
+    trials: dict[str, Trial] = field(default_factory=dict)  # knob -> its latest change, until judged
+
+
+def settling(knob: str, profile: EpochProfile, memory: Memory) -> bool:
+    return profile.epoch < memory.settle_until.get(knob, 0)

@@ -1,0 +1,213 @@
+"""The controller's rules for simulation: thread lanes, worker processes, where each env runs
+(lanes or workers, which worker). See :mod:`ebrl.runtime.resources.controller`."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ebrl.runtime.resources.knobs import MIN_STEPS_PER_UNIT, Decision, Knobs, Limits, Memory, settling
+from ebrl.runtime.resources.profiler import EpochProfile
+from ebrl.runtime.sim_mixed import LOCAL
+from ebrl.runtime.sim_pool import WAITS_BELOW  # a step computing less of its wall time than this mostly waits
+
+
+def lane_cap(profile: EpochProfile, limits: Limits) -> int:
+    """The most lanes worth having: one per unit, and no more than the cores can keep stepping."""
+    busy = max(profile.busy, 1.0 / max(limits.num_units, 1))
+    return max(1, min(limits.num_units, max(limits.cpus, math.ceil(limits.cpus / busy))))
+
+
+def lanes_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> Decision | None:
+    lanes = knobs.lanes
+    if lanes is None or "lanes" in limits.fixed or settling("lanes", profile, memory):
+        return None
+    share, cap = profile.lane_wait_share, lane_cap(profile, limits)
+    if share > limits.lane_wait_above:
+        memory.lanes_needed = max(memory.lanes_needed, lanes)
+        memory.shrink_votes = 0
+        if lanes >= cap:
+            return None
+        want = min(cap, 4 * lanes, max(lanes + 1, math.ceil(profile.units_in_sim * 1.2)))
+        return Decision(profile.epoch, "lanes", lanes, want,
+                        f"envs waited {share:.0%} of their sim round trip for a lane; {profile.units_in_sim:.1f} "
+                        f"units stepping or queued on average on {lanes} lanes (steps busy {profile.busy:.0%} "
+                        f"of their wall time: up to {cap} lanes can step at once)")
+    running = profile.lanes_running
+    floor = max(1, memory.lanes_needed + 1, math.ceil(running * 2), lanes // 2)
+    if share < limits.lane_wait_above / 4 and running < 0.5 * lanes and floor < lanes:
+        memory.shrink_votes += 1
+        if memory.shrink_votes >= 2:
+            memory.shrink_votes = 0
+            return Decision(profile.epoch, "lanes", lanes, floor,
+                            f"{running:.1f} of {lanes} lanes stepping on average for two epochs, "
+                            f"lane waits {share:.0%}")
+    else:
+        memory.shrink_votes = 0
+    return None
+
+
+def lpt_placement(costs: np.ndarray, workers: int, current: np.ndarray | None = None) -> np.ndarray:
+    """Longest processing time first: each env, costliest first, onto the least-loaded worker.
+    With ``current``, the new bins are renamed to keep as many envs where they are as possible."""
+    order = np.argsort(-costs, kind="stable")
+    load = np.zeros(workers)
+    out = np.zeros(len(costs), np.int64)
+    for i in order.tolist():
+        w = int(np.argmin(load))
+        out[i] = w
+        load[w] += costs[i]
+    if current is None:
+        return out
+    # rename bins greedily by overlap with the current workers (W is small)
+    overlap = np.zeros((workers, workers), np.int64)
+    np.add.at(overlap, (out, current), 1)
+    rename, used = {}, set()
+    for flat in np.argsort(-overlap, axis=None, kind="stable").tolist():
+        b, w = divmod(flat, workers)
+        if b in rename or w in used:
+            continue
+        rename[b] = w
+        used.add(w)
+    return np.array([rename[b] for b in out.tolist()], np.int64)
+
+
+def spread(costs: np.ndarray, placement: np.ndarray, workers: int) -> float:
+    """The busiest worker's load over the mean load (1.0: balanced), at equal step rates."""
+    load = np.bincount(placement, weights=costs, minlength=workers)
+    mean = load.mean()
+    return float(load.max() / mean) if mean > 0 else 1.0
+
+
+def placement_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> Decision | None:
+    if knobs.placement is None or not knobs.workers or knobs.workers < 2 or "placement" in limits.fixed:
+        return None
+    if any(settling(k, profile, memory) for k in ("placement", "workers", "backend")):
+        return None
+    if np.isnan(profile.mean_step_s).any():
+        return None
+    w = knobs.workers
+    current = np.asarray(knobs.placement)
+    busy = np.bincount(current, weights=profile.wall_s, minlength=w) / profile.window_s
+    gap = float((busy.max() - busy.min()) / busy.max()) if busy.max() > 0 else 0.0
+    if gap <= limits.imbalance_above:
+        return None
+    costs = profile.mean_step_s
+    new = lpt_placement(costs, w, current)
+    before, after = spread(costs, current, w), spread(costs, new, w)
+    if after > before - 0.05:
+        return None
+    moves = int((new != current).sum())
+    return Decision(profile.epoch, "placement", tuple(current.tolist()), tuple(new.tolist()),
+                    f"workers busy {', '.join(f'{b:.0%}' for b in busy)} of the window; placing by measured "
+                    f"cost per step (longest first) takes the busiest worker's load from {before:.2f}x to "
+                    f"{after:.2f}x the mean; {moves} envs move at their next episode end")
+
+
+SATURATED_ABOVE = 90.0  # % of the cores busy: a step's CPU share of its wall time includes its wait for a core
+WAITS_BELOW_SATURATED = 0.2  # so on saturated cores only a step under this share waits (sleeps measure < 5%)
+
+
+def _wait_bar(profile: EpochProfile) -> tuple[float, str]:
+    """The CPU/wall share under which a worker's steps count as waiting, and a note for the reason.
+
+    A worker whose steps get half of their wall time on the CPU may be waiting (I/O, sleeps),
+    or starved: on cores that are all busy a compute-bound step gets only its share of a core.
+    FetchReach's steps in two workers next to the generator and learner measured 36-50% on two
+    saturated cores; moving them to thread lanes, as if they waited, put them behind the GIL and
+    halved the run's steps/s. So on saturated cores (over ``SATURATED_ABOVE`` percent busy, when
+    the system sampler measured them) the bar drops to ``WAITS_BELOW_SATURATED``."""
+    util = profile.system.get("cpu_util_mean")
+    if util is not None and util >= SATURATED_ABOVE:
+        return WAITS_BELOW_SATURATED, f" (the cores were {util:.0f}% busy)"
+    return WAITS_BELOW, ""
+
+
+def workers_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> Decision | None:
+    """The number of sim worker processes (each steps its envs one after another).
+
+    Up to 4x, at most one per env, when the workers step over 90% of the time but their steps
+    mostly wait (worker CPU under half their wall time): more workers overlap the waits. Halved,
+    to no fewer than the cores, when there are more workers than cores and the steps compute:
+    extra workers only time-slice the cores. The envs are then placed on the new count by
+    measured cost (longest first) and move at their episode ends."""
+    w = knobs.workers
+    if w is None or knobs.placement is None or "workers" in limits.fixed or settling("workers", profile, memory):
+        return None
+    if settling("placement", profile, memory) or settling("backend", profile, memory):
+        return None
+    if np.isnan(profile.mean_step_s).any():
+        return None
+    placement = np.asarray(knobs.placement)
+    busy = np.bincount(placement, weights=profile.wall_s, minlength=w) / profile.window_s
+    cpu = float(profile.cpu_s.sum()) / max(float(profile.wall_s.sum()), 1e-12)
+    bar, note = _wait_bar(profile)
+    if busy.mean() > 0.9 and cpu < bar and w < limits.num_units:
+        new = min(limits.num_units, 4 * w)
+        return Decision(profile.epoch, "workers", w, new,
+                        f"the {w} workers stepped {busy.mean():.0%} of the window, their steps computing only "
+                        f"{cpu:.0%} of that time{note} (they wait): {new} workers overlap the waits")
+    if w > limits.cpus and cpu >= bar:
+        new = max(limits.cpus, math.ceil(w / 2))
+        return Decision(profile.epoch, "workers", w, new,
+                        f"{w} workers on {limits.cpus} cores, their steps computing {cpu:.0%} of their time: "
+                        f"{new} workers, the rest only time-slice the cores")
+    return None
+
+
+PROCESS_STEP_CPU_S = 50e-6  # a lane step computing less than this is too cheap to be worth a worker's round trip
+LANE_BUSY_ABOVE = 0.25  # a lane step computing this share of its wall time (its GIL waits included) computes
+GIL_LOAD_ABOVE = 0.25  # and the lanes' steps must compute this many cores' worth for a move to matter
+
+
+def backend_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> Decision | None:
+    """A mixed pool's envs between thread lanes and worker processes, by their measured steps.
+
+    To the lanes: envs in a worker whose steps compute under ``WAITS_BELOW`` of their wall time
+    (``WAITS_BELOW_SATURATED`` on saturated cores, see :func:`_wait_bar`; a worker steps its
+    envs one after another, so a step that waits holds the others up; on lanes the waits
+    overlap). To workers, with two cores or more: envs on the lanes whose steps
+    compute ``LANE_BUSY_ABOVE`` of their wall time and ``PROCESS_STEP_CPU_S`` or more each, when the lanes' steps together compute over
+    ``GIL_LOAD_ABOVE`` of a core: that CPU time holds the GIL the event loop and the other lanes
+    need. On the lanes a GIL-bound step's wall time includes its wait for the GIL, so the bar
+    for CPU over wall time is half the probe's (``LANE_BUSY_ABOVE``); a step that sleeps
+    measured under 5% there (``bench/suites/controller.py``, mixed workload). The envs moving to
+    workers go to the least-loaded ones (started if there are none: one per core, at most one
+    per env); they move at their next episode end."""
+    if not knobs.mixed or knobs.placement is None or "backend" in limits.fixed:
+        return None
+    if any(settling(k, profile, memory) for k in ("backend", "placement", "workers")):
+        return None
+    place = np.asarray(knobs.placement)
+    local = place == LOCAL
+    seen = profile.steps >= MIN_STEPS_PER_UNIT
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cpu_step = np.where(seen, profile.cpu_s / profile.steps, 0.0)
+        busy = np.where(seen & (profile.wall_s > 0), profile.cpu_s / profile.wall_s, 1.0)
+    gil = float(profile.cpu_s[local].sum()) / profile.window_s
+    to_proc = (local & seen & (busy >= LANE_BUSY_ABOVE) & (cpu_step >= PROCESS_STEP_CPU_S) & (limits.cpus >= 2)
+               & (gil > GIL_LOAD_ABOVE))
+    bar, note = _wait_bar(profile)
+    to_lanes = ~local & seen & (busy < bar)
+    if not to_proc.any() and not to_lanes.any():
+        return None
+    new = place.copy()
+    new[to_lanes] = LOCAL
+    stay = ~local & ~to_lanes
+    if to_proc.any():
+        w = knobs.workers or min(limits.cpus, int((stay | to_proc).sum()))
+        costs = np.nan_to_num(profile.mean_step_s, nan=0.0)
+        load = np.bincount(place[stay], weights=costs[stay], minlength=w)[:w].astype(float)  # int when empty
+        for i in sorted(np.flatnonzero(to_proc).tolist(), key=lambda i: -costs[i]):
+            new[i] = int(np.argmin(load))
+            load[new[i]] += costs[i]
+    parts = []
+    if to_proc.any():
+        parts.append(f"{int(to_proc.sum())} envs on the lanes compute {np.median(cpu_step[to_proc]) * 1e6:.0f} us "
+                     f"a step holding the GIL (the lanes' steps took {gil:.2f} cores): to worker processes")
+    if to_lanes.any():
+        parts.append(f"{int(to_lanes.sum())} envs in workers compute only {np.median(busy[to_lanes]):.0%} of their "
+                     f"step's time{note} (they wait): to thread lanes")
+    return Decision(profile.epoch, "backend", tuple(place.tolist()), tuple(new.tolist()),
+                    "; ".join(parts) + "; they move at their next episode end")

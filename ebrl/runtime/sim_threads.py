@@ -1,0 +1,304 @@
+"""``ThreadSimPool``: a resizable set of lane threads sharing one queue of units to step.
+
+Right for simulators that release the GIL while stepping (MuJoCo's ``mj_step``, C++ or GPU
+sims, anything that sleeps). A lane writes its result into the pool's rows and wakes the loop
+only if no wake-up is pending, so finished steps come back a block per wake-up. Shrinking
+never interrupts a running step. It hosts vector envs too, one unit per vector env.
+
+    >>> import asyncio, gymnasium as gym, numpy as np
+    >>> async def demo():
+    ...     pool = ThreadSimPool(lambda i: gym.make("CartPole-v1"), 2, num_threads=2)
+    ...     blocks = []
+    ...     pool.on_block = blocks.append
+    ...     await pool.start()
+    ...     await pool.reset(1, seed=0)
+    ...     pool.submit(np.array([1]), np.array([0]))
+    ...     while not blocks:
+    ...         await asyncio.sleep(0.001)
+    ...     pool.close()
+    ...     return blocks[0].ids.tolist(), blocks[0].reward.tolist()
+    >>> asyncio.run(demo())
+    ([1], [1.0])
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import threading
+from time import perf_counter
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+from ebrl.config import SimBackend
+from ebrl.runtime.errors import EnvStepError
+from ebrl.runtime.sim_local import CLOSE_WAIT_S, LocalEnvs
+from ebrl.runtime.sim_types import EnvFn, TimedOut, close_quietly, describe
+from ebrl.telemetry.logging import get_logger
+
+log = get_logger("ebrl.sim")
+
+
+class ThreadSimPool(LocalEnvs):
+    """Lane threads take units to step from one queue; finished steps come back a block per loop wake-up."""
+
+    backend = SimBackend.THREAD
+    resizable = True
+
+    def __init__(self, env_fn: EnvFn, num_envs: int, num_threads: int, vector_size: int = 1):
+        super().__init__(env_fn, num_envs, vector_size)
+        self._target = num_threads
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._next_lane = 0
+        self._lock = threading.Lock()
+        self._done: list[int] = []  # units stepped since the last drain
+        self._t_submit = [0.0] * self.num_units  # perf_counter when each unit's step was queued
+        self._failed: list[tuple[int, str]] = []
+        # step timeouts: the lane stepping each unit, and a count that abandoning the step bumps
+        # (the lane, if it ever returns, then sees its step is no longer wanted and exits)
+        self._stepping: dict[int, threading.Thread] = {}
+        self._calling: dict[int, threading.Thread] = {}  # the lane running each unit's reset or rebuild
+        self._gen = [0] * self.num_units
+        self._tls = threading.local()
+        self.hung: list[threading.Thread] = []  # lanes abandoned in a step, replaced by new ones
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        await self._build_all()
+        if not self._threads:  # the build thread starts the lanes unless under virtual time
+            self.resize(self._target)
+
+    def _build_units(self) -> None:
+        super()._build_units()
+        if not self.virtual:  # off the loop: starting 64 threads takes the loop ~20 ms
+            self.resize(self._target)
+
+    @property
+    def size(self) -> int:
+        return self._target
+
+    def resize(self, n: int) -> None:
+        if n < 1:
+            raise ValueError(f"sim pool size must be >= 1, got {n}")
+        self._threads = [t for t in self._threads if t.is_alive()]
+        self._target = n
+        for _ in range(n - len(self._threads)):
+            self._start_lane()
+        for _ in range(len(self._threads) - n):
+            self._requests.put(None)  # a lane exits after the step it is running
+
+    def _start_lane(self) -> None:
+        t = threading.Thread(target=self._lane, name=f"ebrl-sim-{self._next_lane}", daemon=True)
+        self._next_lane += 1
+        t.start()
+        self._threads.append(t)
+
+    def abandon_late(self, limit_s: float) -> list[int]:
+        """Give up each unit whose step started over ``limit_s`` ago: a new lane takes the stuck
+        lane's place, the env is left to it (never touched again) and the step comes back as a
+        :class:`~ebrl.runtime.sim_types.TimedOut` error, after which the driver rebuilds the unit."""
+        if self.rows is None:
+            return []
+        now, started, v = perf_counter(), self.rows.started, self.vector_size
+        # one read per unit: a lane may end the step (and write 0) between two reads
+        late = [u for u in list(self._stepping) if (t := float(started[u * v])) > 0 and now - t > limit_s]
+        return [u for u in late if self._abandon(u)]
+
+    def _abandon(self, unit: int) -> bool:
+        with self._lock:
+            lane = self._stepping.pop(unit, None)
+            if lane is None:  # it finished meanwhile
+                return False
+            self._gen[unit] += 1
+            self.envs[unit] = None
+            self.rows.started[self._ids(unit)] = 0.0
+            wake = not self._done and not self._failed
+            self._failed += [(i, TimedOut("the step ran past faults.step_timeout_s and was abandoned"))
+                             for i in self._ids(unit).tolist()]
+        self._replace_lane(lane)
+        if wake:
+            self._loop.call_soon(self._drain)
+        return True
+
+    def abandon(self, unit: int, limit_s: float) -> bool:
+        """Give up unit ``unit``'s reset or rebuild if it has run over ``limit_s`` in a lane: a
+        new lane takes the stuck lane's place and the env is left to it, never touched again
+        (the driver then rebuilds the unit). If the call ever returns, nothing of it is kept."""
+        with self._lock:
+            lane = self._calling.get(unit)
+            started = self.rows.started[unit * self.vector_size]
+            if lane is None or not started or perf_counter() - started <= limit_s:
+                return False  # queued behind busy lanes, or it finished meanwhile
+            del self._calling[unit]
+            self._gen[unit] += 1
+            self.envs[unit] = None
+            self.rows.started[unit * self.vector_size] = 0.0
+        self._replace_lane(lane)
+        return True
+
+    def _replace_lane(self, lane: threading.Thread) -> None:
+        with contextlib.suppress(ValueError):
+            self._threads.remove(lane)
+        self.hung.append(lane)
+        self._start_lane()
+
+    def _keep(self, unit: int, env: gym.Env) -> None:
+        with self._lock:
+            if self._gen[unit] != self._tls.gen:
+                close_quietly(env)
+                raise _Abandoned
+            self.envs[unit] = env
+
+    def _commit(self, unit: int, write, *args) -> None:
+        with self._lock:
+            if self._gen[unit] != self._tls.gen:
+                raise _Abandoned
+            write(*args)
+            self._stepping.pop(unit, None)
+            self.rows.started[unit * self.vector_size] = 0.0
+
+    def submit(self, ids: np.ndarray, actions: Any) -> None:
+        self.rows.set_actions(ids, actions)
+        put = self._requests.put
+        t, now = self._t_submit, perf_counter()
+        for unit in self._units(ids):
+            t[unit] = now
+            put(unit)
+
+    def _lane(self) -> None:
+        me = threading.current_thread()
+        while (item := self._requests.get()) is not None:
+            if isinstance(item, tuple):  # a rare op (reset, rebuild) with its future
+                unit, gen, fn, args, fut = item
+                with self._lock:
+                    given_up = self._gen[unit] != gen
+                    if not given_up:
+                        self._calling[unit] = me
+                        self._tls.gen = gen
+                        self.rows.started[unit * self.vector_size] = perf_counter()
+                if given_up:  # while it waited for a lane: it never runs
+                    self._call(_given_up, (unit,), fut)
+                    continue
+                self._call(fn, args, fut)
+                with self._lock:
+                    if self._gen[unit] != gen:
+                        return  # abandoned past the timeout: another lane has taken this one's place
+                    self._calling.pop(unit, None)
+                    self.rows.started[unit * self.vector_size] = 0.0
+                continue
+            # no lock: only a step that has run for the whole timeout is ever abandoned
+            self._stepping[item] = me
+            self._tls.gen = gen = self._gen[item]
+            self.rows.started[item * self.vector_size] = perf_counter()
+            try:
+                self._step_unit(item, perf_counter() - self._t_submit[item])
+                failed = None
+            except _Abandoned:
+                return  # it hung past the timeout: another lane has taken this one's place
+            except Exception as exc:
+                failed = self._errors(item, exc)
+            with self._lock:
+                if self._gen[item] != gen:
+                    return  # abandoned, then it raised
+                self._stepping.pop(item, None)
+                self.rows.started[item * self.vector_size] = 0.0
+                wake = not self._done and not self._failed
+                if failed is None:
+                    self._done.append(item)
+                else:
+                    self._failed += failed
+            if wake and not self._wake():
+                return
+
+    def _wake(self) -> bool:
+        try:
+            self._loop.call_soon_threadsafe(self._drain)
+            return True
+        except RuntimeError:  # loop closed during shutdown
+            return False
+
+    def _drain(self) -> None:
+        with self._lock:
+            units, self._done = self._done, []
+            errors, self._failed = self._failed, []
+        if self.vector_size == 1:
+            ids = np.array(units, np.int64)
+        else:
+            ids = np.concatenate([self._ids(u) for u in units]) if units else np.zeros(0, np.int64)
+        self.on_block(self.rows.block(ids, errors))
+
+    def _call(self, fn, args, fut: asyncio.Future) -> None:
+        try:
+            result, exc = fn(*args), None
+        except BaseException as e:  # handed to the awaiting coroutine
+            result, exc = None, e
+        try:
+            self._loop.call_soon_threadsafe(_resolve, fut, result, exc)
+        except RuntimeError:  # loop closed during shutdown
+            pass
+
+    async def _submit_call(self, unit: int, op: str, fn, *args):
+        fut = self._loop.create_future()
+        self._requests.put((unit, self._gen[unit], fn, args, fut))
+        try:
+            return await fut
+        except EnvStepError:
+            raise
+        except Exception as exc:
+            raise EnvStepError(unit, op, describe(exc)) from exc
+
+    async def reset(self, unit: int, seed: Any = None) -> tuple[Any, Any]:
+        return await self._submit_call(unit, "reset", self._reset_unit, unit, seed)
+
+    async def rebuild(self, unit: int) -> None:
+        await self._submit_call(unit, "env_fn", self._rebuild_unit, unit)
+
+    async def adopt(self, unit: int, seed: Any = None) -> tuple[Any, Any]:
+        """Build unit ``unit`` from ``env_fn`` in a lane and reset it (it moves here from a
+        mixed pool's workers); :class:`EnvStepError` (op ``env_fn`` or ``reset``) keeps nothing."""
+        return await self._submit_call(unit, "env_fn", self._adopt_unit, unit, seed)
+
+    async def drop(self, unit: int) -> None:
+        """Close unit ``unit`` and forget it (it moved elsewhere)."""
+        await self._submit_call(unit, "close", self._drop_unit, unit)
+
+    def close(self) -> None:
+        """Stop the lanes, waiting ``CLOSE_WAIT_S`` at most for the steps they are running. A lane
+        still in a step then (a simulator hung in C code) is left behind, reported, with its env."""
+        for _ in self._threads:
+            self._requests.put(None)
+        deadline = perf_counter() + CLOSE_WAIT_S
+        for t in self._threads:
+            t.join(max(0.0, deadline - perf_counter()))
+        stuck = [t for t in self._threads + self.hung if t.is_alive()]
+        if stuck:
+            log.warning("sim_lanes_left_hung", lanes=[t.name for t in stuck],
+                        hint="a step or reset that never returned (a simulator hung in C code); the threads are daemons")
+        with self._lock:
+            for u in [*self._stepping, *self._calling]:  # their envs stay with the hung lanes, whose results are not wanted
+                self.envs[u] = None
+                self._gen[u] += 1
+        self._threads, self.hung = [], stuck
+        self._close_envs()
+
+
+def _given_up(unit: int) -> None:
+    raise EnvStepError(unit, "call", TimedOut("given up (past faults.step_timeout_s) before it ran"))
+
+
+class _Abandoned(Exception):
+    """Raised in a lane whose step was abandoned, before it could touch the rows."""
+
+
+def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is None:
+        fut.set_result(result)
+    else:
+        fut.set_exception(exc)
