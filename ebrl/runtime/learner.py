@@ -110,13 +110,9 @@ class Learner:
         """Seconds in updates (loop time under virtual time)."""
         return self.stage.busy_s
 
-    def busy_until_now(self, now: float) -> float:
-        """``busy_s`` with the update in progress counted up to loop time ``now``."""
-        return self.stage.busy_until_now(now)
-
     def counters(self, now: float) -> dict[str, float]:
         """Its counters at loop time ``now`` (the update in progress counted up to ``now``)."""
-        return {"updates": self.stats.updates, "learner_busy": self.busy_until_now(now)}
+        return {"updates": self.stats.updates, "learner_busy": self.stage.busy_until_now(now)}
 
     @property
     def history(self) -> list[dict[str, Any]]:
