@@ -170,6 +170,10 @@ def build_trainer(spec: dict[str, Any]):
     except TypeError as exc:  # a keyword the env does not take
         raise ConfigError("env_kwargs", env_kwargs, str(exc)) from None
     options, init = policy_options(spec["policy"])
+    asked = "freeze_obs_stats" in options
+    freeze = options.pop("freeze_obs_stats", init is not None)
+    if not isinstance(freeze, bool):
+        raise ConfigError("policy.freeze_obs_stats", freeze, "must be true or false")
     try:
         facts = EnvFacts.of(probe)
         policy = build_policy(facts.observation_space, facts.action_space, with_env_instructions(options, probe))
@@ -182,6 +186,12 @@ def build_trainer(spec: dict[str, Any]):
             load_policy_weights(init, policy)
         except (ValueError, FileNotFoundError) as exc:
             raise ConfigError("policy.init", init, str(exc)) from None
+    if freeze:  # by default with policy.init: RL keeps the statistics its start weights were fitted to
+        if callable(getattr(policy, "freeze_obs_stats", None)):
+            policy.freeze_obs_stats()
+        elif asked:
+            raise ConfigError("policy.freeze_obs_stats", freeze, f"{type(policy).__name__} keeps no observation "
+                              "statistics")
     algo = build_algo(spec)
     # as ebrl.run() resolves it, here already so that trainer.config says what runs: the
     # algorithm's needs (GRPO: sync, episode cuts, reset groups, segments of the time limit)

@@ -103,6 +103,30 @@ def test_policy_kind_follows_the_observations_and_can_be_chosen():
     assert [e.key for e in fetch.obs_layout.entries] == ["achieved_goal", "desired_goal", "observation"]
 
 
+def test_rl_from_sft_weights_keeps_their_observation_statistics(tmp_path):
+    from ebrl.cli import build_trainer
+    from ebrl.sft import save_sft
+
+    sft = build_trainer(build_spec(None, ["env=mock/3"])).policy
+    sft.update_obs_stats(torch.randn(256, 3) * 5 + 2)  # what demonstrations would have set
+    save_sft(tmp_path / "sft", sft, {"env": "mock/3", "env_kwargs": {}, "policy": {"kind": "mlp"}}, {})
+    shifted = torch.randn(512, 3) * 0.1 - 7  # rollouts somewhere else
+
+    frozen = build_trainer(build_spec(None, ["env=mock/3", f"policy.init={tmp_path / 'sft'}"])).policy
+    frozen.update_obs_stats(shifted)
+    torch.testing.assert_close(frozen.obs_mean, sft.obs_mean)
+    torch.testing.assert_close(frozen.obs_var, sft.obs_var)
+    updating = build_trainer(build_spec(None, ["env=mock/3", f"policy.init={tmp_path / 'sft'}",
+                                               "policy.freeze_obs_stats=false"])).policy
+    updating.update_obs_stats(shifted)
+    assert float(updating.obs_count) == float(sft.obs_count) + 512 and (updating.obs_mean < sft.obs_mean).all()
+    fresh = build_trainer(build_spec(None, ["env=mock/3"])).policy  # without policy.init: statistics follow RL
+    fresh.update_obs_stats(shifted)
+    assert float(fresh.obs_mean.mean()) < -6
+    with pytest.raises(ConfigError, match="policy.freeze_obs_stats.*true or false"):
+        build_trainer(build_spec(None, ["env=mock/3", 'policy.freeze_obs_stats="yes"']))
+
+
 def test_train_from_pixels_end_to_end(tmp_path):
     code = main(["train", "--quiet", "--log-dir", str(tmp_path), "--set", "env=mujoco/InvertedPendulum-v5",
                  "--set", "env_kwargs.pixels=16", "--set", "policy.hidden=[32]", "--set", "run.num_envs=2",

@@ -102,6 +102,7 @@ def measure_run(algo: str, schedule: str, seed: int, policy_dir: str, sft_succes
     policy = MLPPolicy.from_spaces(probe.observation_space, probe.action_space, seed=seed)
     probe.close()
     load_policy_weights(policy_dir, policy)  # log_std included: SFT's fit
+    policy.freeze_obs_stats()  # as ebrl train with policy.init: the statistics SFT's weights were fitted to
     algorithm = PPO(seed=seed, gamma=0.8) if algo == "ppo" else GRPO(seed=seed)
     cfg = ebrl.RunConfig(num_envs=NUM_ENVS, segment_len=50, total_env_steps=10_000_000, schedule=schedule,
                          seed=seed, eval_every_s=3.0 if quick else EVAL_EVERY_S, eval_episodes=EVAL_DURING)

@@ -392,6 +392,7 @@ class ObsEncoder(nn.Module):
                                for net, e in zip(self.images, layout.images)]
         self.out_dim = sum(self.image_dims) + layout.flat_dim
         self.normalize = bool(normalize) and layout.vector_dim > 0
+        self.frozen = False  # True: update_stats merges nothing (RL from SFT weights keeps their statistics)
         if self.normalize:
             register_moments(self, layout.vector_dim)
 
@@ -455,8 +456,9 @@ class ObsEncoder(nn.Module):
 
     @torch.no_grad()
     def update_stats(self, obs: Any) -> None:
-        """Merge a batch into the running mean/variance of the Box part (parallel Welford, as SB3)."""
-        if self.normalize:
+        """Merge a batch into the running mean/variance of the Box part (parallel Welford, as SB3);
+        nothing while :attr:`frozen`."""
+        if self.normalize and not self.frozen:
             x = self._raw_vector(obs, self.obs_mean.device, torch.float64)
             merge_moments(self.obs_mean, self.obs_var, self.obs_count, x)
 
@@ -503,8 +505,20 @@ class ReadsObservations:
 
     @torch.no_grad()
     def update_obs_stats(self, obs: Any) -> None:
-        """Merge a batch of observations into the running mean/variance of their Box part."""
+        """Merge a batch of observations into the running mean/variance of their Box part
+        (nothing once :meth:`freeze_obs_stats` was called)."""
         self.obs_encoder.update_stats(obs)
+
+    def freeze_obs_stats(self, frozen: bool = True) -> None:
+        """Keep the observation statistics as they are (``frozen=False`` lets updates merge again).
+
+        Weights trained on demonstrations compute their actions from inputs normalised by the
+        demonstrations' statistics. RL from them (``policy.init``) would merge its own rollouts'
+        statistics, which differ (the clone's noisy states; a joint the expert never moved has a
+        variance near 0): the inputs the weights see shift, and the clone degrades before RL
+        can help it. Freezing them is SB3's ``VecNormalize(training=False)`` for a loaded model.
+        """
+        self.obs_encoder.frozen = bool(frozen)
 
 
 def load_legacy_keys(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
