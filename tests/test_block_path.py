@@ -8,6 +8,7 @@ import gymnasium as gym
 import numpy as np
 
 import ebrl
+import ebrl.runtime.sim_worker_link as sim_worker_link
 import ebrl.runtime.sim_workers as sim_workers
 from ebrl.runtime.profiler import Timeline
 from ebrl.testing import Latency, MockEnv, MockPolicy, NoopAlgo
@@ -71,7 +72,8 @@ def test_a_dict_observation_run_pickles_nothing_per_step(monkeypatch, no_leaks):
     the start-up and reset messages (a few per worker), however many steps run; the episodes'
     success flags still arrive (through shared-memory flags)."""
     counter = CountingPickle(sim_workers.pickle)
-    monkeypatch.setattr(sim_workers, "pickle", counter)
+    for module in (sim_workers, sim_worker_link):  # the pool's pickles and its worker links'
+        monkeypatch.setattr(module, "pickle", counter)
     tr = ebrl.Trainer(lambda i: DictEnv(), MockPolicy(act_dim=2), NoopAlgo(),
                       ebrl.RunConfig(num_envs=8, segment_len=16, total_env_steps=4000,
                                      sim={"backend": "process", "num_workers": 2}))

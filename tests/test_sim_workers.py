@@ -12,7 +12,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-from ebrl.runtime import sim_workers
+from ebrl.runtime import sim_worker_link, sim_workers
 from ebrl.runtime.errors import EnvStepError
 from ebrl.runtime.sim_types import CPU, QUEUE, STEPS, WALL, reset_env, step_env
 from ebrl.runtime.sim_workers import ProcessSimPool
@@ -184,9 +184,11 @@ async def test_dict_observations_travel_through_shared_memory_unpickled(monkeypa
         for i in range(4):
             await pool.reset(i)
         calls = []
-        monkeypatch.setattr(sim_workers, "pickle", type("P", (), {
+        counting = type("P", (), {
             "dumps": staticmethod(lambda *a, **k: calls.append("dumps") or pickle.dumps(*a, **k)),
-            "loads": staticmethod(lambda *a, **k: calls.append("loads") or pickle.loads(*a, **k))}))
+            "loads": staticmethod(lambda *a, **k: calls.append("loads") or pickle.loads(*a, **k))})
+        for module in (sim_workers, sim_worker_link):  # the pool's pickles and its worker links'
+            monkeypatch.setattr(module, "pickle", counting)
         sizes = []
         for w in pool._workers:  # messages sent
             def sent(msg, fn=w.conn.send_bytes):
@@ -677,7 +679,7 @@ def test_replies_are_framed_whole_across_reads():
     pool = ProcessSimPool.__new__(ProcessSimPool)  # only the reader: no workers, no loop
     got = []
     pool._on_reply = lambda worker, raw: got.append(raw)
-    worker = sim_workers._Worker(0, None, mine)
+    worker = sim_worker_link.WorkerLink(0, None, mine, None)
     theirs.send_bytes(b"S" + bytes(8))
     theirs.send_bytes(b"S" + bytes(4))
     pool._on_readable(worker)

@@ -5,7 +5,9 @@ The hot path is three callbacks, with no coroutine, future or Python object per 
 
 1. the sim pool calls :meth:`Driver.on_block` with a block of envs whose steps are done: the
    block is recorded into the rollout storage (one write per field), episodes are tracked in
-   NumPy, and NaN/inf rows and failed envs go aside for recovery;
+   NumPy (:class:`~ebrl.runtime.episodes.Episodes`), and NaN/inf rows and failed envs go
+   aside for :class:`~ebrl.runtime.recovery.Recovery`, which resets or rebuilds them and
+   answers whether they are back: only the driver releases envs;
 2. the envs that may go on are released: they claim steps from the budget, envs that would
    open a segment on a full queue park (backpressure), and the rest make one generation
    request (:meth:`Generator.request`) for the block;
@@ -25,21 +27,23 @@ still in flight when the run stops.
 from __future__ import annotations
 
 import asyncio
-from collections import Counter, deque
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ebrl.config import NonFinite, RunConfig, Schedule
+from ebrl.config import RunConfig, Schedule
 from ebrl.policies.base import ActResult
-from ebrl.runtime.errors import EnvStepError, NonFiniteError, TooManyEnvFailures, raise_first
+from ebrl.runtime.episodes import Episodes
+from ebrl.runtime.errors import EnvStepError, raise_first
 from ebrl.runtime.generation import Generator
+from ebrl.runtime.recovery import Recovery
 from ebrl.runtime.rollout import RolloutQueue
 from ebrl.runtime.schedules import lockstep_groups
-from ebrl.runtime.sim_types import Block, NonFiniteReset, SimPool, TimedOut
+from ebrl.runtime.sim_types import Block, SimPool
 from ebrl.runtime.state import RunState
 from ebrl.runtime.stats import RunStats
-from ebrl.spaces import all_finite, batch_of_one, finite_rows, index, stack, tree_map, write
+from ebrl.spaces import all_finite, batch_of_one, index, tree_map, write
 from ebrl.telemetry.logging import get_logger
 
 if TYPE_CHECKING:
@@ -70,16 +74,8 @@ class Driver:
         self.act_logprob = np.zeros(n, np.float32)
         self.act_value = np.zeros(n, np.float32)
         self.act_version = np.zeros(n, np.int64)
-        # episodes
-        self.ep_return = np.zeros(n, np.float64)
-        self.ep_length = np.zeros(n, np.int64)
-        self.ep_success = np.full(n, -1, np.int8)  # -1 until the env reports a success flag
-        self.resets = np.zeros(n, np.int64)
-        self.episodes = np.zeros(n, np.int64)  # episodes started per env (reset groups seed by it)
-        # failures charged to faults.max_env_failures in the window: (loop time, env, reason)
-        self.failure_times: deque[tuple[float, int, str]] = deque()
-        self._gave_up = False  # TooManyEnvFailures raised: the run is stopping on it
-        self.timeouts = 0  # steps abandoned past faults.step_timeout_s
+        self.episodes = Episodes(cfg, pool, rollout, stats)
+        self.recovery = Recovery(cfg, pool, rollout, stats, state, self.episodes)
         # placement changes the controller asked for: env -> worker, done at the env's next episode end
         self.moves: dict[int, int] = {}
         self.migrating: set[int] = set()  # envs whose move is under way (the pool's placement is not yet theirs)
@@ -112,14 +108,15 @@ class Driver:
                 self._tg = tg
                 units = range(self.cfg.num_envs // self.V)
                 # tasks of the group: a failure cancels the others (none is left running)
-                await asyncio.wait([tg.create_task(self._first_reset(u)) for u in units])
+                await asyncio.wait([tg.create_task(self.recovery.first_reset(u)) for u in units])
                 now = self._loop.time()
                 self.t_ready[:] = now
                 for ids in self.group_ids:
                     self._release(ids)
                 watchdog = None
                 if self.cfg.faults.step_timeout_s is not None:
-                    watchdog = tg.create_task(self._watch_steps(self.cfg.faults.step_timeout_s), name="ebrl-watchdog")
+                    watchdog = tg.create_task(self.recovery.watch_steps(self.cfg.faults.step_timeout_s),
+                                              name="ebrl-watchdog")
                 try:
                     await self._done
                 finally:
@@ -168,7 +165,7 @@ class Driver:
         go = ids
         if not block.clean and not block.finite.all():
             # NaN/inf rows are dropped; their units wait for the reset of those rows, then go on whole
-            held = self._on_nonfinite(block, np.flatnonzero(~block.finite))
+            held = self._hold_nonfinite(block, np.flatnonzero(~block.finite))
             block = _rows(block, np.flatnonzero(block.finite))
             ids = block.ids
             go = ids[~np.isin(ids // self.V, list(held))]
@@ -177,7 +174,7 @@ class Driver:
             self.rollout.record(ids, acts, self.act_logprob[ids], self.act_value[ids], self.act_version[ids],
                                 block.reward, block.terminated, block.truncated, block.obs, block.final_obs,
                                 block.chunk_rewards, block.chunk_steps)
-            self._episodes(block)
+            self.episodes.track(block)
             if self.moves and not block.clean:
                 go = self._start_moves(block, go)
         if len(go):
@@ -203,40 +200,17 @@ class Driver:
         """Rebuild env ``env_id`` in ``worker`` (an episode just ended: nothing of it is lost),
         start its next episode there, and let it go on. A failed move leaves it where it was."""
         try:
-            obs, _ = await self.pool.migrate(env_id, worker, seed=self._seed(env_id))
-            self.rollout.set_obs(np.array([env_id]), batch_of_one(self._checked_reset(env_id, obs)))
+            obs, _ = await self.pool.migrate(env_id, worker, seed=self.episodes.reset_seed(env_id))
+            self.rollout.set_obs(np.array([env_id]), batch_of_one(self.recovery.checked_reset(env_id, obs)))
             if self.cfg.reset_group is not None:  # the part it moved to holds its own rows
-                self.pool.set_reset_seeds(np.array([env_id]), np.array([self._group_seed(env_id)]))
+                self.pool.set_reset_seeds(np.array([env_id]), np.array([self.episodes.group_seed(env_id)]))
             self.migrations += 1
             log.info("env_migrated", env=env_id, worker=worker)
         except EnvStepError as exc:
             log.warning("env_migration_failed", env=env_id, worker=worker, error=exc.detail)
         finally:
             self.migrating.discard(env_id)
-        self.t_ready[env_id] = self._loop.time()
-        self._arrive(np.array([env_id]))
-
-    def _episodes(self, block: Block) -> None:
-        ids = block.ids
-        self.ep_return[ids] += block.reward
-        self.ep_length[ids] += 1
-        if block.clean:
-            return
-        known = block.success >= 0
-        if known.any():
-            k = ids[known]
-            self.ep_success[k] = np.maximum(self.ep_success[k], block.success[known])
-        ended = (block.terminated | block.truncated).nonzero()[0]
-        for r in ended.tolist():
-            i = int(ids[r])
-            once = None if self.ep_success[i] < 0 else bool(self.ep_success[i])
-            at_end = None if block.success[r] < 0 else bool(block.success[r])
-            self._autoreset(i)
-            ret, length = float(self.ep_return[i]), int(self.ep_length[i])
-            self.stats.episode(ret, length, once, at_end)
-            log.info("episode", env=i, ep_return=round(ret, 4), length=length, success_once=once,
-                     success_at_end=at_end, truncated=bool(block.truncated[r] and not block.terminated[r]))
-            self.ep_return[i], self.ep_length[i], self.ep_success[i] = 0.0, 0, -1
+        self._ready(np.array([env_id]))
 
     def _arrive(self, ids: np.ndarray) -> None:
         """Envs ``ids`` (whole units) are ready for their next step."""
@@ -308,7 +282,7 @@ class Driver:
             self.t_sub[ids] = now
             env_actions = rows(result.env_actions)
             if not all_finite(env_actions):
-                ids, env_actions = self._on_nonfinite_actions(ids, env_actions, version)
+                ids, env_actions = self._hold_nonfinite_actions(ids, env_actions, version)
                 if not len(ids):
                     return
             self.pool.submit(ids, env_actions)
@@ -363,77 +337,47 @@ class Driver:
 
     # ---------------------------------------------------------------- faults
 
-    def _on_nonfinite(self, block: Block, rows: np.ndarray) -> dict[int, list[int]]:
-        """Raise, or drop the NaN/inf steps and reset those envs; returns the units held for it."""
-        held: dict[int, list[int]] = {}
-        for r in rows.tolist():
-            i = int(block.ids[r])
-            step = int(self.rollout.steps_per_env[i])
-            what = f"env {i} produced NaN/inf at step {step} (reward={block.reward[r]})"
-            if self.cfg.faults.nonfinite is NonFinite.RAISE:
-                raise NonFiniteError(what + "; set faults.nonfinite='drop' to drop such segments instead")
-            log.warning("nonfinite_dropped", env=i, step=step)
-            self.stats.drop("nonfinite", 1)
-            self.rollout.drop_open(i, "nonfinite")
-            held.setdefault(i // self.V, []).append(i)
-        for unit, ids in held.items():
-            self._spawn(self._reset_rows(unit, ids))
+    def _hold_nonfinite(self, block: Block, rows: np.ndarray) -> dict[int, list[int]]:
+        """Drop the NaN/inf steps at ``rows`` (or raise); their units wait for the reset of
+        those rows. Returns the units held."""
+        held = self.recovery.nonfinite_steps(block, rows)
+        for unit, env_ids in held.items():
+            self._spawn(self._reset_rows(unit, env_ids))
         return held
 
-    def _on_nonfinite_actions(self, ids: np.ndarray, actions: Any, version: int) -> tuple[np.ndarray, Any]:
-        """NaN/inf in the policy's actions: raise, or hold those envs back (their open segments
-        dropped, their claimed steps given back, a new episode begun) and return the rest."""
-        bad = ~finite_rows(actions, len(ids))
-        if self.lockstep or self.V > 1:  # a group or a vector env steps whole, or not at all
-            bad[:] = True
-        which = ids[bad].tolist()
-        what = f"the policy (weights version {version}) produced NaN/inf actions for envs {which}"
-        if self.cfg.faults.nonfinite is NonFinite.RAISE:
-            raise NonFiniteError(what + "; set faults.nonfinite='drop' to drop those segments instead")
-        log.warning("nonfinite_actions_dropped", envs=which, version=version)
-        self.state.release(len(which))  # the claimed steps never happen
-        units: dict[int, list[int]] = {}
-        for i in which:
-            self.rollout.drop_open(i, "nonfinite")
-            units.setdefault(i // self.V, []).append(i)
+    def _hold_nonfinite_actions(self, ids: np.ndarray, actions: Any, version: int) -> tuple[np.ndarray, Any]:
+        """NaN/inf in the policy's actions: hold those envs back until a new episode begins
+        (or raise); returns the rows that go on."""
+        bad, units = self.recovery.nonfinite_actions(ids, actions, version, whole=self.lockstep or self.V > 1)
         for unit, env_ids in units.items():
             self._spawn(self._reset_rows(unit, env_ids))
         keep = ~bad
         return ids[keep], index(actions, np.flatnonzero(keep))
 
-    def _checked_reset(self, unit: int, obs: Any) -> Any:
-        """A reset's observation, if finite; else NonFiniteError (``raise``) or an EnvStepError
-        (``drop``: the env is then rebuilt and reset again, as for any failed reset)."""
-        if all_finite(obs):
-            return obs
-        if self.cfg.faults.nonfinite is NonFinite.RAISE:
-            raise NonFiniteError(f"env {unit}'s reset observation has NaN/inf; set faults.nonfinite='drop' to "
-                                 "rebuild such envs instead")
-        log.warning("nonfinite_reset", unit=unit)
-        raise EnvStepError(unit, "reset", NonFiniteReset("the reset observation has NaN/inf"))
-
-    async def _watch_steps(self, limit: float) -> None:
-        """Every quarter of the timeout (a second at most), the pool gives up the steps that
-        started longer than ``limit`` ago: they come back as ``timeout`` errors, recovered as
-        any failed step (the env rebuilt from ``env_fn``)."""
-        period = min(1.0, limit / 4)
-        while True:
-            await asyncio.sleep(period)
-            for unit in self.pool.abandon_late(limit):
-                self.timeouts += 1
-                log.warning("step_timed_out", unit=unit, limit_s=limit)
-
     def _on_errors(self, errors: list[tuple[int, str]], now: float) -> None:
         units = sorted({i // self.V for i, _ in errors})
         detail = dict(errors)
         for u in units:
-            ids = self._unit_ids(u)
+            ids = self.recovery.unit_ids(u)
             if self.timeline is not None:
                 for i in ids.tolist():
                     self.timeline.record(self.lanes[i], "fail", self.t_sub[i], now)
             self.state.release(len(ids))  # the claimed step never happened
             exc = EnvStepError(u, "step", detail.get(int(ids[0]), next(iter(detail.values()))))
             self._spawn(self._recover(u, exc))
+
+    async def _recover(self, unit: int, exc: EnvStepError) -> None:
+        if await self.recovery.recover(unit, exc):
+            self._ready(self.recovery.unit_ids(unit))
+
+    async def _reset_rows(self, unit: int, env_ids: list[int]) -> None:
+        if await self.recovery.reset_rows(unit, env_ids):
+            self._ready(self.recovery.unit_ids(unit))
+
+    def _ready(self, ids: np.ndarray) -> None:
+        """Envs ``ids`` are back from a reset, rebuild or move: ready for their next step."""
+        self.t_ready[ids] = self._loop.time()
+        self._arrive(ids)
 
     def _spawn(self, coro) -> None:
         if self._tg is None:
@@ -443,146 +387,6 @@ class Driver:
             self._tg.create_task(coro)
         except RuntimeError:  # the group is shutting down (the run is stopping on a failure)
             coro.close()
-
-    async def _recover(self, unit: int, exc: EnvStepError, arrive: bool = True) -> None:
-        """Drop the failed unit's open segments, rebuild it from env_fn, reset it, release it."""
-        ids = self._unit_ids(unit)
-        while True:
-            reason = exc.reason  # env_error, timeout or worker_died
-            # the env's own fault counts; a worker-mate lost with a hung or dead worker did nothing wrong
-            own = reason != "worker_died"
-            self.stats.env_failures += own
-            dropped = sum(self.rollout.drop_open(i, reason) for i in ids.tolist())
-            log.warning("env_failed", env=int(ids[0]) if len(ids) == 1 else f"{ids[0]}-{ids[-1]}",
-                        step=int(self.rollout.steps_per_env[ids[0]]), op=exc.op, error=exc.detail,
-                        reason=reason, dropped_steps=dropped)
-            if own and self._charge(unit, reason, exc):
-                return  # the run is stopping on a TooManyEnvFailures raised already: not a copy of it
-            try:
-                await self._timed(unit, "env_fn", self.pool.rebuild(unit))
-                await self._reset_unit(unit)
-                break
-            except EnvStepError as again:
-                exc = again
-        self.t_ready[ids] = self._loop.time()
-        if arrive:
-            self._arrive(ids)
-
-    def _charge(self, unit: int, reason: str, exc: EnvStepError) -> bool:
-        """Count a failure of ``unit`` toward ``faults.max_env_failures``; raise
-        TooManyEnvFailures once it is over (True: it was raised before, by another recovery)."""
-        faults, now = self.cfg.faults, self._loop.time()
-        self.failure_times.append((now, unit, reason))
-        while self.failure_times and now - self.failure_times[0][0] > faults.failure_window_s:
-            self.failure_times.popleft()
-        if len(self.failure_times) <= faults.max_env_failures:
-            return False
-        if self._gave_up:
-            return True
-        self._gave_up = True
-        failures = [(u, r) for _, u, r in self.failure_times]
-        what = "env" if self.V == 1 else "vector env"
-        charged = ", ".join(f"{what} {u} {r} x{n}" for (u, r), n in Counter(failures).items())
-        raise TooManyEnvFailures(
-            f"{len(failures)} env failures within {faults.failure_window_s}s "
-            f"(faults.max_env_failures={faults.max_env_failures}): {charged}; last: {exc}", failures) from exc
-
-    async def _first_reset(self, unit: int) -> None:
-        """The run's first reset of a unit. A NaN/inf observation (``nonfinite='drop'``) is
-        a hung reset (past ``faults.step_timeout_s``) or a dead worker is recovered like a failed
-        reset later on; any other failure here stops the run (an env
-        that cannot start is a setup error, not a fault to retry)."""
-        try:
-            await self._reset_unit(unit)
-        except EnvStepError as exc:
-            if exc.reason not in ("nonfinite", "timeout", "worker_died"):
-                raise
-            await self._recover(unit, exc, arrive=False)  # run() releases every env after the first resets
-
-    # ---------------------------------------------------------------- resets
-
-    def _unit_ids(self, unit: int) -> np.ndarray:
-        return np.arange(unit * self.V, unit * self.V + self.V)
-
-    def _seed(self, env_id: int) -> int:
-        # seed each env's first episode; later resets (after a rebuild) get fresh, reproducible seeds
-        self.resets[env_id] += 1
-        self.ep_return[env_id], self.ep_length[env_id], self.ep_success[env_id] = 0.0, 0, -1
-        if self.cfg.reset_group is None:
-            seed = self.cfg.seed + env_id + self.cfg.num_envs * int(self.resets[env_id] - 1)
-            self.rollout.episode_key[env_id] = seed
-            return seed
-        seed = self._group_seed(env_id)
-        self.rollout.episode_key[env_id] = seed
-        self.episodes[env_id] += 1
-        self.pool.set_reset_seeds(np.array([env_id]), np.array([self._group_seed(env_id)]))
-        return seed
-
-    def _group_seed(self, env_id: int) -> int:
-        """Under ``reset_group``: the seed of env ``env_id``'s next episode, shared by its group
-        (the group's k-th episodes all start from one seed)."""
-        groups = self.cfg.num_envs // self.cfg.reset_group
-        return self.cfg.seed + env_id // self.cfg.reset_group + groups * int(self.episodes[env_id])
-
-    def _autoreset(self, env_id: int) -> None:
-        """Env ``env_id``'s episode ended and the same step reset it: with reset groups, from the
-        seed written for it (the next one is written now); else from the env's own RNG."""
-        if self.cfg.reset_group is None:
-            self.rollout.episode_key[env_id] = -1
-            return
-        self.rollout.episode_key[env_id] = self._group_seed(env_id)
-        self.episodes[env_id] += 1
-        self.pool.set_reset_seeds(np.array([env_id]), np.array([self._group_seed(env_id)]))
-
-    async def _timed(self, unit: int, op: str, call):
-        """Await a unit's reset or rebuild; once it has *run* past ``faults.step_timeout_s``
-        (waits for a lane or for worker-mates do not count) the pool gives it up (a lane
-        replaced, a worker killed) and it fails as ``timeout``, recovered as any failed reset:
-        the unit rebuilt from ``env_fn``."""
-        limit = self.cfg.faults.step_timeout_s
-        if limit is None:
-            return await call
-        fut = asyncio.ensure_future(call)
-        try:
-            while True:
-                try:
-                    return await asyncio.wait_for(asyncio.shield(fut), min(1.0, limit / 4))
-                except TimeoutError:
-                    if self.pool.abandon(unit, limit):
-                        break
-        finally:
-            fut.cancel()
-        self.timeouts += 1
-        log.warning("reset_timed_out", unit=unit, op=op, limit_s=limit)
-        raise EnvStepError(unit, op, TimedOut(f"the {op} ran past faults.step_timeout_s and was abandoned"))
-
-    async def _reset_unit(self, unit: int) -> None:
-        ids = self._unit_ids(unit)
-        if self.V == 1:
-            obs, _ = await self._timed(unit, "reset", self.pool.reset(unit, seed=self._seed(unit)))
-            self.rollout.set_obs(ids, batch_of_one(self._checked_reset(unit, obs)))
-        else:
-            obs, _ = await self._timed(unit, "reset", self.pool.reset(unit, [self._seed(i) for i in ids.tolist()]))
-            self.rollout.set_obs(ids, self._checked_reset(unit, stack([obs[r] for r in range(self.V)])))
-
-    async def _reset_rows(self, unit: int, env_ids: list[int]) -> None:
-        """Reset some envs of a unit after dropped NaN steps or actions, then let the unit go on
-        (a failed reset, or one with NaN/inf, rebuilds the unit as a failed step does)."""
-        try:
-            if self.V == 1:
-                obs, _ = await self._timed(unit, "reset", self.pool.reset(unit, seed=self._seed(unit)))
-                self.rollout.set_obs(np.array(env_ids), batch_of_one(self._checked_reset(unit, obs)))
-            else:
-                got, _ = await self._timed(unit, "reset",
-                                           self.pool.reset(unit, {i - unit * self.V: self._seed(i) for i in env_ids}))
-                obs = self._checked_reset(unit, stack([got[i - unit * self.V] for i in env_ids]))
-                self.rollout.set_obs(np.array(env_ids), obs)
-        except EnvStepError as exc:
-            await self._recover(unit, exc)
-            return
-        ids = self._unit_ids(unit)
-        self.t_ready[ids] = self._loop.time()
-        self._arrive(ids)
 
 
 def _rows(block: Block, keep: np.ndarray) -> Block:

@@ -41,7 +41,8 @@ import numpy as np
 from ebrl.config import SimBackend
 from ebrl.runtime.sim_threads import ThreadSimPool
 from ebrl.runtime.sim_types import EnvFn, OnBlock, SimPool
-from ebrl.runtime.sim_workers import NOWHERE, ProcessSimPool
+from ebrl.runtime.sim_workers import ProcessSimPool
+from ebrl.runtime.sim_workers_elastic import NOWHERE
 from ebrl.spaces import index
 
 LOCAL = NOWHERE  # an env on the thread lanes: its worker pool hosts it nowhere

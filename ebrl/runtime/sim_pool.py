@@ -8,7 +8,9 @@ Three backends (:class:`~ebrl.config.SimBackend`), one file a role:
   thread hop; virtual time); ``sim_threads.py``: ``ThreadSimPool`` on lane threads
   (simulators that release the GIL).
 - ``sim_workers.py``: ``ProcessSimPool`` hosts the envs in worker processes (GIL-bound Python
-  envs, which is most gymnasium envs).
+  envs, which is most gymnasium envs); ``sim_worker_link.py`` is its handle on one worker,
+  ``sim_workers_elastic.py`` moves envs between workers and resizes, ``sim_worker_process.py``
+  runs in the worker.
 - ``sim_mixed.py``: ``MixedSimPool`` holds both, each env on lanes or in a worker; the resource
   controller moves envs between them by their measured steps (AUTO runs use it).
 - here: :func:`make_sim_pool` and the ``auto`` rule, which measures a step's wall and CPU time

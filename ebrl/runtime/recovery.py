@@ -1,0 +1,214 @@
+"""Fault recovery for the driver: failed, hung and NaN/inf env steps, resets and rebuilds.
+
+Every method here answers the driver and never releases an env: :meth:`Recovery.recover`
+returns whether the unit is back (rebuilt from ``env_fn`` and reset, its observation in the
+rollout), :meth:`Recovery.reset_rows` whether a unit whose NaN/inf rows were dropped may go
+on, and the driver releases what comes back. Failures the env itself caused count toward
+``faults.max_env_failures`` within ``faults.failure_window_s``; past it the run stops with one
+:class:`~ebrl.runtime.errors.TooManyEnvFailures`. A unit is ``V`` envs: one env, or one
+vector env of ``cfg.sim.vector_size`` rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter, deque
+from typing import Any
+
+import numpy as np
+
+from ebrl.config import NonFinite, RunConfig
+from ebrl.runtime.episodes import Episodes
+from ebrl.runtime.errors import EnvStepError, NonFiniteError, TooManyEnvFailures
+from ebrl.runtime.rollout import RolloutQueue
+from ebrl.runtime.sim_types import Block, NonFiniteReset, SimPool, TimedOut
+from ebrl.runtime.state import RunState
+from ebrl.runtime.stats import RunStats
+from ebrl.spaces import all_finite, batch_of_one, finite_rows, stack
+from ebrl.telemetry.logging import get_logger
+
+log = get_logger("ebrl.env")
+
+
+class Recovery:
+    """Drops, resets and rebuilds failed units (see module docstring)."""
+
+    def __init__(self, cfg: RunConfig, pool: SimPool, rollout: RolloutQueue, stats: RunStats, state: RunState,
+                 episodes: Episodes):
+        self.cfg, self.pool, self.rollout, self.stats, self.state = cfg, pool, rollout, stats, state
+        self.episodes = episodes
+        self.V = cfg.sim.vector_size
+        # failures charged to faults.max_env_failures in the window: (loop time, unit, reason)
+        self.failure_times: deque[tuple[float, int, str]] = deque()
+        self._gave_up = False  # TooManyEnvFailures raised: the run is stopping on it
+        self.timeouts = 0  # steps, resets and rebuilds abandoned past faults.step_timeout_s
+
+    def unit_ids(self, unit: int) -> np.ndarray:
+        return np.arange(unit * self.V, unit * self.V + self.V)
+
+    # ---------------------------------------------------------------- NaN/inf
+
+    def nonfinite_steps(self, block: Block, rows: np.ndarray) -> dict[int, list[int]]:
+        """Raise, or drop the NaN/inf steps at ``rows`` of ``block``; returns the envs to reset
+        by unit (the driver holds those units until :meth:`reset_rows`)."""
+        units: dict[int, list[int]] = {}
+        for r in rows.tolist():
+            i = int(block.ids[r])
+            step = int(self.rollout.steps_per_env[i])
+            what = f"env {i} produced NaN/inf at step {step} (reward={block.reward[r]})"
+            if self.cfg.faults.nonfinite is NonFinite.RAISE:
+                raise NonFiniteError(what + "; set faults.nonfinite='drop' to drop such segments instead")
+            log.warning("nonfinite_dropped", env=i, step=step)
+            self.stats.drop("nonfinite", 1)
+            self.rollout.drop_open(i, "nonfinite")
+            units.setdefault(i // self.V, []).append(i)
+        return units
+
+    def nonfinite_actions(self, ids: np.ndarray, actions: Any, version: int,
+                          whole: bool) -> tuple[np.ndarray, dict[int, list[int]]]:
+        """NaN/inf in the policy's actions for envs ``ids``: raise, or give up those envs' steps
+        (their open segments dropped, their claimed steps given back). Returns the rows held
+        back (all of them when ``whole``: a lockstep group or a vector env steps whole or not
+        at all) and the envs to reset by unit."""
+        bad = ~finite_rows(actions, len(ids))
+        if whole:
+            bad[:] = True
+        which = ids[bad].tolist()
+        what = f"the policy (weights version {version}) produced NaN/inf actions for envs {which}"
+        if self.cfg.faults.nonfinite is NonFinite.RAISE:
+            raise NonFiniteError(what + "; set faults.nonfinite='drop' to drop those segments instead")
+        log.warning("nonfinite_actions_dropped", envs=which, version=version)
+        self.state.release(len(which))  # the claimed steps never happen
+        units: dict[int, list[int]] = {}
+        for i in which:
+            self.rollout.drop_open(i, "nonfinite")
+            units.setdefault(i // self.V, []).append(i)
+        return bad, units
+
+    def checked_reset(self, unit: int, obs: Any) -> Any:
+        """A reset's observation, if finite; else NonFiniteError (``raise``) or an EnvStepError
+        (``drop``: the env is then rebuilt and reset again, as for any failed reset)."""
+        if all_finite(obs):
+            return obs
+        if self.cfg.faults.nonfinite is NonFinite.RAISE:
+            raise NonFiniteError(f"env {unit}'s reset observation has NaN/inf; set faults.nonfinite='drop' to "
+                                 "rebuild such envs instead")
+        log.warning("nonfinite_reset", unit=unit)
+        raise EnvStepError(unit, "reset", NonFiniteReset("the reset observation has NaN/inf"))
+
+    # ---------------------------------------------------------------- failed units
+
+    async def recover(self, unit: int, exc: EnvStepError) -> bool:
+        """Drop the failed unit's open segments, rebuild it from env_fn and reset it. True: it is
+        back; False: the run is already stopping on too many failures."""
+        ids = self.unit_ids(unit)
+        while True:
+            reason = exc.reason  # env_error, timeout or worker_died
+            # the env's own fault counts; a worker-mate lost with a hung or dead worker did nothing wrong
+            own = reason != "worker_died"
+            self.stats.env_failures += own
+            dropped = sum(self.rollout.drop_open(i, reason) for i in ids.tolist())
+            log.warning("env_failed", env=int(ids[0]) if len(ids) == 1 else f"{ids[0]}-{ids[-1]}",
+                        step=int(self.rollout.steps_per_env[ids[0]]), op=exc.op, error=exc.detail,
+                        reason=reason, dropped_steps=dropped)
+            if own and self._charge(unit, reason, exc):
+                return False  # the run is stopping on a TooManyEnvFailures raised already: not a copy of it
+            try:
+                await self._timed(unit, "env_fn", self.pool.rebuild(unit))
+                await self.reset_unit(unit)
+                return True
+            except EnvStepError as again:
+                exc = again
+
+    def _charge(self, unit: int, reason: str, exc: EnvStepError) -> bool:
+        """Count a failure of ``unit`` toward ``faults.max_env_failures``; raise
+        TooManyEnvFailures once it is over (True: it was raised before, by another recovery)."""
+        faults, now = self.cfg.faults, asyncio.get_running_loop().time()
+        self.failure_times.append((now, unit, reason))
+        while self.failure_times and now - self.failure_times[0][0] > faults.failure_window_s:
+            self.failure_times.popleft()
+        if len(self.failure_times) <= faults.max_env_failures:
+            return False
+        if self._gave_up:
+            return True
+        self._gave_up = True
+        failures = [(u, r) for _, u, r in self.failure_times]
+        what = "env" if self.V == 1 else "vector env"
+        charged = ", ".join(f"{what} {u} {r} x{n}" for (u, r), n in Counter(failures).items())
+        raise TooManyEnvFailures(
+            f"{len(failures)} env failures within {faults.failure_window_s}s "
+            f"(faults.max_env_failures={faults.max_env_failures}): {charged}; last: {exc}", failures) from exc
+
+    async def first_reset(self, unit: int) -> None:
+        """The run's first reset of a unit. A NaN/inf observation (``nonfinite='drop'``), a hung
+        reset (past ``faults.step_timeout_s``) or a dead worker is recovered like a failed reset
+        later on; any other failure here stops the run (an env that cannot start is a setup
+        error, not a fault to retry)."""
+        try:
+            await self.reset_unit(unit)
+        except EnvStepError as exc:
+            if exc.reason not in ("nonfinite", "timeout", "worker_died"):
+                raise
+            await self.recover(unit, exc)  # the driver releases every env after the first resets
+
+    async def watch_steps(self, limit: float) -> None:
+        """Every quarter of the timeout (a second at most), the pool gives up the steps that
+        started longer than ``limit`` ago: they come back as ``timeout`` errors, recovered as
+        any failed step (the env rebuilt from ``env_fn``)."""
+        period = min(1.0, limit / 4)
+        while True:
+            await asyncio.sleep(period)
+            for unit in self.pool.abandon_late(limit):
+                self.timeouts += 1
+                log.warning("step_timed_out", unit=unit, limit_s=limit)
+
+    async def _timed(self, unit: int, op: str, call):
+        """Await a unit's reset or rebuild; once it has *run* past ``faults.step_timeout_s``
+        (waits for a lane or for worker-mates do not count) the pool gives it up (a lane
+        replaced, a worker killed) and it fails as ``timeout``, recovered as any failed reset:
+        the unit rebuilt from ``env_fn``."""
+        limit = self.cfg.faults.step_timeout_s
+        if limit is None:
+            return await call
+        fut = asyncio.ensure_future(call)
+        try:
+            while True:
+                try:
+                    return await asyncio.wait_for(asyncio.shield(fut), min(1.0, limit / 4))
+                except TimeoutError:
+                    if self.pool.abandon(unit, limit):
+                        break
+        finally:
+            fut.cancel()
+        self.timeouts += 1
+        log.warning("reset_timed_out", unit=unit, op=op, limit_s=limit)
+        raise EnvStepError(unit, op, TimedOut(f"the {op} ran past faults.step_timeout_s and was abandoned"))
+
+    # ---------------------------------------------------------------- resets
+
+    async def reset_unit(self, unit: int) -> None:
+        """Reset every env of ``unit`` from fresh seeds; their observations go to the rollout."""
+        ids, seed = self.unit_ids(unit), self.episodes.reset_seed
+        if self.V == 1:
+            obs, _ = await self._timed(unit, "reset", self.pool.reset(unit, seed=seed(unit)))
+            self.rollout.set_obs(ids, batch_of_one(self.checked_reset(unit, obs)))
+        else:
+            obs, _ = await self._timed(unit, "reset", self.pool.reset(unit, [seed(i) for i in ids.tolist()]))
+            self.rollout.set_obs(ids, self.checked_reset(unit, stack([obs[r] for r in range(self.V)])))
+
+    async def reset_rows(self, unit: int, env_ids: list[int]) -> bool:
+        """Reset some envs of a unit after dropped NaN steps or actions (a failed reset, or one
+        with NaN/inf, rebuilds the unit as a failed step does). True: the unit may go on."""
+        seed = self.episodes.reset_seed
+        try:
+            if self.V == 1:
+                obs, _ = await self._timed(unit, "reset", self.pool.reset(unit, seed=seed(unit)))
+                self.rollout.set_obs(np.array(env_ids), batch_of_one(self.checked_reset(unit, obs)))
+            else:
+                got, _ = await self._timed(unit, "reset",
+                                           self.pool.reset(unit, {i - unit * self.V: seed(i) for i in env_ids}))
+                obs = self.checked_reset(unit, stack([got[i - unit * self.V] for i in env_ids]))
+                self.rollout.set_obs(np.array(env_ids), obs)
+        except EnvStepError as exc:
+            return await self.recover(unit, exc)
+        return True

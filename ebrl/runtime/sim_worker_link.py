@@ -1,0 +1,171 @@
+"""WorkerLink: the parent's handle on one worker process of
+:class:`~ebrl.runtime.sim_workers.ProcessSimPool`: the process, its pipe, what is queued for it
+and what it owes. The mechanism only (spawn, watch the pipe, send, read whole replies, retire,
+stop); what a reply or a death means is the pool's. See :mod:`ebrl.runtime.sim_workers` for the
+protocol and :mod:`ebrl.runtime.sim_worker_process` for the other end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import pickle
+import signal
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from ebrl.runtime.sim_types import EnvFn
+from ebrl.runtime.sim_worker_process import PICKLED, QUIT, READ_BYTES, STEP, worker_main
+
+CLOSE_WAIT_S = 1.0  # close() waits this long for the workers to quit, then kills them (see sim_threads)
+
+
+class WorkerLink:
+    """Worker ``index``: its process, the parent's end of its pipe, and its queues."""
+
+    def __init__(self, index: int, process, conn, loop: asyncio.AbstractEventLoop | None):
+        self.index, self.process, self.conn, self.loop = index, process, conn, loop
+        self.steps: list[np.ndarray] = []  # ids whose actions are written, not yet sent
+        self.requests: list[tuple[str, int, Any]] = []  # pickled requests, not yet sent
+        self.waiting: deque[tuple[int, str, asyncio.Future]] = deque()  # sent requests, in order
+        self.dead: str | None = None  # why it is gone
+        self.killed = False  # killed for a hung step (its death is on the way)
+        self.inbox = b""  # the start of a reply not yet whole (see read_replies)
+
+    @classmethod
+    def spawn(cls, ctx, loop: asyncio.AbstractEventLoop | None, index: int, env_fn: EnvFn, env_ids: list[int],
+              num_envs: int, reply_hold_s: float, attach: tuple | None = None) -> WorkerLink:
+        """Start worker ``index`` (multiprocessing context ``ctx``) building ``env_ids``; with
+        ``attach`` it maps the shared memory at once (a worker added after start)."""
+        parent, child = ctx.Pipe(duplex=True)
+        proc = ctx.Process(
+            target=worker_main, name=f"ebrl-sim-worker-{index}", daemon=True,
+            args=(child, env_fn, env_ids, num_envs, reply_hold_s, attach))
+        proc.start()
+        child.close()
+        return cls(index, proc, parent, loop)
+
+    def watch(self, callback, *args) -> None:
+        """Call ``callback(*args)`` on the loop whenever the pipe is readable."""
+        fd = self.conn.fileno()
+        self.loop.add_reader(fd, callback, *args)
+        # add_reader makes the socket non-blocking; a message larger than the socket buffer
+        # then arrives in pieces and recv_bytes would fail half-way. Readable means a message
+        # has started, and the worker writes the rest at once: a blocking read is safe.
+        os.set_blocking(fd, True)
+
+    def unwatch(self) -> None:
+        with contextlib.suppress(Exception):
+            self.loop.remove_reader(self.conn.fileno())
+
+    async def first_message(self):
+        """The worker's first (pickled) message: its spaces, or the error that stopped its start."""
+        ready = self.loop.create_future()
+        self.watch(lambda: ready.done() or ready.set_result(None))
+        try:
+            await ready
+        finally:
+            self.loop.remove_reader(self.conn.fileno())
+        try:
+            return pickle.loads(self.conn.recv_bytes())
+        except (EOFError, OSError):
+            self.process.join(1.0)
+            return ("error", self.index, f"worker exited during start (exit code {self.process.exitcode})")
+
+    def request(self, op: str, env_id: int, arg: Any) -> asyncio.Future:
+        """Queue request ``op`` (sent, pickled, by the next :meth:`flush`); the future gets its reply."""
+        if self.dead is not None:
+            raise RuntimeError(f"env {env_id}: {self.dead}")
+        fut = self.loop.create_future()
+        self.requests.append((op, env_id, arg))
+        self.waiting.append((env_id, op, fut))
+        return fut
+
+    def flush(self, sent_at: np.ndarray) -> bool:
+        """Send the queued steps (one message; ``sent_at`` of their envs gets the send time) and
+        requests (another). False if the pipe is broken: the worker died."""
+        try:
+            if self.steps:
+                ids = np.concatenate(self.steps).astype(np.int32)
+                self.steps = []
+                sent_at[ids] = time.perf_counter()
+                self.conn.send_bytes(STEP + ids.tobytes())
+            if self.requests:
+                reqs, self.requests = self.requests, []
+                self.conn.send_bytes(PICKLED + pickle.dumps(reqs))
+        except (BrokenPipeError, OSError):
+            return False
+        return True
+
+    def read_replies(self) -> list[bytes] | None:
+        """Every whole reply the worker has sent, or None if its end of the pipe closed (it died).
+        One read takes what the pipe holds (often two replies at once); the framing is
+        multiprocessing's (a 4-byte big-endian signed length, -1 for an 8-byte one), as the
+        worker's ``send_bytes`` writes it. ``Connection.recv_bytes`` cost two reads and a BytesIO
+        per reply. A reply not yet whole waits in ``inbox`` for the next read."""
+        try:
+            data = os.read(self.conn.fileno(), READ_BYTES)
+        except OSError:
+            data = b""
+        if not data:
+            return None
+        if self.inbox:
+            data, self.inbox = self.inbox + data, b""
+        replies = []
+        start, end = 0, len(data)
+        while end - start >= 4:
+            n, head = int.from_bytes(data[start:start + 4], "big", signed=True), 4
+            if n == -1:  # over 2 GiB (a pickled request's reply, in theory)
+                if end - start < 12:
+                    break
+                n, head = int.from_bytes(data[start + 4:start + 12], "big"), 12
+            if end - start < head + n:
+                break
+            replies.append(data[start + head:start + head + n])
+            start += head + n
+        self.inbox = data[start:]
+        return replies
+
+    def kill(self) -> None:
+        """SIGKILL it (a hung step or reset): its pipe closes, and the pool's reader sees it die."""
+        self.killed = True
+        self.process.kill()
+
+    def mark_dead(self) -> None:
+        """Its pipe closed: stop watching it, and say in ``dead`` how it ended."""
+        self.unwatch()
+        self.process.join(0.5)  # to learn its exit code; it closed its pipe, so it is exiting
+        code = self.process.exitcode
+        how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+        self.dead = f"worker {self.index} died ({how})"
+
+    def retire(self) -> None:
+        """Stop watching it and tell it to quit (after what it was sent); its requests' futures
+        are cancelled. :meth:`stop` joins it later."""
+        self.unwatch()
+        with contextlib.suppress(Exception):
+            self.conn.send_bytes(QUIT)
+        for _, _, fut in self.waiting:
+            fut.cancel()
+        self.waiting.clear()
+
+    @staticmethod
+    def stop(links: list[WorkerLink]) -> None:
+        """Tell ``links``' workers to quit, then join them (``CLOSE_WAIT_S`` in all, then killed:
+        a worker hung in a step never reads the message)."""
+        for link in links:
+            with contextlib.suppress(Exception):
+                link.conn.send_bytes(QUIT)
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        for link in links:
+            link.process.join(timeout=max(0.0, deadline - time.monotonic()))
+            if link.process.is_alive():
+                link.process.kill()
+                link.process.join()
+            link.conn.close()
+            for _, _, fut in link.waiting:
+                fut.cancel()
