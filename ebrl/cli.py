@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ebrl.config import ConfigError, RunConfig, _parse_value, load_file
+from ebrl.config import ConfigError, RunConfig, load_file, parse_setting
 from ebrl.distributed import RankLostError, RanksDivergedError
 
 DEMO: dict[str, Any] = {
@@ -69,18 +69,16 @@ def build_spec(config: str | None, overrides: list[str]) -> dict[str, Any]:
         for key, value in loaded.items():
             spec[key] = {**spec[key], **value} if isinstance(value, dict) else value  # tables merge over the demo
     for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise ConfigError("--set", item, "must look like key=value, e.g. run.num_envs=32")
-        head, _, rest = key.strip().partition(".")
+        key, value = parse_setting(item, example="run.num_envs=32")
+        head, _, rest = key.partition(".")
         if head not in DEMO:
-            raise ConfigError(key, raw, f"unknown key; allowed: {', '.join(DEMO)} (tables take table.field)")
+            raise ConfigError(key, value, f"unknown key; allowed: {', '.join(DEMO)} (tables take table.field)")
         if rest:
             if not isinstance(spec[head], dict):
-                raise ConfigError(key, raw, f"{head} is not a table")
-            spec[head][rest] = _parse_value(raw.strip())
+                raise ConfigError(key, value, f"{head} is not a table")
+            spec[head][rest] = value
         else:
-            spec[head] = _parse_value(raw.strip())
+            spec[head] = value
     return spec
 
 

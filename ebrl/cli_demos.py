@@ -15,19 +15,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ebrl.config import ConfigError
+from ebrl.config import ConfigError, parse_setting
 
 
 def _env_kwargs(items: list[str] | None) -> dict[str, Any]:
-    from ebrl.config import _parse_value
-
-    out = {}
-    for item in items or []:
-        key, sep, raw = item.partition("=")
-        if not sep:
-            raise ConfigError("--env-kwarg", item, "must look like key=value, e.g. pixels=64")
-        out[key.strip()] = _parse_value(raw.strip())
-    return out
+    return dict(parse_setting(item, "--env-kwarg", "pixels=64") for item in items or [])
 
 
 def cmd_collect(args: argparse.Namespace) -> int:

@@ -325,7 +325,7 @@ class RunConfig:
     def with_overrides(self, overrides: list[str] | dict[str, Any]) -> "RunConfig":
         """A copy with ``key=value`` overrides applied; dotted keys reach nested tables."""
         data = self.to_dict()
-        items = overrides.items() if isinstance(overrides, dict) else (_split(o) for o in overrides)
+        items = overrides.items() if isinstance(overrides, dict) else (parse_setting(o) for o in overrides)
         for key, value in items:
             _set_path(data, key, value)
         return RunConfig.from_dict(data)
@@ -339,10 +339,15 @@ def _build(kind: type, data: dict[str, Any], prefix: str = "") -> Any:
     return kind(**data)
 
 
-def _split(item: str) -> tuple[str, Any]:
+def parse_setting(item: str, flag: str = "--set", example: str = "num_envs=32") -> tuple[str, Any]:
+    """``key=value`` from a command line flag, the value in TOML's syntax (bare words are strings).
+
+    >>> parse_setting("run.num_envs=32")
+    ('run.num_envs', 32)
+    """
     key, sep, raw = item.partition("=")
-    if not sep or not key:
-        raise ConfigError("--set", item, "must look like key=value, e.g. num_envs=32")
+    if not sep or not key.strip():
+        raise ConfigError(flag, item, f"must look like key=value, e.g. {example}")
     return key.strip(), _parse_value(raw.strip())
 
 

@@ -1,7 +1,7 @@
 import pytest
 
 import ebrl
-from ebrl.config import ConfigError, RunConfig, load_file
+from ebrl.config import ConfigError, RunConfig, load_file, parse_setting
 
 
 @pytest.mark.parametrize("kwargs, field, allowed", [
@@ -36,6 +36,22 @@ def test_overrides_parse_values_and_reach_nested_fields():
         RunConfig().with_overrides(["num_env=3"])
     with pytest.raises(ConfigError, match="key=value"):
         RunConfig().with_overrides(["num_envs"])
+    with pytest.raises(ConfigError, match="key=value"):
+        RunConfig().with_overrides([" =3"])
+
+
+def test_every_key_value_flag_parses_one_way():
+    from ebrl.cli import build_spec
+    from ebrl.cli_demos import _env_kwargs
+
+    assert parse_setting(" sim.backend = thread ") == ("sim.backend", "thread")
+    assert _env_kwargs(["pixels=64", "flatten=false", "camera=front"]) == {"pixels": 64, "flatten": False,
+                                                                          "camera": "front"}
+    with pytest.raises(ConfigError, match="^--env-kwarg='pixels': must look like key=value, e.g. pixels=64"):
+        _env_kwargs(["pixels"])
+    # the spec's error names the value as it was parsed, as RunConfig's do
+    with pytest.raises(ConfigError, match=r"polcy.hidden=\[32\]: unknown key"):
+        build_spec(None, ["polcy.hidden=[32]"])
 
 
 def test_toml_file_round_trip(tmp_path):

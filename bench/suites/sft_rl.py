@@ -26,7 +26,6 @@ evaluations).
 
 from __future__ import annotations
 
-import math
 import tempfile
 import time
 from pathlib import Path
