@@ -51,6 +51,7 @@ from torch import Tensor
 from ebrl.demos.features import ObsFeatures
 from ebrl.demos.lerobot import Demos
 from ebrl.spaces import tree_map
+from ebrl.policies.base import critic_parameters
 
 
 @dataclass
@@ -223,7 +224,7 @@ def _evaluate_loss(policy, batch, rows: np.ndarray, size: int) -> float:
 
 def _value_pass(policy, batch, rows: np.ndarray, returns: np.ndarray, c: SFTConfig, gen, metrics) -> list[float]:
     """The critic's head regressed on the discounted returns of the demonstrations."""
-    params = [p for n, p in policy.named_parameters() if p.requires_grad and n.startswith(("critic", "value"))]
+    params = critic_parameters(policy)
     if not params:
         return []
     opt = torch.optim.Adam(params, lr=c.lr)

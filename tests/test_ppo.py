@@ -217,6 +217,32 @@ def test_ppo_same_seeds_same_weights():
     assert not torch.equal(a.actor[0].weight, c.actor[0].weight)
 
 
+def test_critic_warmup_trains_the_critic_alone_then_both():
+    policy = MLPPolicy(2, 2, action_low=-1, action_high=1, seed=0, normalize_obs=False)
+    algo = PPO(seed=0, critic_warmup_updates=2, minibatch_size=128)
+    rng = np.random.default_rng(0)
+
+    def snapshot():
+        return {k: v.clone() for k, v in policy.state_dict().items()}
+
+    def moved(before):
+        return {k for k, v in policy.state_dict().items() if not torch.equal(v, before[k])}
+
+    for i in range(2):  # the warm-up: only the critic's weights move, the policy acts as it did
+        before = snapshot()
+        m = algo.update(policy, _bandit_batch(policy, rng)[0])
+        assert m["critic_warmup"] == 1.0 and moved(before) and all(k.startswith("critic") for k in moved(before))
+    before = snapshot()
+    m = algo.update(policy, _bandit_batch(policy, rng)[0])
+    assert m["critic_warmup"] == 0.0 and any(k.startswith("actor") for k in moved(before)) and "log_std" in moved(before)
+    # a resumed run does not warm up again
+    again = PPO(seed=0, critic_warmup_updates=2)
+    again.load_state_dict(algo.state_dict())
+    assert again.updates == 3
+    with pytest.raises(ValueError, match="critic_warmup_updates"):
+        PPO(critic_warmup_updates=-1)
+
+
 def test_ppo_config_overrides_and_validation():
     assert PPO(lr=1e-3).config.lr == 1e-3
     assert PPO(PPOConfig(gamma=0.9), lr=1e-3).config.gamma == 0.9

@@ -54,10 +54,11 @@ class MinibatchAlgo:
         return Batch(**{f.name: tree_map(to, getattr(batch, f.name)) for f in dataclasses.fields(batch)})
 
     def _epochs(self, policy: nn.Module, flat: dict[str, Tensor] | None, n: int, device: torch.device,
-                norm_adv: bool = False) -> tuple[dict[str, Tensor | float], int, bool]:
+                norm_adv: bool = False, only: list[Tensor] | None = None) -> tuple[dict[str, Tensor | float], int, bool]:
         """``update_epochs`` passes over the ``n`` rows of ``flat`` in shuffled minibatches
         (advantages normalised per minibatch with ``norm_adv``); returns the summed metrics,
-        the minibatches stepped and whether a NaN/inf loss stopped the update there.
+        the minibatches stepped and whether a NaN/inf loss stopped the update there. With
+        ``only``, just those parameters step (every other gradient is dropped before clipping).
 
         As one rank of a data-parallel job (:mod:`ebrl.distributed`) every rank takes the same
         number of steps (the most any rank needs at ``minibatch_size`` rows), its rows split
@@ -68,6 +69,8 @@ class MinibatchAlgo:
         loss_fn = self.loss_fn or self.loss
         params = [p for p in policy.parameters() if p.requires_grad] if dp is not None else []
         steps = dp.agree_steps(n, c.minibatch_size) if dp is not None else None
+        keep = {id(p) for p in only or ()}
+        held = [] if only is None else [p for p in policy.parameters() if id(p) not in keep]
         sums: dict[str, Tensor | float] = {}
         count = 0
         for _ in range(c.update_epochs if steps is None or steps else 0):
@@ -90,6 +93,8 @@ class MinibatchAlgo:
                     loss.backward()
                 if dp is not None and not dp.reduce_grads(params, int(idx.numel()), finite):  # some rank's was NaN/inf
                     return sums, count, True
+                for p in held:  # Adam leaves a parameter without a gradient as it is
+                    p.grad = None
                 if math.isfinite(c.max_grad_norm):
                     nn.utils.clip_grad_norm_(policy.parameters(), c.max_grad_norm)
                 self.optimizer.step()

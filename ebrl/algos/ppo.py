@@ -37,6 +37,7 @@ from ebrl import distributed
 from ebrl.algos.advantages import build_next_values, chunk_discounting, gae
 from ebrl.algos.batch import Batch
 from ebrl.algos.minibatch import MinibatchAlgo, _index
+from ebrl.policies.base import critic_parameters
 from ebrl.policies.heads import merge_moments
 
 LossFn = Callable[[nn.Module, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor | float]]]
@@ -77,6 +78,11 @@ class PPOConfig:
     minibatch_size: int = 512
     norm_adv: bool = True
     scale_rewards: bool = True
+    # the first updates train the critic alone (the policy held, as verl's critic_warmup and
+    # DPPO's n_critic_warmup_itr): RL from pretrained weights starts its advantages from a critic
+    # fitted to the policy's own returns, in the units PPO trains it on, not from a fresh or
+    # demonstration-fitted one that would move a good policy the wrong way
+    critic_warmup_updates: int = 0
     seed: int = 0
 
     def __post_init__(self):
@@ -91,6 +97,7 @@ class PPOConfig:
         check("max_grad_norm", num("max_grad_norm") > 0, "> 0 (math.inf disables clipping)")
         check("update_epochs", integer("update_epochs") >= 1, "an int >= 1")
         check("minibatch_size", integer("minibatch_size") >= 1, "an int >= 1")
+        check("critic_warmup_updates", integer("critic_warmup_updates") >= 0, "an int >= 0")
         integer("seed")
         for name in ("clip_vloss", "norm_adv", "scale_rewards"):
             check(name, isinstance(getattr(self, name), bool), "a bool")
@@ -133,21 +140,23 @@ class PPO(MinibatchAlgo):
         self._policy: nn.Module | None = None
         self._gen = torch.Generator().manual_seed(self.config.seed)  # minibatch permutations
         self._pending_optimizer_state: dict | None = None
+        self.updates = 0  # updates done (the critic warm-up counts them)
 
     # ---- state (checkpoints, and the learner process handing its state back) -------------
 
     def state_dict(self) -> dict:
-        """Optimiser state, reward-scaling statistics and the minibatch RNG."""
+        """Optimiser state, reward-scaling statistics, the minibatch RNG and the update count."""
         # a state loaded but not yet applied (no update since: e.g. handed back by the learner
         # process) is still the optimiser's state
         return {"optimizer": self.optimizer.state_dict() if self.optimizer is not None else self._pending_optimizer_state,
                 "reward_rms": (self.reward_rms.mean, self.reward_rms.var, self.reward_rms.count),
-                "rng": self._gen.get_state()}
+                "rng": self._gen.get_state(), "updates": self.updates}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`; the optimiser state applies to the next policy updated."""
         self.reward_rms.mean, self.reward_rms.var, self.reward_rms.count = state["reward_rms"]
         self._gen.set_state(state["rng"])
+        self.updates = state.get("updates", 0)  # checkpoints written before the warm-up: 0
         self._pending_optimizer_state = state["optimizer"]
         self.optimizer = None
 
@@ -266,7 +275,10 @@ class PPO(MinibatchAlgo):
         rewards = self._scaled_rewards(b, rewards, discounts)
 
         flat = self.train_data(policy, b, obs, rewards, discounts) if n else None
-        sums, count, nonfinite = self._epochs(policy, flat, n, device, norm_adv=c.norm_adv)
+        warmup = self.updates < c.critic_warmup_updates
+        sums, count, nonfinite = self._epochs(policy, flat, n, device, norm_adv=c.norm_adv,
+                                              only=critic_parameters(policy) if warmup else None)
+        self.updates += 1
         if n == 0:
             return {**empty, "nonfinite_loss": float(nonfinite), "minibatches": 0.0}
 
@@ -278,6 +290,7 @@ class PPO(MinibatchAlgo):
         # the runtime reads this: a loss that was NaN/inf stopped the update (faults.nonfinite)
         out["nonfinite_loss"] = float(nonfinite)
         out["minibatches"] = float(count)
+        out["critic_warmup"] = float(warmup)
         out.update(base, explained_variance=float(ev) if float(var_ret) > 0 else math.nan,
                    reward_scale=math.sqrt(self.reward_rms.var + 1e-8) if c.scale_rewards else 1.0)
         return out

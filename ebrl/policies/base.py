@@ -52,6 +52,12 @@ class Policy(Protocol):
 # per process. Other policies publish their whole state_dict.
 
 
+def critic_parameters(policy) -> list:
+    """The trainable parameters of a policy's value head (named ``critic*`` or ``value*``): what
+    SFT's value pass fits and what PPO's critic warm-up trains alone."""
+    return [p for n, p in policy.named_parameters() if p.requires_grad and n.startswith(("critic", "value"))]
+
+
 def published_state(policy) -> dict:
     """The tensors a weight publication carries: the trainable ones where the policy names them."""
     trainable = getattr(policy, "trainable_state_dict", None)
