@@ -114,3 +114,32 @@ def test_building_the_envs_does_not_stall_the_callers_event_loop(no_leaks):
     res, worst = asyncio.run(main())
     assert res.accounting_ok()
     assert worst < 0.4, worst
+
+
+def test_the_rollout_owns_each_transition_from_the_action_to_the_record():
+    """begin() keeps the behaviour rows of a batch slice for the envs it serves; record(block)
+    stores each env's step with its own behaviour data, whatever order the block comes back in."""
+    from ebrl.policies.base import ActResult
+    from ebrl.runtime.collate import collate
+    from ebrl.runtime.rollout import RolloutQueue
+    from ebrl.runtime.sim_types import Block
+    from ebrl.runtime.stats import RunStats
+
+    rollout = RolloutQueue(4, 1, 4, 0, RunStats())
+    rollout.set_obs(np.arange(4), np.arange(4, dtype=np.float32)[:, None])
+    acts = np.arange(5, dtype=np.float32)[:, None] * 10  # a batch of 5 rows; envs 2 and 0 got rows 1 and 2
+    result = ActResult(acts, acts, np.arange(5, dtype=np.float32), -np.arange(5, dtype=np.float32))
+    rollout.begin(np.array([2, 0]), result, 1, 3, version=7)
+    rollout.begin(np.array([1, 3]), result, 3, 5, version=8)
+    block = Block(np.array([0, 3, 2, 1]), np.full((4, 1), 9, np.float32), np.array([0.5, 3.5, 2.5, 1.5]),
+                  np.zeros(4, bool), np.zeros(4, bool), np.ones(4, bool), np.full(4, -1, np.int8))
+    rollout.record(block)  # one step each closes every segment (T = 1)
+    batch = collate(rollout, list(rollout.closed), 8)
+    env_of = rollout.slot_env[list(rollout.closed)]
+    row = {int(e): k for k, e in enumerate(env_of)}
+    for env, r, version in ((2, 1, 7), (0, 2, 7), (1, 3, 8), (3, 4, 8)):
+        k = row[env]
+        assert float(batch.actions[k, 0, 0]) == 10 * r and float(batch.logprobs[k, 0]) == r
+        assert float(batch.values[k, 0]) == -r and int(batch.versions[k, 0]) == version
+        assert float(batch.obs[k, 0, 0]) == env and float(batch.rewards[k, 0]) == env + 0.5
+    assert np.all(rollout.obs == 9)  # the next observations replaced the current ones

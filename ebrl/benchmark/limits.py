@@ -91,7 +91,9 @@ def generation_capacity(suite: Suite, env_fn, seed: int = 0) -> tuple[float, int
 def training_capacity(suite: Suite, env_fn, seed: int = 0) -> float:
     """Env steps/s the algorithm trains on alone (one update on a batch of num_envs x T steps)."""
     from ebrl.runtime.learner_process import update_once
-    from ebrl.runtime.rollout import RolloutQueue, collate
+    from ebrl.runtime.collate import collate
+    from ebrl.runtime.rollout import RolloutQueue
+    from ebrl.runtime.sim_types import Block
     from ebrl.runtime.stats import RunStats
 
     env = env_fn(0)
@@ -109,8 +111,9 @@ def training_capacity(suite: Suite, env_fn, seed: int = 0) -> float:
             finals = {0: copy_tree(nxt)} if trunc and not term else {}
             if term or trunc:
                 nxt = env.reset()[0]
-            rollout.record(ids, act.actions, act.logprobs, act.values, np.zeros(1, np.int64), np.array([r]),
-                           np.array([term]), np.array([trunc]), batch_of_one(nxt), finals)
+            rollout.begin(ids, act)
+            rollout.record(Block(ids, batch_of_one(nxt), np.array([r]), np.array([term]), np.array([trunc]),
+                                 np.ones(1, bool), np.full(1, -1, np.int8), finals))
         obs = nxt
     env.close()
     slots = list(rollout.closed)

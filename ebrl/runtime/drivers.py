@@ -43,7 +43,7 @@ from ebrl.runtime.schedules import lockstep_groups
 from ebrl.runtime.sim_types import Block, SimPool
 from ebrl.runtime.state import RunState
 from ebrl.runtime.stats import RunStats
-from ebrl.spaces import all_finite, batch_of_one, index, tree_map, write
+from ebrl.spaces import all_finite, batch_of_one, index
 from ebrl.telemetry.logging import get_logger
 
 if TYPE_CHECKING:
@@ -69,11 +69,6 @@ class Driver:
             self.group_of[ids] = g
         self.arrived = np.zeros(len(groups), np.int64)  # lockstep: units of the group back and ready
         self.parked: deque[np.ndarray] = deque()  # blocks of envs waiting for queue space
-        # behaviour data of each env's in-flight step (allocated at the first batch)
-        self.act_actions: Any = None
-        self.act_logprob = np.zeros(n, np.float32)
-        self.act_value = np.zeros(n, np.float32)
-        self.act_version = np.zeros(n, np.int64)
         self.episodes = Episodes(cfg, pool, rollout, stats)
         self.recovery = Recovery(cfg, pool, rollout, stats, state, self.episodes)
         # placement changes the controller asked for: env -> worker, done at the env's next episode end
@@ -170,10 +165,7 @@ class Driver:
             ids = block.ids
             go = ids[~np.isin(ids // self.V, list(held))]
         if len(ids):
-            acts = index(self.act_actions, ids)
-            self.rollout.record(ids, acts, self.act_logprob[ids], self.act_value[ids], self.act_version[ids],
-                                block.reward, block.terminated, block.truncated, block.obs, block.final_obs,
-                                block.chunk_rewards, block.chunk_steps)
+            self.rollout.record(block)
             self.episodes.track(block)
             if self.moves and not block.clean:
                 go = self._start_moves(block, go)
@@ -265,22 +257,15 @@ class Driver:
 
     def on_actions(self, ids: np.ndarray, result: ActResult, lo: int, hi: int, version: int) -> None:
         try:
-            if self.act_actions is None:
-                self.act_actions = tree_map(
-                    lambda a: np.zeros((self.cfg.num_envs, *np.shape(a)[1:]), np.asarray(a).dtype), result.actions)
-            whole = lo == 0 and hi == len(result.logprobs)
-            rows = (lambda x: x) if whole else (lambda x: index(x, slice(lo, hi)))
-            write(self.act_actions, ids, rows(result.actions))
-            self.act_logprob[ids] = rows(result.logprobs)
-            self.act_value[ids] = rows(result.values)
-            self.act_version[ids] = version
+            self.rollout.begin(ids, result, lo, hi, version)
             now = self._loop.time()
             if self.timeline is not None:
                 for i in ids.tolist():
                     self.timeline.record(self.lanes[i], "act", self.t_ready[i], now)
             self.wait_action[ids] += now - self.t_ready[ids]
             self.t_sub[ids] = now
-            env_actions = rows(result.env_actions)
+            whole = lo == 0 and hi == len(result.logprobs)
+            env_actions = result.env_actions if whole else index(result.env_actions, slice(lo, hi))
             if not all_finite(env_actions):
                 ids, env_actions = self._hold_nonfinite_actions(ids, env_actions, version)
                 if not len(ids):

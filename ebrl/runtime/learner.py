@@ -37,7 +37,8 @@ from ebrl.runtime.errors import LearnerError, NonFiniteError
 from ebrl.runtime.generation import Generator
 from ebrl.runtime.learner_joint import run_joint
 from ebrl.runtime.learner_process import LearnerProcess, nonfinite_weights, restore, snapshot, update_once
-from ebrl.runtime.rollout import RolloutQueue, collate
+from ebrl.runtime.collate import collate
+from ebrl.runtime.rollout import RolloutQueue
 from ebrl.runtime.stage import Stage
 from ebrl.runtime.state import RunState
 from ebrl.runtime.stats import RunStats

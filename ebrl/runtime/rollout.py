@@ -6,11 +6,14 @@ done flags, versions) is one array ``[M, T, ...]`` of ``M`` segment slots. Each 
 open slot; a block of finished steps is written with one fancy-indexed assignment per field
 (``buf[slots, pos] = rows``), never a Python loop per env. A full slot closes and joins the
 queue; the learner receives the slots' rows gathered into contiguous ``[S, T]`` arrays
-(:func:`collate`), and the slots return to the free list.
+(:func:`~ebrl.runtime.collate.collate`), and the slots return to the free list.
 
-The storage also keeps ``obs``, each env's current observation (the one its next or in-flight
-action is computed from): a step's record copies it into the slot, then overwrites it with the
-step's next observation. A segment's bootstrap observation is ``obs`` at the moment it closes.
+The storage owns the whole transition, the step in flight included: ``obs``, each env's
+current observation (the one its next or in-flight action is computed from), and from
+:meth:`RolloutQueue.begin` the behaviour data of the step in flight (action, log-prob, value,
+policy version). :meth:`RolloutQueue.record` then stores a block of finished steps, copying
+both into the slots, and overwrites ``obs`` with the steps' next observations. A segment's
+bootstrap observation is ``obs`` at the moment it closes.
 
 Bounded policy lag without waiting on stragglers: update ``u`` trains at weights version
 ``u``, so a transition made by version ``v`` must be trained by update ``v + max_lag``.
@@ -43,13 +46,17 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ebrl.runtime.state import RunState
 from ebrl.runtime.stats import RunStats
 from ebrl.spaces import index, tree_map, write
+
+if TYPE_CHECKING:
+    from ebrl.policies.base import ActResult
+    from ebrl.runtime.sim_types import Block
 
 
 def _alloc(like: Any, lead: tuple[int, ...]) -> Any:
@@ -77,6 +84,11 @@ class RolloutQueue:
         self.num_envs = num_envs
         self.capacity = num_envs if lockstep else (max_lag + 1) * batch_segments  # closed segments
         self.obs: Any = None  # [N, ...]: each env's current observation
+        # [N]: the behaviour data of each env's step in flight (begin() allocates the actions)
+        self.act_actions: Any = None
+        self.act_logprob = np.zeros(num_envs, np.float32)
+        self.act_value = np.zeros(num_envs, np.float32)
+        self.act_version = np.zeros(num_envs, np.int64)
         # per slot
         m = 2 * num_envs + self.capacity
         self.slot_env = np.full(m, -1, np.int64)
@@ -166,12 +178,27 @@ class RolloutQueue:
         if self.fields is not None:
             self.fields = {k: _grow(v, extra) for k, v in self.fields.items()}
 
-    def record(self, ids: np.ndarray, actions: Any, logprobs: np.ndarray, values: np.ndarray,
-               versions: np.ndarray, reward: np.ndarray, terminated: np.ndarray, truncated: np.ndarray,
-               next_obs: Any, final_obs: dict[int, Any], chunk_rewards: np.ndarray | None = None,
-               chunk_steps: np.ndarray | None = None) -> None:
-        """Record one finished step for each env in ``ids`` (distinct); ``final_obs`` by row;
+    def begin(self, ids: np.ndarray, result: ActResult, lo: int = 0, hi: int | None = None,
+              version: int = 0) -> None:
+        """Envs ``ids`` step with rows ``lo:hi`` of ``result`` (a batch's policy output), made by
+        weights ``version``: kept until :meth:`record` stores their step."""
+        if self.act_actions is None:
+            self.act_actions = tree_map(
+                lambda a: np.zeros((self.num_envs, *np.shape(a)[1:]), np.asarray(a).dtype), result.actions)
+        hi = len(result.logprobs) if hi is None else hi
+        whole = lo == 0 and hi == len(result.logprobs)
+        rows = (lambda x: x) if whole else (lambda x: index(x, slice(lo, hi)))
+        write(self.act_actions, ids, rows(result.actions))
+        self.act_logprob[ids] = rows(result.logprobs)
+        self.act_value[ids] = rows(result.values)
+        self.act_version[ids] = version
+
+    def record(self, block: Block) -> None:
+        """Store one finished step of each env of ``block`` (distinct ids, every row finite):
+        the block's outcome with the behaviour data :meth:`begin` kept; ``final_obs`` by row,
         ``chunk_rewards``/``chunk_steps`` for action chunks (see :class:`~ebrl.algos.batch.Batch`)."""
+        ids, versions, actions = block.ids, self.act_version[block.ids], index(self.act_actions, block.ids)
+        terminated, truncated, chunk_steps = block.terminated, block.truncated, block.chunk_steps
         slots = self.open_slot[ids]
         fresh = slots < 0
         if np.count_nonzero(fresh):  # a fifth of .any()'s cost on a block's few rows
@@ -186,24 +213,24 @@ class RolloutQueue:
                 "truncated": np.zeros((m, self.T), bool), "versions": np.zeros((m, self.T), np.int64),
                 "bootstrap_obs": _alloc(self.obs, (m,))}
             if chunk_steps is not None:
-                self.fields["chunk_rewards"] = np.zeros((m, self.T, chunk_rewards.shape[1]), np.float32)
+                self.fields["chunk_rewards"] = np.zeros((m, self.T, block.chunk_rewards.shape[1]), np.float32)
                 self.fields["chunk_steps"] = np.zeros((m, self.T), np.int64)
         f, pos = self.fields, self.slot_n[slots]
         where = (slots, pos)
         write(f["obs"], where, index(self.obs, ids))
         write(f["actions"], where, actions)
-        f["logprobs"][where] = logprobs
-        f["values"][where] = values
-        f["rewards"][where] = reward
+        f["logprobs"][where] = self.act_logprob[ids]
+        f["values"][where] = self.act_value[ids]
+        f["rewards"][where] = block.reward
         f["terminated"][where] = terminated
         f["truncated"][where] = truncated
         f["versions"][where] = versions
         if chunk_steps is not None:
-            f["chunk_rewards"][where] = chunk_rewards
+            f["chunk_rewards"][where] = block.chunk_rewards
             f["chunk_steps"][where] = chunk_steps
-        for row, o in final_obs.items():
+        for row, o in block.final_obs.items():
             self.slot_final[slots[row]][int(pos[row])] = o
-        write(self.obs, ids, next_obs)
+        write(self.obs, ids, block.obs)
         pos += 1
         self.slot_n[slots] = pos
         self.steps_per_env[ids] += 1
@@ -278,7 +305,7 @@ class RolloutQueue:
     async def take(self, update: int, joint: bool = False) -> list[int] | None:
         """Slots for update ``update`` (see module docstring), sorted by env and age; ``None`` once
         finished and empty, or on a stop while the update waits for steps in flight. Give them
-        back with :meth:`release` after :func:`collate`.
+        back with :meth:`release` after :func:`~ebrl.runtime.collate.collate`.
 
         ``joint``: an update of a data-parallel job, which another rank may have asked for
         (:mod:`ebrl.distributed`): no wait for this queue to fall due, and the list may be
@@ -337,52 +364,3 @@ class RolloutQueue:
         """Transitions recorded but not handed to the learner."""
         open_slots = self.open_slot[self.open_slot >= 0]
         return int(self.slot_n[list(self.closed)].sum() + self.slot_n[open_slots].sum())
-
-
-def collate(rollout: RolloutQueue, slots: list[int], learner_version: int):
-    """Gather slots into a :class:`~ebrl.algos.batch.Batch` (left-aligned, masked), copying them
-    out of the storage: one gather per field, padding only for cut segments."""
-    import torch
-
-    from ebrl.algos.batch import Batch
-
-    ns = rollout.slot_n[slots]
-    T = int(ns.max()) if len(slots) else 1  # no slots: an empty batch (a data-parallel rank with no rows)
-    mask = np.arange(T)[None, :] < ns[:, None]
-    short = np.flatnonzero(ns < T).tolist()
-    f = rollout.fields
-
-    def gather(buf, fill=0):
-        def leaf(a):
-            out = a[slots, :T]
-            for i in short:
-                out[i, ns[i]:] = fill
-            return torch.from_numpy(out)
-        return tree_map(leaf, buf)
-
-    finals = [(i, t, o) for i, s in enumerate(slots) for t, o in sorted(rollout.slot_final[s].items())]
-    boot = tree_map(lambda a: torch.from_numpy(a[slots]), f["bootstrap_obs"])
-    if finals:
-        final_obs = tree_map(lambda *xs: torch.from_numpy(np.stack(xs)), *(o for _, _, o in finals))
-        final_index = torch.tensor([(i, t) for i, t, _ in finals], dtype=torch.int64)
-    else:
-        final_obs = index(boot, slice(0, 0))
-        final_index = torch.zeros((0, 2), dtype=torch.int64)
-    return Batch(
-        obs=gather(f["obs"]),
-        actions=gather(f["actions"]),
-        logprobs=gather(f["logprobs"]),
-        values=gather(f["values"]),
-        rewards=gather(f["rewards"]),
-        terminated=gather(f["terminated"], False),
-        truncated=gather(f["truncated"], False),
-        mask=torch.from_numpy(mask),
-        versions=gather(f["versions"], learner_version),
-        bootstrap_obs=boot,
-        final_obs=final_obs,
-        final_index=final_index,
-        learner_version=learner_version,
-        group=torch.from_numpy(rollout.slot_group[slots]) if rollout.cut_at_episode_end else None,
-        chunk_rewards=gather(f["chunk_rewards"]) if "chunk_rewards" in f else None,
-        chunk_steps=gather(f["chunk_steps"]) if "chunk_steps" in f else None,
-    )
