@@ -170,3 +170,38 @@ def test_ring_buffer_keeps_the_newest_events():
         tl.record("learner", "update", float(k), k + 0.5, k)
     assert len(tl) == 3 and tl.full
     assert [e[4] for e in tl.events] == [2, 3, 4]
+
+
+def test_env_waits_count_what_the_timeline_draws():
+    """One observer: the profiler's per-env counters and the timeline's spans come from the same
+    calls, so they agree (the barrier is counted apart from the action wait it is drawn in)."""
+    import numpy as np
+
+    from ebrl.runtime.waits import EnvWaits
+
+    tl = Timeline()
+    w = EnvWaits(2, tl)
+    both = np.array([0, 1])
+    w.ready(slice(None), 0.0)
+    w.submitted(both, 1.0)  # actions after 1 s
+    w.stepped(np.array([0]), 2.0)  # env 0 back at 2 s, env 1 at 5 s: a 3 s barrier for env 0
+    w.stepped(np.array([1]), 5.0)
+    w.passed_barrier(both, 5.0)
+    w.parked(both, 5.5)  # a full queue, until 7.5 s
+    w.unparked(both, 7.5)
+    w.submitted(both, 8.0)
+    w.stepped(both, 9.0)
+    w.failed(np.array([1]), 9.5)  # drawn, not counted: recovery's time is its own
+    c = w.counters(np.zeros(0, np.int64), 9.5)
+
+    def drawn(env, name):
+        return sum(t1 - t0 for lane, n, t0, t1, _ in tl.events if lane == f"env {env}" and n == name)
+
+    for env in (0, 1):
+        assert c["sim"][env] == pytest.approx(drawn(env, "sim"))
+        assert c["action"][env] + c["barrier"][env] == pytest.approx(drawn(env, "act"))
+        assert c["backpressure"][env] == pytest.approx(drawn(env, "blocked")) == pytest.approx(2.0)
+    assert list(c["barrier"]) == [3.0, 0.0] and list(c["sim"]) == [2.0, 5.0]
+    # a park in progress counts up to now
+    w.parked(both, 10.0)
+    assert list(w.counters(np.array([1]), 11.0)["backpressure"]) == [2.0, 3.0]

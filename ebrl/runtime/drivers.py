@@ -17,8 +17,10 @@ The hot path is three callbacks, with no coroutine, future or Python object per 
 The schedules differ only in what is released together (:class:`~ebrl.config.Schedule`):
 under ``async`` every unit (an env, or a vector env) goes on alone, as soon as its step is
 back; under ``sync`` and ``pipelined`` a lockstep group goes on once all of its units are
-back, in env id order. A :class:`~ebrl.runtime.profiler.Timeline`, when given, observes the
-same path (``act``, ``sim``, ``blocked``, ``fail`` per env); it does not fork it.
+back, in env id order. :class:`~ebrl.runtime.waits.EnvWaits` observes the path: it counts
+each env's waits by cause for the profiler and, when a
+:class:`~ebrl.runtime.profiler.Timeline` is given, records the same spans there (``act``,
+``sim``, ``blocked``, ``fail`` per env); it does not fork the path.
 
 Every transition is counted exactly once: simulated, then trained, dropped with a reason, or
 still in flight when the run stops.
@@ -43,6 +45,7 @@ from ebrl.runtime.schedules import lockstep_groups
 from ebrl.runtime.sim_types import Block, SimPool
 from ebrl.runtime.state import RunState
 from ebrl.runtime.stats import RunStats
+from ebrl.runtime.waits import EnvWaits
 from ebrl.spaces import all_finite, batch_of_one, index
 from ebrl.telemetry.logging import get_logger
 
@@ -58,7 +61,7 @@ class Driver:
     def __init__(self, cfg: RunConfig, pool: SimPool, generator: Generator, rollout: RolloutQueue,
                  stats: RunStats, state: RunState, timeline: Timeline | None = None):
         self.cfg, self.pool, self.generator, self.rollout, self.stats = cfg, pool, generator, rollout, stats
-        self.state, self.timeline = state, timeline
+        self.state = state
         n, v = cfg.num_envs, cfg.sim.vector_size
         self.V = v
         self.lockstep = cfg.schedule is not Schedule.ASYNC
@@ -75,17 +78,7 @@ class Driver:
         self.moves: dict[int, int] = {}
         self.migrating: set[int] = set()  # envs whose move is under way (the pool's placement is not yet theirs)
         self.migrations = 0
-        # when each env became ready (or parked) and was submitted, and its waits since the start
-        # by cause (seconds, read by the live profiler): the round trip of its sim steps (the step,
-        # plus any wait for a lane or worker), waits for an action, for the lockstep group's last
-        # member (the barrier) and for queue space (backpressure)
-        self.t_ready = np.zeros(n)
-        self.t_sub = np.zeros(n)
-        self.wait_sim = np.zeros(n)
-        self.wait_action = np.zeros(n)
-        self.wait_barrier = np.zeros(n)
-        self.wait_blocked = np.zeros(n)
-        self.lanes = [f"env {i}" for i in range(n)]
+        self.waits = EnvWaits(n, timeline)  # where each env's time goes: the profiler's and the timeline's
         self._loop: asyncio.AbstractEventLoop | None = None
         self._done: asyncio.Future | None = None
         self._tg: asyncio.TaskGroup | None = None
@@ -104,8 +97,7 @@ class Driver:
                 units = range(self.cfg.num_envs // self.V)
                 # tasks of the group: a failure cancels the others (none is left running)
                 await asyncio.wait([tg.create_task(self.recovery.first_reset(u)) for u in units])
-                now = self._loop.time()
-                self.t_ready[:] = now
+                self.waits.ready(slice(None), self._loop.time())
                 for ids in self.group_ids:
                     self._release(ids)
                 watchdog = None
@@ -144,16 +136,11 @@ class Driver:
 
     def _on_block(self, block: Block) -> None:
         ids, now = block.ids, self._loop.time()
-        tl = self.timeline
         if block.errors:
             self._on_errors(block.errors, now)
         if not len(ids):
             return
-        if tl is not None:
-            for i in ids.tolist():
-                tl.record(self.lanes[i], "sim", self.t_sub[i], now)
-        self.wait_sim[ids] += now - self.t_sub[ids]
-        self.t_ready[ids] = now
+        self.waits.stepped(ids, now)
         if not self.stats.simulated:  # NaN until now: start-up ends here (RunResult.first_step_s)
             self.stats.first_step_at = now
         self.stats.simulated += len(ids)
@@ -215,12 +202,7 @@ class Driver:
             if self.arrived[g] == len(self.group_ids[g]):
                 self.arrived[g] = 0
                 group = self.group_ids[g]
-                # the time since each member came back was the barrier. t_ready stays at the
-                # arrival (the timeline's "act" spans the barrier too), so the action wait,
-                # measured from t_ready when the actions come, is credited it back now
-                barrier = self._loop.time() - self.t_ready[group]
-                self.wait_barrier[group] += barrier
-                self.wait_action[group] -= barrier
+                self.waits.passed_barrier(group, self._loop.time())
                 self._release(group)
 
     def _release(self, ids: np.ndarray) -> None:
@@ -258,12 +240,7 @@ class Driver:
     def on_actions(self, ids: np.ndarray, result: ActResult, lo: int, hi: int, version: int) -> None:
         try:
             self.rollout.begin(ids, result, lo, hi, version)
-            now = self._loop.time()
-            if self.timeline is not None:
-                for i in ids.tolist():
-                    self.timeline.record(self.lanes[i], "act", self.t_ready[i], now)
-            self.wait_action[ids] += now - self.t_ready[ids]
-            self.t_sub[ids] = now
+            self.waits.submitted(ids, self._loop.time())
             whole = lo == 0 and hi == len(result.logprobs)
             env_actions = result.env_actions if whole else index(result.env_actions, slice(lo, hi))
             if not all_finite(env_actions):
@@ -279,29 +256,15 @@ class Driver:
     def _park(self, ids: np.ndarray) -> None:
         self.parked.append(ids)
         self.state.parked += len(ids)
-        now = self._loop.time()
-        if self.timeline is not None:
-            for i in ids.tolist():
-                self.timeline.record(self.lanes[i], "act", self.t_ready[i], now)
-        self.wait_action[ids] += now - self.t_ready[ids]
-        self.t_ready[ids] = now  # from here on "blocked"
+        self.waits.parked(ids, self._loop.time())
         self.generator.poke()
         self.rollout.poke()
 
     def counters(self) -> dict[str, np.ndarray]:
-        """Per env, the seconds waited so far: for the step (``sim``), for the action, at the
-        lockstep barrier, and parked by backpressure (a park in progress counted up to now)."""
-        return {"sim": self.wait_sim.copy(), "action": self.wait_action.copy(), "barrier": self.wait_barrier.copy(),
-                "backpressure": self.blocked_until_now()}
-
-    def blocked_until_now(self) -> np.ndarray:
-        """``wait_blocked`` with the envs parked right now counted up to now: a long update holds
-        them across profile windows, and each window should see its share."""
-        out = self.wait_blocked.copy()
-        if self.parked:
-            ids = np.concatenate(self.parked)
-            out[ids] += self._loop.time() - self.t_ready[ids]
-        return out
+        """Per env, the seconds waited so far by cause (:meth:`EnvWaits.counters`)."""
+        if not self.parked:
+            return self.waits.counters(np.zeros(0, np.int64), 0.0)
+        return self.waits.counters(np.concatenate(self.parked), self._loop.time())
 
     def unpark(self) -> None:
         """The learner took segments: let parked envs try again."""
@@ -311,11 +274,7 @@ class Driver:
         now = self._loop.time()
         for ids in parked:
             self.state.parked -= len(ids)
-            if self.timeline is not None:
-                for i in ids.tolist():
-                    self.timeline.record(self.lanes[i], "blocked", self.t_ready[i], now)
-            self.wait_blocked[ids] += now - self.t_ready[ids]
-            self.t_ready[ids] = now
+            self.waits.unparked(ids, now)
             self.state.release(len(ids))  # _release claims again
             self._release(ids)
         self.generator.poke()
@@ -344,9 +303,7 @@ class Driver:
         detail = dict(errors)
         for u in units:
             ids = self.recovery.unit_ids(u)
-            if self.timeline is not None:
-                for i in ids.tolist():
-                    self.timeline.record(self.lanes[i], "fail", self.t_sub[i], now)
+            self.waits.failed(ids, now)
             self.state.release(len(ids))  # the claimed step never happened
             exc = EnvStepError(u, "step", detail.get(int(ids[0]), next(iter(detail.values()))))
             self._spawn(self._recover(u, exc))
@@ -361,7 +318,7 @@ class Driver:
 
     def _ready(self, ids: np.ndarray) -> None:
         """Envs ``ids`` are back from a reset, rebuild or move: ready for their next step."""
-        self.t_ready[ids] = self._loop.time()
+        self.waits.ready(ids, self._loop.time())
         self._arrive(ids)
 
     def _spawn(self, coro) -> None:
