@@ -40,14 +40,18 @@ class EnvWaits:
             for i in ids.tolist():
                 self.timeline.record(self.lanes[i], name, since[i], now)
 
+    def _waited(self, ids: np.ndarray, name: str, since: np.ndarray, into: np.ndarray, now: float) -> None:
+        """Envs ``ids`` waited from ``since`` to ``now``: counted in ``into``, drawn as ``name``."""
+        self._spans(ids, name, since, now)
+        into[ids] += now - since[ids]
+
     def ready(self, ids: np.ndarray | slice, now: float) -> None:
         """Envs ``ids`` are ready for their next step (after a reset, a rebuild or a move)."""
         self.t_ready[ids] = now
 
     def stepped(self, ids: np.ndarray, now: float) -> None:
         """Their steps came back: ready now."""
-        self._spans(ids, "sim", self.t_sub, now)
-        self.sim[ids] += now - self.t_sub[ids]
+        self._waited(ids, "sim", self.t_sub, self.sim, now)
         self.t_ready[ids] = now
 
     def failed(self, ids: np.ndarray, now: float) -> None:
@@ -64,20 +68,17 @@ class EnvWaits:
 
     def submitted(self, ids: np.ndarray, now: float) -> None:
         """Their actions came and their steps went to the pool."""
-        self._spans(ids, "act", self.t_ready, now)
-        self.action[ids] += now - self.t_ready[ids]
+        self._waited(ids, "act", self.t_ready, self.action, now)
         self.t_sub[ids] = now
 
     def parked(self, ids: np.ndarray, now: float) -> None:
         """They wait for queue space (backpressure) from now on."""
-        self._spans(ids, "act", self.t_ready, now)
-        self.action[ids] += now - self.t_ready[ids]
+        self._waited(ids, "act", self.t_ready, self.action, now)
         self.t_ready[ids] = now
 
     def unparked(self, ids: np.ndarray, now: float) -> None:
         """The learner took segments: they may go on."""
-        self._spans(ids, "blocked", self.t_ready, now)
-        self.blocked[ids] += now - self.t_ready[ids]
+        self._waited(ids, "blocked", self.t_ready, self.blocked, now)
         self.t_ready[ids] = now
 
     def counters(self, parked: np.ndarray, now: float) -> dict[str, np.ndarray]:
