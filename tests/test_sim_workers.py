@@ -2,6 +2,7 @@
 replies stream (no env waits for the slowest of its message), failures are reported per env."""
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import pickle
@@ -13,19 +14,26 @@ import numpy as np
 import pytest
 
 from ebrl.runtime import sim_worker_link, sim_workers
-from ebrl.runtime.errors import EnvStepError
+from ebrl.runtime.errors import EnvStepError, PoolClosed
 from ebrl.runtime.sim_types import CPU, QUEUE, STEPS, WALL, reset_env, step_env
 from ebrl.runtime.sim_workers import ProcessSimPool
 from ebrl.testing import Latency, MockEnv
 
 
 class Collector:
-    """An ``on_block`` that records every block and when it arrived, and can wait for ids."""
+    """Takes every block ``pool.recv()`` returns (until the pool closes) and when it arrived, and
+    can wait for ids."""
 
-    def __init__(self):
+    def __init__(self, pool):
         self.blocks, self.times, self.waiters = [], [], []
+        self.task = asyncio.get_running_loop().create_task(self.pump(pool))
 
-    def __call__(self, block):
+    async def pump(self, pool):
+        with contextlib.suppress(PoolClosed):
+            while True:
+                self.take(await pool.recv())
+
+    def take(self, block):
         self.blocks.append(block)
         self.times.append(time.perf_counter())
         for w in self.waiters:
@@ -51,8 +59,7 @@ class Collector:
 
 
 async def started(pool):
-    col = Collector()
-    pool.on_block = col
+    col = Collector(pool)
     await pool.start()
     return col
 
@@ -265,7 +272,6 @@ def _fail_on_3(i):
 
 async def test_a_start_failure_names_the_worker_and_leaves_no_process():
     pool = ProcessSimPool(_fail_on_3, num_envs=4, num_workers=2)
-    pool.on_block = lambda b: None
     with pytest.raises(EnvStepError, match="env 3 failed in env_fn: in worker 1: RuntimeError: no simulator here"):
         await pool.start()
     assert multiprocessing.active_children() == []
@@ -279,7 +285,6 @@ class TupleEnv(MockEnv):
 
 async def test_an_unsupported_space_raises_type_error_and_leaves_no_process():
     pool = ProcessSimPool(lambda i: TupleEnv(), num_envs=2, num_workers=2)
-    pool.on_block = lambda b: None
     with pytest.raises(TypeError, match="Tuple spaces cannot be stored in rows"):
         await pool.start()
     assert multiprocessing.active_children() == [] and pool._blocks == []

@@ -4,15 +4,34 @@ while ProcessSimPool.abandon_late reads must not look late. Read twice, its star
 false timeout that once killed a healthy worker at the end of a convergence run."""
 
 import asyncio
+import contextlib
 import time
 import types
 
 import numpy as np
 
 from ebrl.runtime import sim_workers
-from ebrl.runtime.errors import fault_reason
+from ebrl.runtime.errors import PoolClosed, fault_reason
 from ebrl.runtime.sim_workers import ProcessSimPool
 from ebrl.testing import Latency, MockEnv
+
+
+PUMPS: set[asyncio.Task] = set()
+
+
+def collect(pool) -> list:
+    """The blocks ``pool.recv()`` returns, taken by a task that ends when the pool closes."""
+    blocks = []
+
+    async def pump():
+        with contextlib.suppress(PoolClosed):
+            while True:
+                blocks.append(await pool.recv())
+
+    task = asyncio.get_running_loop().create_task(pump())
+    PUMPS.add(task)  # a task is only weakly held by the loop
+    task.add_done_callback(PUMPS.discard)
+    return blocks
 
 
 def ends_on_clock_read(pool, env_id):
@@ -27,8 +46,7 @@ def ends_on_clock_read(pool, env_id):
 
 
 async def a_step_ending_mid_read(monkeypatch, pool, guard: bool):
-    blocks = []
-    pool.on_block = blocks.append
+    blocks = collect(pool)
     await pool.start()
     try:
         await pool.reset(0)
@@ -66,8 +84,7 @@ async def test_without_the_send_time_guard_too(monkeypatch, no_leaks):
 async def hang_and_kill(pool: ProcessSimPool) -> list:
     """Start ``pool``, step env 0 (which hangs) until the watchdog kills its worker for it; the
     blocks that came back (env 0's failure)."""
-    blocks = []
-    pool.on_block = blocks.append
+    blocks = collect(pool)
     await pool.start()
     await pool.reset(0)
     pool.submit(np.array([0]), np.zeros((1, 2), np.float32))

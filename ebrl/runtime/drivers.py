@@ -1,18 +1,19 @@
-"""The driver core: one object turns blocks of finished steps into records and new requests,
-for every schedule and backend.
+"""The driver: one loop turns blocks of finished steps into records and new requests, for
+every schedule and backend.
 
-The hot path is three callbacks, with no coroutine, future or Python object per env step:
+The loop (:meth:`Driver._steps`) reads the pool as PufferLib's and EnvPool's send/recv do,
+with no coroutine, future or Python object per env step:
 
-1. the sim pool calls :meth:`Driver.on_block` with a block of envs whose steps are done: the
-   block is recorded into the rollout storage (one write per field), episodes are tracked in
-   NumPy (:class:`~ebrl.runtime.episodes.Episodes`), and NaN/inf rows and failed envs go
-   aside for :class:`~ebrl.runtime.recovery.Recovery`, which resets or rebuilds them and
-   answers whether they are back: only the driver releases envs;
+1. ``block = await pool.recv()``: a block of envs whose steps are done. It is recorded into
+   the rollout storage (one write per field), episodes are tracked in NumPy
+   (:class:`~ebrl.runtime.episodes.Episodes`), and NaN/inf rows and failed envs go aside for
+   :class:`~ebrl.runtime.recovery.Recovery`, which resets or rebuilds them and answers
+   whether they are back: only the driver releases envs;
 2. the envs that may go on are released: they claim steps from the budget, envs that would
    open a segment on a full queue park (backpressure), and the rest make one generation
    request (:meth:`Generator.request`) for the block;
-3. the batch that serves them calls :meth:`Driver.on_actions`, which keeps the behaviour data
-   for the record and submits the action rows to the pool.
+3. the batch that serves them calls :meth:`Driver.on_actions`, which hands the behaviour data
+   to the rollout and submits the action rows to the pool (``pool.submit``).
 
 The schedules differ only in what is released together (:class:`~ebrl.config.Schedule`):
 under ``async`` every unit (an env, or a vector env) goes on alone, as soon as its step is
@@ -82,7 +83,6 @@ class Driver:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._done: asyncio.Future | None = None
         self._tg: asyncio.TaskGroup | None = None
-        pool.on_block = self.on_block
         rollout.on_space = self.unpark
 
     # ---------------------------------------------------------------- lifecycle
@@ -98,6 +98,7 @@ class Driver:
                 # tasks of the group: a failure cancels the others (none is left running)
                 await asyncio.wait([tg.create_task(self.recovery.first_reset(u)) for u in units])
                 self.waits.ready(slice(None), self._loop.time())
+                steps = tg.create_task(self._steps(), name="ebrl-driver")
                 for ids in self.group_ids:
                     self._release(ids)
                 watchdog = None
@@ -107,6 +108,7 @@ class Driver:
                 try:
                     await self._done
                 finally:
+                    steps.cancel()
                     if watchdog is not None:
                         watchdog.cancel()
         except BaseExceptionGroup as group:  # raise the first failure as itself, the others as its notes
@@ -128,11 +130,11 @@ class Driver:
 
     # ---------------------------------------------------------------- the hot path
 
-    def on_block(self, block: Block) -> None:
-        try:
-            self._on_block(block)
-        except BaseException as exc:  # a callback: hand it to run(), the TaskGroup's task
-            self._fail(exc)
+    async def _steps(self) -> None:
+        """The loop: every block of finished steps, in the order the pool returns them."""
+        recv, on_block = self.pool.recv, self._on_block
+        while True:
+            on_block(await recv())
 
     def _on_block(self, block: Block) -> None:
         ids, now = block.ids, self._loop.time()

@@ -30,6 +30,29 @@ def fault_reason(detail: str) -> str:
     return getattr(detail, "reason", "env_error")
 
 
+class Fault(str):
+    """A step error's detail (the ``str`` a :class:`Block` carries) that says why the step was
+    lost when the env itself did not raise: ``reason`` is the drop reason the driver counts."""
+
+    reason = "env_error"
+
+
+class WorkerDied(Fault):
+    reason = "worker_died"  # the env's worker process ended (a signal, OOM, or killed for a hung mate)
+
+
+class TimedOut(Fault):
+    reason = "timeout"  # the step ran past faults.step_timeout_s and was abandoned
+
+
+class NonFiniteReset(Fault):
+    reason = "nonfinite"  # a reset observation with NaN/inf (faults.nonfinite='drop'): rebuilt like a failure
+
+
+class PoolClosed(RuntimeError):
+    """``await pool.recv()`` on a closed sim pool with no block left."""
+
+
 class EnvStepError(RuntimeError):
     """An env raised inside ``step``, ``reset`` or its constructor."""
 

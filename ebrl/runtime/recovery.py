@@ -19,9 +19,9 @@ import numpy as np
 
 from ebrl.config import NonFinite, RunConfig
 from ebrl.runtime.episodes import Episodes
-from ebrl.runtime.errors import EnvStepError, NonFiniteError, TooManyEnvFailures
+from ebrl.runtime.errors import EnvStepError, NonFiniteError, NonFiniteReset, TimedOut, TooManyEnvFailures
 from ebrl.runtime.rollout import RolloutQueue
-from ebrl.runtime.sim_types import Block, NonFiniteReset, SimPool, TimedOut
+from ebrl.runtime.sim_types import Block, SimPool
 from ebrl.runtime.state import RunState
 from ebrl.runtime.stats import RunStats
 from ebrl.spaces import all_finite, batch_of_one, finite_rows, stack

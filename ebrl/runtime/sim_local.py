@@ -231,7 +231,7 @@ class InlineSimPool(LocalEnvs):
         if len(ids):
             n = len(ids)
             self.rows.cost[ids] += (1.0, (perf_counter() - t0) / n, (thread_time() - c0) / n, 0.0)
-        self.on_block(self.rows.block(ids, errors))
+        self.outbox.put(self.rows.block(ids, errors))
 
     async def _virtual_step(self, unit: int) -> None:
         t_in = self._loop.time()
@@ -239,11 +239,11 @@ class InlineSimPool(LocalEnvs):
             try:
                 cost = self._step_unit(unit, self._loop.time() - t_in)
             except Exception as exc:
-                self.on_block(self.rows.block(np.zeros(0, np.int64), self._errors(unit, exc)))
+                self.outbox.put(self.rows.block(np.zeros(0, np.int64), self._errors(unit, exc)))
                 return
             if cost > 0:
                 await asyncio.sleep(cost)
-            self.on_block(self.rows.block(self._ids(unit)))
+            self.outbox.put(self.rows.block(self._ids(unit)))
 
     async def reset(self, unit: int, seed: Any = None) -> tuple[Any, Any]:
         try:
@@ -259,3 +259,4 @@ class InlineSimPool(LocalEnvs):
             task.cancel()
         self._tasks.clear()
         self._close_envs()
+        self.outbox.close()

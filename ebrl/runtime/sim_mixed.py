@@ -18,14 +18,13 @@ on one part, ``mixed`` once they are split.
     >>> from ebrl.testing import MockEnv
     >>> async def demo():
     ...     pool = MixedSimPool(lambda i: MockEnv(dim=2), num_envs=2, lanes=2, workers=1)
-    ...     blocks = []
-    ...     pool.on_block = blocks.append
     ...     await pool.start()
     ...     await pool.grow(1)
     ...     await pool.migrate(1, 0)                # env 1 to worker 0; env 0 stays on the lanes
     ...     pool.submit(np.array([0, 1]), np.zeros((2, 2), np.float32))
-    ...     while sum(len(b.ids) for b in blocks) < 2:
-    ...         await asyncio.sleep(0.001)
+    ...     back = 0
+    ...     while back < 2:                         # both parts answer through one recv()
+    ...         back += len((await pool.recv()).ids)
     ...     pool.close()
     ...     return pool.placement.tolist(), pool.backend.value
     >>> asyncio.run(demo())
@@ -40,7 +39,7 @@ import numpy as np
 
 from ebrl.config import SimBackend
 from ebrl.runtime.sim_threads import ThreadSimPool
-from ebrl.runtime.sim_types import EnvFn, OnBlock, SimPool
+from ebrl.runtime.sim_types import EnvFn, SimPool
 from ebrl.runtime.sim_workers import ProcessSimPool
 from ebrl.runtime.sim_workers_elastic import NOWHERE
 from ebrl.spaces import index
@@ -63,16 +62,7 @@ class MixedSimPool(SimPool):
         self._local = np.full(num_envs, start is SimBackend.THREAD)  # env -> on the lanes
         self._moved_out = 0  # envs moved from a worker to the lanes
         super().__init__(env_fn, num_envs)
-
-    # the driver sets on_block once; both parts deliver straight to it (no hop through here)
-    @property
-    def on_block(self) -> OnBlock:
-        return self.threads.on_block
-
-    @on_block.setter
-    def on_block(self, fn: OnBlock) -> None:
-        self.threads.on_block = fn
-        self.processes.on_block = fn
+        self.threads.outbox = self.processes.outbox = self.outbox  # both parts deliver straight to recv()
 
     @property
     def backend(self) -> SimBackend:
@@ -200,3 +190,4 @@ class MixedSimPool(SimPool):
     def close(self) -> None:
         self.threads.close()
         self.processes.close()
+        self.outbox.close()

@@ -26,15 +26,13 @@ of the next episode and ``final_obs`` the last one of the episode that ended.
     >>> import numpy as np
     >>> async def demo():
     ...     pool = make_sim_pool(lambda i: gym.make("CartPole-v1"), 2, SimConfig(backend="inline"))
-    ...     blocks = []
-    ...     pool.on_block = blocks.append
     ...     await pool.start()
     ...     for i in range(2):
     ...         await pool.reset(i, seed=i)
     ...     pool.submit(np.array([0, 1]), np.array([1, 0]))   # one block of two envs ...
-    ...     await asyncio.sleep(0)
+    ...     block = await pool.recv()
     ...     pool.close()
-    ...     return blocks[0].ids.tolist(), blocks[0].obs.shape   # ... comes back as one block
+    ...     return block.ids.tolist(), block.obs.shape   # ... comes back as one block
     >>> asyncio.run(demo())
     ([0, 1], (2, 4))
 """

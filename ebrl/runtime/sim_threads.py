@@ -8,15 +8,12 @@ never interrupts a running step. It hosts vector envs too, one unit per vector e
     >>> import asyncio, gymnasium as gym, numpy as np
     >>> async def demo():
     ...     pool = ThreadSimPool(lambda i: gym.make("CartPole-v1"), 2, num_threads=2)
-    ...     blocks = []
-    ...     pool.on_block = blocks.append
     ...     await pool.start()
     ...     await pool.reset(1, seed=0)
-    ...     pool.submit(np.array([1]), np.array([0]))
-    ...     while not blocks:
-    ...         await asyncio.sleep(0.001)
+    ...     pool.submit(np.array([1]), np.array([0]))   # send ...
+    ...     block = await pool.recv()                   # ... and receive
     ...     pool.close()
-    ...     return blocks[0].ids.tolist(), blocks[0].reward.tolist()
+    ...     return block.ids.tolist(), block.reward.tolist()
     >>> asyncio.run(demo())
     ([1], [1.0])
 """
@@ -34,9 +31,9 @@ import gymnasium as gym
 import numpy as np
 
 from ebrl.config import SimBackend
-from ebrl.runtime.errors import EnvStepError
+from ebrl.runtime.errors import EnvStepError, TimedOut
 from ebrl.runtime.sim_local import CLOSE_WAIT_S, LocalEnvs
-from ebrl.runtime.sim_types import EnvFn, TimedOut, close_quietly, describe
+from ebrl.runtime.sim_types import EnvFn, close_quietly, describe
 from ebrl.telemetry.logging import get_logger
 
 log = get_logger("ebrl.sim")
@@ -230,7 +227,7 @@ class ThreadSimPool(LocalEnvs):
             ids = np.array(units, np.int64)
         else:
             ids = np.concatenate([self._ids(u) for u in units]) if units else np.zeros(0, np.int64)
-        self.on_block(self.rows.block(ids, errors))
+        self.outbox.put(self.rows.block(ids, errors))
 
     def _call(self, fn, args, fut: asyncio.Future) -> None:
         try:
@@ -285,6 +282,7 @@ class ThreadSimPool(LocalEnvs):
                 self._gen[u] += 1
         self._threads, self.hung = [], stuck
         self._close_envs()
+        self.outbox.close()
 
 
 def _given_up(unit: int) -> None:

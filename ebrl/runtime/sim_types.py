@@ -5,8 +5,9 @@ The block path: the driver hands a pool a block of env ids and their action rows
 (:meth:`SimPool.submit`); wherever the steps run (the event loop, a lane thread, a worker
 process), each result is written into that env's row of :class:`StepRows` (plain NumPy, or
 shared memory for worker processes: one array per observation key, plus rewards, flags and
-final observations); the pool then calls ``on_block`` with a :class:`Block` naming the envs
-whose steps are done. Nothing per env crosses the event loop as a Python object.
+final observations); the pool then puts a :class:`Block` naming the envs whose steps are
+done in its :class:`Outbox`, and the driver's loop takes it with ``await pool.recv()``.
+Nothing per env crosses the event loop as a Python object.
 
 Every backend resets an env in the same call as the step that ends its episode
 (gymnasium's ``AutoresetMode.SAME_STEP``): the row's observation is then the first of the
@@ -24,10 +25,12 @@ next episode, and ``final_obs`` the last one of the episode that ended.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import traceback
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +38,7 @@ import gymnasium as gym
 import numpy as np
 
 from ebrl.config import SimBackend
+from ebrl.runtime.errors import PoolClosed
 from ebrl.spaces import all_finite, copy_tree, index, tree_map, write
 
 EnvFn = Callable[[int], gym.Env]
@@ -252,25 +256,6 @@ def chunk_len(act_space: gym.Space) -> int:
     return 0
 
 
-class Fault(str):
-    """A step error's detail (the ``str`` a :class:`Block` carries) that says why the step was
-    lost when the env itself did not raise: ``reason`` is the drop reason the driver counts."""
-
-    reason = "env_error"
-
-
-class WorkerDied(Fault):
-    reason = "worker_died"  # the env's worker process ended (a signal, OOM, or killed for a hung mate)
-
-
-class TimedOut(Fault):
-    reason = "timeout"  # the step ran past faults.step_timeout_s and was abandoned
-
-
-class NonFiniteReset(Fault):
-    reason = "nonfinite"  # a reset observation with NaN/inf (faults.nonfinite='drop'): rebuilt like a failure
-
-
 def reset_env(env: gym.Env, seed: int | None = None) -> tuple[Any, dict]:
     obs, info = env.reset(seed=seed)
     return copy_tree(obs), info
@@ -314,15 +299,46 @@ def describe(exc: BaseException) -> str:
     return "".join(traceback.format_exception_only(type(exc), exc)).strip()
 
 
-OnBlock = Callable[[Block], None]
+class Outbox:
+    """Finished blocks on their way to :meth:`SimPool.recv`: a pool puts them (on the event loop
+    thread), the driver's loop takes them in order. A waiting reader costs one future a wake-up,
+    not one an env step."""
+
+    __slots__ = ("blocks", "waiter", "closed")
+
+    def __init__(self):
+        self.blocks: deque[Block] = deque()
+        self.waiter: asyncio.Future | None = None
+        self.closed = False
+
+    def put(self, block: Block) -> None:
+        self.blocks.append(block)
+        self._wake()
+
+    async def get(self) -> Block:
+        while not self.blocks:
+            if self.closed:
+                raise PoolClosed("the sim pool was closed")
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+        return self.blocks.popleft()
+
+    def close(self) -> None:
+        self.closed = True
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter, self.waiter = self.waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
 
 class SimPool(ABC):
     """A home for ``num_envs`` envs built by ``env_fn(i)``, stepped a block at a time.
 
-    The driver sets ``on_block`` before :meth:`start`. :meth:`submit` starts the steps of a
-    block of idle envs and returns at once; their results come back later, through
-    ``on_block``, in one or more blocks (never from inside ``submit``). A *unit* is one env, or
+    :meth:`submit` starts the steps of a block of idle envs and returns at once; their results
+    come back later from ``await pool.recv()``, in one or more blocks (PufferLib's and EnvPool's
+    send/recv). A *unit* is one env, or
     one vector env of ``vector_size`` envs (``reset`` and ``rebuild`` take units; ``submit``
     takes env ids, whole units at a time).
     """
@@ -336,7 +352,7 @@ class SimPool(ABC):
         self.num_envs = num_envs  # envs (not units)
         self.observation_space: gym.Space | None = None
         self.action_space: gym.Space | None = None
-        self.on_block: OnBlock = _unset
+        self.outbox = Outbox()  # a mixed pool's parts share their parent's
         self.virtual_step_cost = 0.0  # the latest step's declared cost (virtual time only)
 
     @abstractmethod
@@ -346,6 +362,11 @@ class SimPool(ABC):
     @abstractmethod
     def submit(self, ids: np.ndarray, actions: Any) -> None:
         """Start a step for each env in ``ids`` (idle envs) with ``actions`` rows (a tree ``[B, ...]``)."""
+
+    def recv(self) -> Awaitable[Block]:
+        """The next block of finished steps (or of step errors), waiting until one is back;
+        raises :class:`PoolClosed` once the pool is closed and every block was taken."""
+        return self.outbox.get()
 
     @abstractmethod
     async def reset(self, unit: int, seed: Any = None) -> tuple[Any, Any]:
@@ -394,6 +415,3 @@ class SimPool(ABC):
         rows = getattr(self, "rows", None)
         return None if rows is None or rows.cost is None else rows.cost.copy()
 
-
-def _unset(block: Block) -> None:
-    raise RuntimeError("SimPool.on_block was not set before the pool stepped")

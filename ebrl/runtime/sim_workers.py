@@ -27,12 +27,10 @@ block: too fine a stream spends the CPU that CPU-bound simulators need).
     >>> import asyncio, gymnasium as gym, numpy as np
     >>> async def demo():
     ...     pool = ProcessSimPool(lambda i: gym.make("CartPole-v1"), num_envs=4, num_workers=2)
-    ...     done = asyncio.get_running_loop().create_future()
-    ...     pool.on_block = done.set_result  # one Block per reply
     ...     await pool.start()
     ...     obs, _ = await pool.reset(3, seed=0)
     ...     pool.submit(np.array([3]), np.array([1]))  # env 3, action 1
-    ...     block = await done
+    ...     block = await pool.recv()  # one Block per reply
     ...     pool.close()
     ...     return obs.shape, block.ids, block.reward
     >>> asyncio.run(demo())
@@ -52,8 +50,8 @@ from typing import Any
 import numpy as np
 
 from ebrl.config import SimBackend
-from ebrl.runtime.errors import EnvStepError
-from ebrl.runtime.sim_types import EnvFn, SimPool, StepRows, TimedOut, WorkerDied
+from ebrl.runtime.errors import EnvStepError, TimedOut, WorkerDied
+from ebrl.runtime.sim_types import EnvFn, SimPool, StepRows
 from ebrl.runtime.sim_worker_link import WorkerLink
 from ebrl.runtime.sim_worker_process import ERRORS, PICKLED, release_shared, shm_alloc
 from ebrl.runtime.sim_workers_elastic import ElasticWorkers
@@ -237,13 +235,13 @@ class ProcessSimPool(ElasticWorkers, SimPool):
             self._busy[[i for i, _ in errors]] = False
         ids = np.frombuffer(body, np.int32).astype(np.int64)
         self._busy[ids] = False
-        self.on_block(self._rows.block(ids, errors))
+        self.outbox.put(self._rows.block(ids, errors))
 
     def _fail_steps(self, worker: WorkerLink, ids: np.ndarray) -> None:
         worker.steps = []
         self._busy[ids] = False
         errors = [(int(i), self._fault(int(i), worker.dead)) for i in ids]
-        self.on_block(self._rows.block(np.zeros(0, np.int64), errors))
+        self.outbox.put(self._rows.block(np.zeros(0, np.int64), errors))
 
     def _fault(self, env_id: int, why: str):
         if env_id in self._timed_out:
@@ -286,7 +284,7 @@ class ProcessSimPool(ElasticWorkers, SimPool):
         log.warning("sim_worker_respawned", worker=dead.index, reason=dead.dead)
 
     def _report_lost(self, ids: list[int]) -> None:
-        self.on_block(self._rows.block(np.zeros(0, np.int64),
+        self.outbox.put(self._rows.block(np.zeros(0, np.int64),
                                        [(i, WorkerDied("the env's worker died; it was not rebuilt yet")) for i in ids]))
 
     def abandon_late(self, limit_s: float) -> list[int]:
@@ -357,3 +355,4 @@ class ProcessSimPool(ElasticWorkers, SimPool):
         self._workers, self._retired, self._starting = [], [], []
         release_shared(self._rows, self._blocks, unlink=True)
         self._rows = None
+        self.outbox.close()
