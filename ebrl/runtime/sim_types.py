@@ -6,7 +6,7 @@ The block path: the driver hands a pool a block of env ids and their action rows
 process), each result is written into that env's row of :class:`StepRows` (plain NumPy, or
 shared memory for worker processes: one array per observation key, plus rewards, flags and
 final observations); the pool then puts a :class:`Block` naming the envs whose steps are
-done in its :class:`Outbox`, and the driver's loop takes it with ``await pool.recv()``.
+done in its :class:`~ebrl.runtime.outbox.Outbox`, and the driver's loop takes it with ``await pool.recv()``.
 Nothing per env crosses the event loop as a Python object.
 
 Every backend resets an env in the same call as the step that ends its episode
@@ -25,11 +25,9 @@ next episode, and ``final_obs`` the last one of the episode that ended.
 
 from __future__ import annotations
 
-import asyncio
 import math
 import traceback
 from abc import ABC, abstractmethod
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +36,7 @@ import gymnasium as gym
 import numpy as np
 
 from ebrl.config import SimBackend
-from ebrl.runtime.errors import PoolClosed
+from ebrl.runtime.outbox import Outbox
 from ebrl.spaces import all_finite, copy_tree, index, tree_map, write
 
 EnvFn = Callable[[int], gym.Env]
@@ -101,6 +99,14 @@ class Block:
     # steps taken, 0 where the env reported none; None unless the action space is Box(K, ...)
     chunk_rewards: np.ndarray | None = None
     chunk_steps: np.ndarray | None = None
+
+    def take(self, keep: np.ndarray) -> Block:
+        """The rows ``keep`` (final observations renumbered; no errors)."""
+        where = {int(r): k for k, r in enumerate(keep.tolist())}
+        chunk = (None, None) if self.chunk_steps is None else (self.chunk_rewards[keep], self.chunk_steps[keep])
+        return Block(self.ids[keep], index(self.obs, keep), self.reward[keep], self.terminated[keep],
+                     self.truncated[keep], self.finite[keep], self.success[keep],
+                     {where[r]: o for r, o in self.final_obs.items() if r in where}, [], False, *chunk)
 
 
 def space_rows(space: gym.Space, n: int, alloc: Callable[[tuple, np.dtype], np.ndarray] | None = None) -> Any:
@@ -297,40 +303,6 @@ def close_quietly(env: gym.Env) -> None:
 def describe(exc: BaseException) -> str:
     """``"TypeName: message"`` for an env's exception, as :class:`EnvStepError` reports it."""
     return "".join(traceback.format_exception_only(type(exc), exc)).strip()
-
-
-class Outbox:
-    """Finished blocks on their way to :meth:`SimPool.recv`: a pool puts them (on the event loop
-    thread), the driver's loop takes them in order. A waiting reader costs one future a wake-up,
-    not one an env step."""
-
-    __slots__ = ("blocks", "waiter", "closed")
-
-    def __init__(self):
-        self.blocks: deque[Block] = deque()
-        self.waiter: asyncio.Future | None = None
-        self.closed = False
-
-    def put(self, block: Block) -> None:
-        self.blocks.append(block)
-        self._wake()
-
-    async def get(self) -> Block:
-        while not self.blocks:
-            if self.closed:
-                raise PoolClosed("the sim pool was closed")
-            self.waiter = asyncio.get_running_loop().create_future()
-            await self.waiter
-        return self.blocks.popleft()
-
-    def close(self) -> None:
-        self.closed = True
-        self._wake()
-
-    def _wake(self) -> None:
-        waiter, self.waiter = self.waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
 
 
 class SimPool(ABC):
