@@ -500,6 +500,7 @@ def test_fewer_workers_retire_only_after_their_envs_have_moved_off():
 
     from ebrl.config import Offload, SimBackend
     from ebrl.runtime.resources.controller import Decision
+    from ebrl.runtime.moves import Moves
     from ebrl.runtime.resources.manager import ResourceManager
 
     class Pool:
@@ -514,19 +515,20 @@ def test_fewer_workers_retire_only_after_their_envs_have_moved_off():
             self.resized.append(n)
             self.size = n
 
-    pool, driver = Pool(), SimpleNamespace(moves={}, migrating=set())
-    gen = SimpleNamespace(max_wait_s=0.002, batch_target=8, offload_mode=Offload.INLINE, actuators=dict)
     cfg = ebrl.RunConfig(num_envs=8, sim={"backend": "process"})
+    pool = Pool()
+    driver = SimpleNamespace(moves=Moves(cfg, pool, None, None, None))
+    gen = SimpleNamespace(max_wait_s=0.002, batch_target=8, offload_mode=Offload.INLINE, actuators=dict)
     profiler = SimpleNamespace(take=lambda: profile(n=8, placement=pool.placement), close=lambda: None)
     mgr = ResourceManager(cfg, profiler, pool, driver, gen, virtual=False)
     mgr.profiles.append(profile(n=8, mean_step=[4, 1, 1, 1, 1, 1, 1, 1], placement=pool.placement))
     mgr._apply(Decision(3, "workers", 4, 2, "test"))
     # every env on workers 2 and 3 moves, to 0 or 1 (others may move too: balanced by cost)
-    assert set(driver.moves) >= {2, 3, 6, 7} and set(driver.moves.values()) <= {0, 1}
+    assert set(driver.moves.wanted) >= {2, 3, 6, 7} and set(driver.moves.wanted.values()) <= {0, 1}
     mgr.epoch()
     assert pool.resized == []  # envs still due to move: the workers keep them
     pool.placement = np.array([0, 1, 0, 1] * 2)
-    driver.moves = {}
+    driver.moves.wanted = {}
     # the epoch that retires decides nothing: knobs read before it counted workers that are gone,
     # and a placement from them once sent an env to a retired worker ("no worker 2: the pool has 2")
     assert mgr.epoch() == []

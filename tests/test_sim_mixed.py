@@ -175,7 +175,7 @@ def test_a_move_decided_from_a_stale_placement_is_skipped(monkeypatch):
         def _on_block(self, block):
             if StaleMoves.stale is None and hasattr(self.pool, "placement"):
                 StaleMoves.stale = {i: int(w) for i, w in enumerate(self.pool.placement)}  # where each already is
-                self.moves = dict(StaleMoves.stale)
+                self.moves.wanted = dict(StaleMoves.stale)
             super()._on_block(block)
 
     monkeypatch.setattr(run_module, "Driver", StaleMoves)

@@ -31,23 +31,25 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ebrl.config import RunConfig, Schedule
+from ebrl.config import RunConfig
 from ebrl.policies.base import ActResult
 from ebrl.runtime.episodes import Episodes
 from ebrl.runtime.errors import EnvStepError, raise_first
+from ebrl.runtime.moves import Moves
 from ebrl.runtime.generation import Generator
 from ebrl.runtime.recovery import Recovery
 from ebrl.runtime.rollout import RolloutQueue
-from ebrl.runtime.schedules import lockstep_groups
+from ebrl.runtime.schedules import Barrier, is_lockstep
 from ebrl.runtime.sim_types import Block, SimPool
 from ebrl.runtime.state import RunState
 from ebrl.runtime.stats import RunStats
 from ebrl.runtime.waits import EnvWaits
-from ebrl.spaces import all_finite, batch_of_one, index
+from ebrl.spaces import all_finite, index
 from ebrl.telemetry.logging import get_logger
 
 if TYPE_CHECKING:
@@ -63,23 +65,14 @@ class Driver:
                  stats: RunStats, state: RunState, timeline: Timeline | None = None):
         self.cfg, self.pool, self.generator, self.rollout, self.stats = cfg, pool, generator, rollout, stats
         self.state = state
-        n, v = cfg.num_envs, cfg.sim.vector_size
-        self.V = v
-        self.lockstep = cfg.schedule is not Schedule.ASYNC
-        groups = lockstep_groups(cfg)
-        self.group_ids = [np.concatenate([np.arange(u * v, u * v + v) for u in g]) for g in groups]
-        self.group_of = np.zeros(n, np.int64)
-        for g, ids in enumerate(self.group_ids):
-            self.group_of[ids] = g
-        self.arrived = np.zeros(len(groups), np.int64)  # lockstep: units of the group back and ready
+        self.V = cfg.sim.vector_size
+        self.lockstep = is_lockstep(cfg.schedule)
+        self.barrier = Barrier(cfg)
         self.parked: deque[np.ndarray] = deque()  # blocks of envs waiting for queue space
         self.episodes = Episodes(cfg, pool, rollout, stats)
         self.recovery = Recovery(cfg, pool, rollout, stats, state, self.episodes)
-        # placement changes the controller asked for: env -> worker, done at the env's next episode end
-        self.moves: dict[int, int] = {}
-        self.migrating: set[int] = set()  # envs whose move is under way (the pool's placement is not yet theirs)
-        self.migrations = 0
-        self.waits = EnvWaits(n, timeline)  # where each env's time goes: the profiler's and the timeline's
+        self.moves = Moves(cfg, pool, rollout, self.episodes, self.recovery)  # the controller's, at episode ends
+        self.waits = EnvWaits(cfg.num_envs, timeline)  # where each env's time goes: the profiler's and the timeline's
         self._loop: asyncio.AbstractEventLoop | None = None
         self._done: asyncio.Future | None = None
         self._tg: asyncio.TaskGroup | None = None
@@ -99,7 +92,7 @@ class Driver:
                 await asyncio.wait([tg.create_task(self.recovery.first_reset(u)) for u in units])
                 self.waits.ready(slice(None), self._loop.time())
                 steps = tg.create_task(self._steps(), name="ebrl-driver")
-                for ids in self.group_ids:
+                for ids in self.barrier.groups:
                     self._release(ids)
                 watchdog = None
                 if self.cfg.faults.step_timeout_s is not None:
@@ -150,80 +143,39 @@ class Driver:
         if not block.clean and not block.finite.all():
             # NaN/inf rows are dropped; their units wait for the reset of those rows, then go on whole
             held = self._hold_nonfinite(block, np.flatnonzero(~block.finite))
-            block = _rows(block, np.flatnonzero(block.finite))
+            block = block.take(np.flatnonzero(block.finite))
             ids = block.ids
             go = ids[~np.isin(ids // self.V, list(held))]
         if len(ids):
             self.rollout.record(block)
             self.episodes.track(block)
-            if self.moves and not block.clean:
-                go = self._start_moves(block, go)
+            if self.moves.wanted and not block.clean:
+                moving = self.moves.due(block)
+                for env_id, worker in moving:
+                    self._when_back(np.array([env_id]), self.moves.move(env_id, worker))
+                if moving:
+                    go = go[~np.isin(go, [i for i, _ in moving])]
         if len(go):
             self._arrive(go)
-
-    def _start_moves(self, block: Block, go: np.ndarray) -> np.ndarray:
-        """Envs due to move whose episode just ended migrate now; the rest of ``go`` goes on."""
-        ended = block.ids[block.terminated | block.truncated]
-        moving = []
-        for i in ended.tolist():
-            if i not in self.moves:
-                continue
-            target = self.moves.pop(i)
-            if int(self.pool.placement[i]) == target:  # a decision made while an earlier move was in flight
-                log.info("env_move_skipped", env=i, where=target)
-                continue
-            moving.append(i)
-            self.migrating.add(i)
-            self._spawn(self._migrate(i, target))
-        return go[~np.isin(go, moving)] if moving else go
-
-    async def _migrate(self, env_id: int, worker: int) -> None:
-        """Rebuild env ``env_id`` in ``worker`` (an episode just ended: nothing of it is lost),
-        start its next episode there, and let it go on. A failed move leaves it where it was."""
-        try:
-            obs, _ = await self.pool.migrate(env_id, worker, seed=self.episodes.reset_seed(env_id))
-            self.rollout.set_obs(np.array([env_id]), batch_of_one(self.recovery.checked_reset(env_id, obs)))
-            if self.cfg.reset_group is not None:  # the part it moved to holds its own rows
-                self.pool.set_reset_seeds(np.array([env_id]), np.array([self.episodes.group_seed(env_id)]))
-            self.migrations += 1
-            log.info("env_migrated", env=env_id, worker=worker)
-        except EnvStepError as exc:
-            log.warning("env_migration_failed", env=env_id, worker=worker, error=exc.detail)
-        finally:
-            self.migrating.discard(env_id)
-        self._ready(np.array([env_id]))
 
     def _arrive(self, ids: np.ndarray) -> None:
         """Envs ``ids`` (whole units) are ready for their next step."""
         if not self.lockstep:
             self._release(ids)
             return
-        groups, counts = np.unique(self.group_of[ids], return_counts=True)
-        for g, c in zip(groups.tolist(), counts.tolist()):
-            self.arrived[g] += c
-            if self.arrived[g] == len(self.group_ids[g]):
-                self.arrived[g] = 0
-                group = self.group_ids[g]
-                self.waits.passed_barrier(group, self._loop.time())
-                self._release(group)
+        for group in self.barrier.arrive(ids):
+            self.waits.passed_barrier(group, self._loop.time())
+            self._release(group)
 
     def _release(self, ids: np.ndarray) -> None:
         """Claim the next step of envs ``ids`` (a block of whole units, or one lockstep group);
         park what would overflow the queue; request actions for the rest."""
-        state = self.state
-        if self.lockstep:
-            if not state.claim_all(len(ids)):
-                self._finish(len(ids))
-                return
-        elif state.budget < len(ids):  # a vector env claims its whole step, or none of it
-            go = min(len(ids) // self.V, state.budget // self.V) * self.V
-            state.claim_all(go)
+        go = self.state.claim(len(ids), self.V, whole=self.lockstep)
+        if go < len(ids):  # the budget is spent: the rest are done
             self._finish(len(ids) - go)
             ids = ids[:go]
             if not go:
                 return
-        else:
-            state.claim_all(len(ids))
         blocked = self.rollout.need_space(ids)
         if np.count_nonzero(blocked):
             if self.lockstep or self.V > 1:
@@ -234,9 +186,6 @@ class Driver:
             ids = ids[~blocked]
             if not len(ids):
                 return
-        self._request(ids)
-
-    def _request(self, ids: np.ndarray) -> None:
         self.generator.request(ids, self.rollout.current_obs(ids), self.on_actions)
 
     def on_actions(self, ids: np.ndarray, result: ActResult, lo: int, hi: int, version: int) -> None:
@@ -288,7 +237,7 @@ class Driver:
         those rows. Returns the units held."""
         held = self.recovery.nonfinite_steps(block, rows)
         for unit, env_ids in held.items():
-            self._spawn(self._reset_rows(unit, env_ids))
+            self._when_back(self.recovery.unit_ids(unit), self.recovery.reset_rows(unit, env_ids))
         return held
 
     def _hold_nonfinite_actions(self, ids: np.ndarray, actions: Any, version: int) -> tuple[np.ndarray, Any]:
@@ -296,7 +245,7 @@ class Driver:
         (or raise); returns the rows that go on."""
         bad, units = self.recovery.nonfinite_actions(ids, actions, version, whole=self.lockstep or self.V > 1)
         for unit, env_ids in units.items():
-            self._spawn(self._reset_rows(unit, env_ids))
+            self._when_back(self.recovery.unit_ids(unit), self.recovery.reset_rows(unit, env_ids))
         keep = ~bad
         return ids[keep], index(actions, np.flatnonzero(keep))
 
@@ -308,35 +257,25 @@ class Driver:
             self.waits.failed(ids, now)
             self.state.release(len(ids))  # the claimed step never happened
             exc = EnvStepError(u, "step", detail.get(int(ids[0]), next(iter(detail.values()))))
-            self._spawn(self._recover(u, exc))
-
-    async def _recover(self, unit: int, exc: EnvStepError) -> None:
-        if await self.recovery.recover(unit, exc):
-            self._ready(self.recovery.unit_ids(unit))
-
-    async def _reset_rows(self, unit: int, env_ids: list[int]) -> None:
-        if await self.recovery.reset_rows(unit, env_ids):
-            self._ready(self.recovery.unit_ids(unit))
+            self._when_back(ids, self.recovery.recover(u, exc))
 
     def _ready(self, ids: np.ndarray) -> None:
         """Envs ``ids`` are back from a reset, rebuild or move: ready for their next step."""
         self.waits.ready(ids, self._loop.time())
         self._arrive(ids)
 
-    def _spawn(self, coro) -> None:
-        if self._tg is None:
-            coro.close()
-            return
+    def _when_back(self, ids: np.ndarray, back: Coroutine[Any, Any, bool]) -> None:
+        """Envs ``ids`` go on once ``back`` (a reset, rebuild or move, a task of the run's
+        TaskGroup) answers True."""
+        async def go_on() -> None:
+            if await back:
+                self._ready(ids)
+
+        task = go_on()
         try:
-            self._tg.create_task(coro)
+            if self._tg is None:
+                raise RuntimeError("the run is over")
+            self._tg.create_task(task)
         except RuntimeError:  # the group is shutting down (the run is stopping on a failure)
-            coro.close()
-
-
-def _rows(block: Block, keep: np.ndarray) -> Block:
-    """The rows ``keep`` of a block (final observations renumbered)."""
-    where = {int(r): k for k, r in enumerate(keep.tolist())}
-    chunk = (None, None) if block.chunk_steps is None else (block.chunk_rewards[keep], block.chunk_steps[keep])
-    return Block(block.ids[keep], index(block.obs, keep), block.reward[keep], block.terminated[keep],
-                 block.truncated[keep], block.finite[keep], block.success[keep],
-                 {where[r]: o for r, o in block.final_obs.items() if r in where}, [], False, *chunk)
+            task.close()
+            back.close()

@@ -11,6 +11,8 @@ benchmark's ratio between them measures the scheduling alone.
 
 from __future__ import annotations
 
+import numpy as np
+
 from ebrl.config import RunConfig, Schedule
 
 
@@ -38,3 +40,32 @@ def generation_target(cfg: RunConfig) -> int:
     if cfg.schedule is Schedule.ASYNC:
         return cfg.gen_batch_target
     return max(len(g) for g in lockstep_groups(cfg)) * cfg.sim.vector_size  # a lockstep group is one batch
+
+
+class Barrier:
+    """The lockstep barrier: which groups are whole once envs ``ids`` are back (every env of a
+    group, in env id order). Under ``async`` each unit is a group of its own.
+
+        >>> barrier = Barrier(RunConfig(num_envs=4, schedule="sync"))
+        >>> barrier.arrive(np.array([0, 1])), barrier.arrive(np.array([3, 2]))
+        ([], [array([0, 1, 2, 3])])
+    """
+
+    def __init__(self, cfg: RunConfig):
+        v = cfg.sim.vector_size
+        self.groups = [np.concatenate([np.arange(u * v, u * v + v) for u in g]) for g in lockstep_groups(cfg)]
+        self.group_of = np.zeros(cfg.num_envs, np.int64)
+        for g, ids in enumerate(self.groups):
+            self.group_of[ids] = g
+        self.arrived = np.zeros(len(self.groups), np.int64)  # envs of each group back and ready
+
+    def arrive(self, ids: np.ndarray) -> list[np.ndarray]:
+        """Envs ``ids`` (whole units) are ready; the groups now whole (whose count starts again)."""
+        whole = []
+        groups, counts = np.unique(self.group_of[ids], return_counts=True)
+        for g, c in zip(groups.tolist(), counts.tolist()):
+            self.arrived[g] += c
+            if self.arrived[g] == len(self.groups[g]):
+                self.arrived[g] = 0
+                whole.append(self.groups[g])
+        return whole

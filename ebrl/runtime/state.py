@@ -6,8 +6,10 @@ backpressure (``parked``) and the stop request. The driver changes it; the gener
 count is patched onto objects after they are built, and none is kept twice.
 
     >>> state = RunState(budget=10, active=4)
-    >>> state.claim_all(3), state.budget, state.live
-    (True, 7, 4)
+    >>> state.claim(3), state.budget, state.live
+    (3, 7, 4)
+    >>> state.claim(8, unit=4)   # vector envs of 4: one whole step is left
+    4
     >>> state.parked = 1
     >>> state.live, state.all_parked
     (3, False)
@@ -25,12 +27,12 @@ class RunState:
     parked: int = 0  # active envs held by backpressure (a full rollout queue)
     stopping: bool = False  # stop requested: no new steps; the update in flight finishes
 
-    def claim_all(self, n: int) -> bool:
-        """Claim exactly ``n`` steps, or none."""
-        if self.budget < n:
-            return False
-        self.budget -= n
-        return True
+    def claim(self, n: int, unit: int = 1, whole: bool = False) -> int:
+        """Claim a step for each of ``n`` envs, in whole units of ``unit`` envs (a vector env steps
+        whole), or for all ``n`` or none with ``whole`` (a lockstep group); returns how many got one."""
+        got = (n if self.budget >= n else 0) if whole else min(n, self.budget // unit * unit)
+        self.budget -= got
+        return got
 
     def release(self, n: int) -> None:
         """Give back steps claimed for steps that never happened (an env failed)."""

@@ -143,7 +143,7 @@ class ResourceManager:
 
     def _move_to(self, placement) -> None:
         now = self.pool.placement
-        self.driver.moves = {i: int(w) for i, w in enumerate(placement) if now[i] != w}
+        self.driver.moves.wanted = {i: int(w) for i, w in enumerate(placement) if now[i] != w}
 
     def epoch(self) -> list[Decision]:
         """Take this epoch's profile; decide and apply (with ``resources.adapt``)."""
@@ -152,7 +152,7 @@ class ResourceManager:
         self.knobs = self._current()
         if not self.cfg.resources.adapt:
             return []
-        moving = self.driver.moves or self.driver.migrating  # a placement read now would be stale
+        moving = self.driver.moves.pending  # a placement read now would be stale
         if self._retire_to is not None and not moving and self._retire():
             # the knobs read above still count the retired workers: a decision from them could
             # place envs on a worker that is gone. The window ran on the old pool: decide next epoch
