@@ -163,7 +163,8 @@ def measure(workload: str, runner: str, config: dict, steps: int, seed: int) -> 
 
 
 def plan(workload: str, quick: bool) -> list[tuple[str, dict]]:
-    runs = [(DEFAULTS, {})] + (statics()[::3] if quick else statics())
+    # --quick: one static run per pool kind (thread lanes, worker processes)
+    runs = [(DEFAULTS, {})] + (statics()[::6] if quick else statics())
     if workload in ("longtail", "heterogeneous"):
         runs.append(("defaults, sync", {"schedule": "sync"}))
     if workload == "heterogeneous":

@@ -1,7 +1,7 @@
 """Faults survived: a long run of MockEnvs on worker processes in which steps raise, return
 NaN and hang past the step timeout, and a sim worker is SIGKILLed every 30 s.
 
-1M env steps (``--quick``: 100k) of 16 MockEnvs (1 ms sleeping steps, 200-step episodes) on the
+1M env steps (``--quick``: 30k) of 16 MockEnvs (1 ms sleeping steps, 200-step episodes) on the
 process backend, MLP policy, PPO, ``faults.nonfinite="drop"``, ``faults.step_timeout_s=1``:
 
 - 1% of steps raise (the env is rebuilt, its open segment dropped as ``env_error``);
@@ -99,7 +99,7 @@ def _drift(samples: list[tuple[float, dict[str, int]]]) -> dict[str, float]:
 
 
 def run(quick: bool = False) -> dict:
-    steps = 100_000 if quick else 1_000_000
+    steps = 30_000 if quick else 1_000_000
     probe = FaultyEnv(0)
     policy = MLPPolicy.from_spaces(probe.observation_space, probe.action_space, seed=0)
     probe.close()

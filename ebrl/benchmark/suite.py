@@ -71,6 +71,7 @@ class Suite:
     run_config: dict = field(default_factory=dict)  # extra RunConfig fields (sim backend, ...)
     targets: dict[str, float | Target] = field(default_factory=dict)  # e.g. {"async/sync": 2.0}: median >= 2.0
     quick_num_envs: int = 8  # --quick is a smoke test: few envs, few steps
+    quick_schedules: tuple[str, ...] | None = None  # --quick runs only these (None: every schedule)
     limits: bool = True  # measure each stage alone (the physical limit)
     # EBRL runs as `asyncio.run(main())` awaiting ebrl.run: the user's own (default asyncio) loop,
     # not run_sync's uvloop
@@ -89,7 +90,7 @@ class Suite:
         if not quick:
             return self
         return replace(self, num_envs=min(self.num_envs, self.quick_num_envs), segment_len=min(self.segment_len, 16),
-                       rounds=1)
+                       rounds=1, schedules=self.quick_schedules or self.schedules)
 
 
 class CpuMeter:
