@@ -104,8 +104,8 @@ def measure_run(algo: str, schedule: str, seed: int, policy_dir: str, sft_succes
     policy.freeze_obs_stats()  # as ebrl train with policy.init: the statistics SFT's weights were fitted to
     algorithm = PPO(seed=seed, gamma=0.8) if algo == "ppo" else GRPO(seed=seed)
     cfg = ebrl.RunConfig(num_envs=NUM_ENVS, segment_len=50, total_env_steps=10_000_000, schedule=schedule,
-                         seed=seed, eval_every_s=2.0 if quick else EVAL_EVERY_S, eval_episodes=EVAL_DURING)
-    result = run_capped(ebrl.Trainer(fn, policy, algorithm, cfg), 4.0 if quick else MAX_S)
+                         seed=seed, eval_every_s=3.0 if quick else EVAL_EVERY_S, eval_episodes=EVAL_DURING)
+    result = run_capped(ebrl.Trainer(fn, policy, algorithm, cfg), 8.0 if quick else MAX_S)
     goal = min(1.0, sft_success + GAIN)
     hit = next((e for e in result.evaluations if e["success_once"] >= goal), None)
     env = make(ENV, **CONTROL)
