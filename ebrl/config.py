@@ -146,7 +146,9 @@ class GenerationConfig:
     # the resource controller may change it (an explicit value is kept)
     max_wait_s: float | None = None
     offload: Offload = Offload.AUTO
-    inline_below_s: float = 200e-6  # AUTO moves the policy to a thread once a batch costs more
+    # AUTO moves the policy to a thread once a call costs more CPU than this; the controller's
+    # offload rule draws the same line, so neither undoes the other
+    inline_below_s: float = 1e-3
 
     def __post_init__(self) -> None:
         _check_int("generation.batch_target", self.batch_target, 1, optional=True)

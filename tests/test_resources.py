@@ -207,6 +207,51 @@ def test_policy_calls_move_inline_when_the_generator_thread_waits_for_the_gil_an
     assert offload_rule(starved, Knobs("thread", offload="thread"), fixed, Memory()) is None
 
 
+def test_the_generators_auto_start_and_the_controller_draw_one_line_so_neither_undoes_the_other():
+    """``generation.inline_below_s`` is both the generator's AUTO line and the controller's: a
+    call of 500 us CPU stays inline in both, and a user's line moves both."""
+    import asyncio
+    import time
+    from types import SimpleNamespace
+
+    from ebrl.config import Offload, SimBackend
+    from ebrl.runtime.generation import Generator
+    from ebrl.runtime.resources.controller import offload_rule
+    from ebrl.runtime.resources.manager import ResourceManager
+
+    class Spinning(MockPolicy):
+        def act(self, obs):
+            end = time.thread_time() + 0.0005  # 500 us of CPU: over the old 200 us line, under 1 ms
+            while time.thread_time() < end:
+                pass
+            return super().act(obs)
+
+    async def modes(line):
+        gen = Generator(Spinning(act_dim=2), batch_target=1, max_wait_s=0.0, live=1, inline_below_s=line)
+        server = asyncio.create_task(gen.serve())
+        seen = []
+        for _ in range(6):
+            await gen.act(0, np.zeros(3, np.float32))
+            seen.append(gen.offload_mode)
+        server.cancel()
+        return seen
+
+    default = ebrl.RunConfig().generation.inline_below_s
+    assert asyncio.run(modes(default))[1:] == [Offload.INLINE] * 5  # the first call warms up in the thread
+    assert asyncio.run(modes(100e-6))[-1] is Offload.THREAD
+    # the controller, from the same setting: 500 us inline calls stay; with a 100 us line they go
+    inline = profile(gen={"gen_batches": 100, "gen_rows": 800, "gen_busy_s": 0.05, "gen_cpu_s": 0.05,
+                          "offload": "inline"})
+    for line, moved in ((default, False), (100e-6, True)):
+        cfg = ebrl.RunConfig(num_envs=16, generation={"inline_below_s": line})
+        pool = SimpleNamespace(backend=SimBackend.THREAD, resizable=False, size=2, resize=None)
+        gen = SimpleNamespace(max_wait_s=0.002, batch_target=8, offload_mode=Offload.INLINE, actuators=dict)
+        mgr = ResourceManager(cfg, SimpleNamespace(close=lambda: None), pool, SimpleNamespace(), gen, virtual=False)
+        assert mgr.limits.inline_up_to_s == line
+        d = offload_rule(inline, Knobs("thread", offload="inline"), mgr.limits, Memory())
+        assert (d is not None) is moved
+
+
 def test_batch_target_halves_only_for_an_idle_generator_thread_with_idle_cores_and_doubles_when_calls_are_full():
     from ebrl.runtime.resources.controller import batch_target_rule
 

@@ -107,7 +107,7 @@ class Generator:
     """Dynamic batching in front of ``policy.act``."""
 
     def __init__(self, policy, *, batch_target: int, max_wait_s: float, live: int = 0,
-                 state: RunState | None = None, offload: Offload = Offload.AUTO, inline_below_s: float = 200e-6,
+                 state: RunState | None = None, offload: Offload = Offload.AUTO, inline_below_s: float = 1e-3,
                  on_batch: Callable[[np.ndarray, int], None] | None = None, timeline: Timeline | None = None,
                  streams: GpuStreams | None = None):
         self.policy = policy

@@ -42,6 +42,9 @@ class Limits:
     total_sms: int = 0  # the GPU's SMs (green contexts)
     sm_granularity: int = 8
     act_wait_target_s: float = 0.002  # generation gets the fewest SMs that keep env waits for actions under this
+    # a policy call of more CPU than this runs in a thread (inline it would stall the loop):
+    # generation.inline_below_s, the line the generator's AUTO start draws too
+    inline_up_to_s: float = 1e-3
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,8 @@ class ResourceManager:
                              imbalance_above=cfg.resources.imbalance_above,
                              total_sms=self.streams.total_sms if self.streams else 0,
                              sm_granularity=self.streams.granularity if self.streams else 8,
-                             act_wait_target_s=cfg.resources.act_wait_target_s)
+                             act_wait_target_s=cfg.resources.act_wait_target_s,
+                             inline_up_to_s=cfg.generation.inline_below_s)
         self._resizable = pool.resizable and (pool.backend is SimBackend.THREAD or virtual or self.mixed)
         # envs move between workers only one by one (vector envs stay where they are built)
         self._movable = ((pool.backend is SimBackend.PROCESS or self.mixed) and hasattr(pool, "migrate")

@@ -40,7 +40,6 @@ def generation_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory:
     return None
 
 
-INLINE_UP_TO_S = 0.001  # a policy call of more CPU than this runs in a thread: inline it would stall the loop
 GIL_WAIT_ABOVE = 2.0  # thread calls this many times longer than their CPU time mostly wait for the GIL
 
 
@@ -49,7 +48,7 @@ def offload_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Me
 
     A thread lets the loop deliver sim results while the policy runs, but a call in it must win
     the GIL from the loop and from lane threads stepping Python envs: when its wall time is over
-    ``GIL_WAIT_ABOVE`` times its CPU time (it mostly waits) and it costs under ``INLINE_UP_TO_S``
+    ``GIL_WAIT_ABOVE`` times its CPU time (it mostly waits) and it costs under ``limits.inline_up_to_s``
     of CPU, inline is cheaper. Back to the thread when inline calls cost more than that."""
     mode = knobs.offload
     if mode is None or "offload" in limits.fixed or settling("offload", profile, memory):
@@ -57,14 +56,15 @@ def offload_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Me
     if not profile.gen_batches or profile.gen_cpu_s <= 0 or profile.offload != mode:
         return None  # the window ran (partly) the other way: judge on one that did not
     cpu, wall = profile.gen_cpu_per_batch_s, profile.gen_latency_s
-    if mode == "thread" and cpu < INLINE_UP_TO_S and wall > GIL_WAIT_ABOVE * cpu:
+    line = limits.inline_up_to_s
+    if mode == "thread" and cpu < line and wall > GIL_WAIT_ABOVE * cpu:
         return Decision(profile.epoch, "offload", "thread", "inline",
                         f"policy calls in the generator thread took {wall * 1e6:.0f} us for {cpu * 1e6:.0f} us "
                         f"of CPU: they wait for the GIL; on the event loop they cost about their CPU time")
-    if mode == "inline" and cpu > INLINE_UP_TO_S:
+    if mode == "inline" and cpu > line:
         return Decision(profile.epoch, "offload", "inline", "thread",
                         f"policy calls cost {cpu * 1e3:.1f} ms of CPU each on the event loop (over "
-                        f"{INLINE_UP_TO_S * 1e3:.0f} ms): in a thread the loop delivers sim results meanwhile")
+                        f"{line * 1e3:.1f} ms): in a thread the loop delivers sim results meanwhile")
     return None
 
 
