@@ -1,5 +1,7 @@
 """The resource manager: controller rules over synthetic profiles, and the loop in virtual time."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -184,6 +186,20 @@ def test_max_wait_halves_when_batches_start_on_the_cap_while_the_generator_idles
     assert generation_rule(capped, Knobs("thread", max_wait_s=0.002), fixed, Memory()) is None
 
 
+class Spinning(MockPolicy):
+    """A policy whose every call spins ``cpu_s`` of CPU in the calling thread."""
+
+    def __init__(self, act_dim: int, cpu_s: float):
+        super().__init__(act_dim=act_dim)
+        self.cpu_s = cpu_s
+
+    def act(self, obs):
+        end = time.thread_time() + self.cpu_s
+        while time.thread_time() < end:
+            pass
+        return super().act(obs)
+
+
 def test_policy_calls_move_inline_when_the_generator_thread_waits_for_the_gil_and_back_when_they_grow():
     from ebrl.runtime.resources.controller import offload_rule
 
@@ -211,7 +227,6 @@ def test_the_generators_auto_start_and_the_controller_draw_one_line_so_neither_u
     """``generation.inline_below_s`` is both the generator's AUTO line and the controller's: a
     call of 500 us CPU stays inline in both, and a user's line moves both."""
     import asyncio
-    import time
     from types import SimpleNamespace
 
     from ebrl.config import Offload, SimBackend
@@ -219,15 +234,9 @@ def test_the_generators_auto_start_and_the_controller_draw_one_line_so_neither_u
     from ebrl.runtime.resources.controller import offload_rule
     from ebrl.runtime.resources.manager import ResourceManager
 
-    class Spinning(MockPolicy):
-        def act(self, obs):
-            end = time.thread_time() + 0.0005  # 500 us of CPU: over the old 200 us line, under 1 ms
-            while time.thread_time() < end:
-                pass
-            return super().act(obs)
-
     async def modes(line):
-        gen = Generator(Spinning(act_dim=2), batch_target=1, max_wait_s=0.0, live=1, inline_below_s=line)
+        # 500 us of CPU a call: over the old 200 us line, under 1 ms
+        gen = Generator(Spinning(act_dim=2, cpu_s=0.0005), batch_target=1, max_wait_s=0.0, live=1, inline_below_s=line)
         server = asyncio.create_task(gen.serve())
         seen = []
         for _ in range(6):
@@ -466,20 +475,12 @@ def test_policy_calls_run_on_the_generation_stream_and_new_weights_wait_for_the_
 
 def test_the_generator_counts_the_cpu_time_of_its_calls_inline_and_in_its_thread():
     import asyncio
-    import time
 
     from ebrl.config import Offload
     from ebrl.runtime.generation import Generator
 
-    class Spinning(MockPolicy):
-        def act(self, obs):
-            end = time.thread_time() + 0.002  # 2 ms of CPU in the calling thread
-            while time.thread_time() < end:
-                pass
-            return super().act(obs)
-
     async def go(offload):
-        gen = Generator(Spinning(act_dim=2), batch_target=1, max_wait_s=0.0, live=1, offload=offload)
+        gen = Generator(Spinning(act_dim=2, cpu_s=0.002), batch_target=1, max_wait_s=0.0, live=1, offload=offload)
         server = asyncio.create_task(gen.serve())
         modes = [gen.offload_mode]
         for _ in range(3):
