@@ -137,6 +137,15 @@ def index(x: Any, i: Any) -> Any:
     return x[i]
 
 
+def part(x: Any, lo: int, hi: int, n: int) -> Any:
+    """Rows ``lo:hi`` of a batch of ``n`` rows: ``x`` itself when that is all of them (no tree walk).
+
+        >>> part(np.arange(4), 1, 3, 4), part(np.arange(4), 0, 4, 4)
+        (array([1, 2]), array([0, 1, 2, 3]))
+    """
+    return x if lo == 0 and hi == n else index(x, slice(lo, hi))
+
+
 def batch_of_one(x: Any) -> Any:
     """A batch of one row: every leaf as an array with a new leading axis of size 1.
 

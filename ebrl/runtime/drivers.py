@@ -40,8 +40,8 @@ from ebrl.config import RunConfig
 from ebrl.policies.base import ActResult
 from ebrl.runtime.episodes import Episodes
 from ebrl.runtime.errors import EnvStepError, raise_first
-from ebrl.runtime.moves import Moves
 from ebrl.runtime.generation import Generator
+from ebrl.runtime.moves import Moves
 from ebrl.runtime.recovery import Recovery
 from ebrl.runtime.rollout import RolloutQueue
 from ebrl.runtime.schedules import Barrier, is_lockstep
@@ -49,7 +49,7 @@ from ebrl.runtime.sim_types import Block, SimPool
 from ebrl.runtime.state import RunState
 from ebrl.runtime.stats import RunStats
 from ebrl.runtime.waits import EnvWaits
-from ebrl.spaces import all_finite, index
+from ebrl.spaces import all_finite, index, part
 from ebrl.telemetry.logging import get_logger
 
 if TYPE_CHECKING:
@@ -192,8 +192,7 @@ class Driver:
         try:
             self.rollout.begin(ids, result, lo, hi, version)
             self.waits.submitted(ids, self._loop.time())
-            whole = lo == 0 and hi == len(result.logprobs)
-            env_actions = result.env_actions if whole else index(result.env_actions, slice(lo, hi))
+            env_actions = part(result.env_actions, lo, hi, len(result.logprobs))
             if not all_finite(env_actions):
                 ids, env_actions = self._hold_nonfinite_actions(ids, env_actions, version)
                 if not len(ids):
@@ -236,16 +235,14 @@ class Driver:
         """Drop the NaN/inf steps at ``rows`` (or raise); their units wait for the reset of
         those rows. Returns the units held."""
         held = self.recovery.nonfinite_steps(block, rows)
-        for unit, env_ids in held.items():
-            self._when_back(self.recovery.unit_ids(unit), self.recovery.reset_rows(unit, env_ids))
+        self._reset_rows(held)
         return held
 
     def _hold_nonfinite_actions(self, ids: np.ndarray, actions: Any, version: int) -> tuple[np.ndarray, Any]:
         """NaN/inf in the policy's actions: hold those envs back until a new episode begins
         (or raise); returns the rows that go on."""
         bad, units = self.recovery.nonfinite_actions(ids, actions, version, whole=self.lockstep or self.V > 1)
-        for unit, env_ids in units.items():
-            self._when_back(self.recovery.unit_ids(unit), self.recovery.reset_rows(unit, env_ids))
+        self._reset_rows(units)
         keep = ~bad
         return ids[keep], index(actions, np.flatnonzero(keep))
 
@@ -258,6 +255,11 @@ class Driver:
             self.state.release(len(ids))  # the claimed step never happened
             exc = EnvStepError(u, "step", detail.get(int(ids[0]), next(iter(detail.values()))))
             self._when_back(ids, self.recovery.recover(u, exc))
+
+    def _reset_rows(self, units: dict[int, list[int]]) -> None:
+        """Reset the rows ``units[u]`` of each unit ``u``; the unit goes on once they are back."""
+        for unit, env_ids in units.items():
+            self._when_back(self.recovery.unit_ids(unit), self.recovery.reset_rows(unit, env_ids))
 
     def _ready(self, ids: np.ndarray) -> None:
         """Envs ``ids`` are back from a reset, rebuild or move: ready for their next step."""
@@ -272,10 +274,11 @@ class Driver:
                 self._ready(ids)
 
         task = go_on()
-        try:
-            if self._tg is None:
-                raise RuntimeError("the run is over")
-            self._tg.create_task(task)
-        except RuntimeError:  # the group is shutting down (the run is stopping on a failure)
-            task.close()
-            back.close()
+        if self._tg is not None:
+            try:
+                self._tg.create_task(task)
+                return
+            except RuntimeError:  # the group is shutting down (the run is stopping on a failure)
+                pass
+        task.close()  # never started: neither coroutine may be left unawaited
+        back.close()

@@ -52,7 +52,7 @@ import numpy as np
 
 from ebrl.runtime.state import RunState
 from ebrl.runtime.stats import RunStats
-from ebrl.spaces import index, tree_map, write
+from ebrl.spaces import index, part, tree_map, write
 
 if TYPE_CHECKING:
     from ebrl.policies.base import ActResult
@@ -185,12 +185,11 @@ class RolloutQueue:
         if self.act_actions is None:
             self.act_actions = tree_map(
                 lambda a: np.zeros((self.num_envs, *np.shape(a)[1:]), np.asarray(a).dtype), result.actions)
-        hi = len(result.logprobs) if hi is None else hi
-        whole = lo == 0 and hi == len(result.logprobs)
-        rows = (lambda x: x) if whole else (lambda x: index(x, slice(lo, hi)))
-        write(self.act_actions, ids, rows(result.actions))
-        self.act_logprob[ids] = rows(result.logprobs)
-        self.act_value[ids] = rows(result.values)
+        n = len(result.logprobs)
+        hi = n if hi is None else hi
+        write(self.act_actions, ids, part(result.actions, lo, hi, n))
+        self.act_logprob[ids] = part(result.logprobs, lo, hi, n)
+        self.act_value[ids] = part(result.values, lo, hi, n)
         self.act_version[ids] = version
 
     def record(self, block: Block) -> None:

@@ -6,8 +6,8 @@ The block path: the driver hands a pool a block of env ids and their action rows
 process), each result is written into that env's row of :class:`StepRows` (plain NumPy, or
 shared memory for worker processes: one array per observation key, plus rewards, flags and
 final observations); the pool then puts a :class:`Block` naming the envs whose steps are
-done in its :class:`~ebrl.runtime.outbox.Outbox`, and the driver's loop takes it with ``await pool.recv()``.
-Nothing per env crosses the event loop as a Python object.
+done in its :class:`~ebrl.runtime.outbox.Outbox`, and the driver's loop takes it with
+``await pool.recv()``. Nothing per env crosses the event loop as a Python object.
 
 Every backend resets an env in the same call as the step that ends its episode
 (gymnasium's ``AutoresetMode.SAME_STEP``): the row's observation is then the first of the
@@ -310,9 +310,8 @@ class SimPool(ABC):
 
     :meth:`submit` starts the steps of a block of idle envs and returns at once; their results
     come back later from ``await pool.recv()``, in one or more blocks (PufferLib's and EnvPool's
-    send/recv). A *unit* is one env, or
-    one vector env of ``vector_size`` envs (``reset`` and ``rebuild`` take units; ``submit``
-    takes env ids, whole units at a time).
+    send/recv). A *unit* is one env, or one vector env of ``vector_size`` envs (``reset`` and
+    ``rebuild`` take units; ``submit`` takes env ids, whole units at a time).
     """
 
     backend: SimBackend

@@ -285,7 +285,7 @@ class ProcessSimPool(ElasticWorkers, SimPool):
 
     def _report_lost(self, ids: list[int]) -> None:
         self.outbox.put(self._rows.block(np.zeros(0, np.int64),
-                                       [(i, WorkerDied("the env's worker died; it was not rebuilt yet")) for i in ids]))
+                                         [(i, WorkerDied("the env's worker died; it was not rebuilt yet")) for i in ids]))
 
     def abandon_late(self, limit_s: float) -> list[int]:
         """Kill (SIGKILL) each worker whose running step started over ``limit_s`` ago; it is
