@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ebrl.config import Offload
+from ebrl.config import GenerationConfig, Offload
 from ebrl.policies.base import ActResult, load_published
 from ebrl.runtime.stage import Stage
 from ebrl.runtime.state import RunState
@@ -107,7 +107,7 @@ class Generator:
     """Dynamic batching in front of ``policy.act``."""
 
     def __init__(self, policy, *, batch_target: int, max_wait_s: float, live: int = 0,
-                 state: RunState | None = None, offload: Offload = Offload.AUTO, inline_below_s: float = 1e-3,
+                 state: RunState | None = None, offload: Offload = Offload.AUTO, inline_below_s: float = GenerationConfig.inline_below_s,
                  on_batch: Callable[[np.ndarray, int], None] | None = None, timeline: Timeline | None = None,
                  streams: GpuStreams | None = None):
         self.policy = policy

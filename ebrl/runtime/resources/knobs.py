@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ebrl.config import GenerationConfig
 from ebrl.runtime.resources.profiler import EpochProfile
 
 MIN_STEPS_PER_UNIT = 4  # a window with fewer steps per unit says too little to act on
@@ -44,7 +45,7 @@ class Limits:
     act_wait_target_s: float = 0.002  # generation gets the fewest SMs that keep env waits for actions under this
     # a policy call of more CPU than this runs in a thread (inline it would stall the loop):
     # generation.inline_below_s, the line the generator's AUTO start draws too
-    inline_up_to_s: float = 1e-3
+    inline_up_to_s: float = GenerationConfig.inline_below_s
 
 
 @dataclass(frozen=True)
