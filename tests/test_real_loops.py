@@ -78,22 +78,27 @@ async def test_env_failure_in_a_worker_process_is_rebuilt(no_leaks):
     assert res.env_failures == 1 and res.env_steps == 200 and res.accounting_ok()
 
 
-def test_auto_backend_rule():
+def test_the_controllers_start_rule_picks_the_backend_and_lanes_from_the_probed_step():
     from ebrl.config import SimConfig
-    from ebrl.runtime.sim_pool import StepProfile, decide_backend, decide_lanes
+    from ebrl.runtime.resources.rules_start import START, sim_start
+    from ebrl.runtime.sim_pool import StepProfile
 
-    cfg = SimConfig()
+    def start(profile, cpus=2, num_envs=32, **sim):
+        return {d.knob: d.new for d in sim_start(profile, SimConfig(**sim), num_envs, cpus)}
+
     busy, sleeping = StepProfile(1e-3, 1e-3, False), StepProfile(1e-3, 2e-5, False)
-    assert decide_backend(StepProfile(5e-6, 5e-6, False), cfg, cpus=2) == "inline"
-    assert decide_backend(StepProfile(1e-3, 1e-3, True), cfg, cpus=2) == "thread"  # declared
-    assert decide_backend(busy, cfg, cpus=2) == "process"
-    assert decide_backend(sleeping, cfg, cpus=2) == "thread"  # measured: the step waits, threads overlap it
-    assert decide_backend(busy, cfg, cpus=1) == "thread"  # processes gain nothing on one core
+    assert start(StepProfile(5e-6, 5e-6, False)) == {"backend": "inline"}
+    assert start(StepProfile(1e-3, 1e-3, True))["backend"] == "thread"  # declared
+    assert start(busy) == {"backend": "process"}
+    assert start(sleeping)["backend"] == "thread"  # measured: the step waits, threads overlap it
+    assert start(busy, cpus=1)["backend"] == "thread"  # processes gain nothing on one core
     # lanes: one per env for envs that wait, one per core for busy ones, never more than the envs
-    assert decide_lanes(sleeping, num_envs=32, cpus=2) == 32
-    assert decide_lanes(StepProfile(1e-3, 2.5e-4, True), num_envs=32, cpus=2) == 8
-    assert decide_lanes(StepProfile(1e-3, 1e-3, True), num_envs=32, cpus=2) == 2
-    assert decide_lanes(sleeping, num_envs=4, cpus=2) == 4
+    assert start(sleeping)["lanes"] == 32
+    assert start(StepProfile(1e-3, 2.5e-4, True))["lanes"] == 8
+    assert start(StepProfile(1e-3, 1e-3, True))["lanes"] == 2
+    assert start(sleeping, num_envs=4)["lanes"] == 4
+    assert start(sleeping, num_threads=3) == {"backend": "thread"}  # the user's lanes are kept
+    assert {d.epoch for d in sim_start(sleeping, SimConfig(), 32, 2)} == {START}
 
 
 async def test_auto_backend_measures_the_env():
@@ -102,6 +107,10 @@ async def test_auto_backend_measures_the_env():
     assert cheap.sim_backend == "inline"
     spinning = await ebrl.run(make_trainer("auto", total=200, latency=Latency.constant(0.002), mode="spin"))
     assert spinning.sim_backend == "process"
+    # the start decision that chose it is the run's first, with its reason
+    first = spinning.decisions[0]
+    assert (first["epoch"], first["knob"], first["old"], first["new"]) == (-1, "backend", "auto", "process")
+    assert "GIL" in first["reason"]
 
 
 class QuietSleeper(MockEnv):

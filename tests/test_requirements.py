@@ -165,7 +165,8 @@ def test_probe_carries_env_0s_facts_on_every_backend():
     from ebrl.runtime.sim_pool import probe_backend
 
     for backend in ("auto", "thread"):
-        probe = asyncio.run(probe_backend(TimedEnv, SimConfig(backend=backend), 2))
+        probe = asyncio.run(probe_backend(TimedEnv, SimConfig(backend=backend)))
+        assert (probe.step is not None) == (backend == "auto")  # only AUTO measures a step
         assert probe.env.max_episode_steps == EPISODE and probe.env.action_space.shape == (3,)
     assert TimedEnv.built == [0]  # thread: built here once; auto: in the probe's child
 

@@ -223,9 +223,11 @@ def test_policy_calls_move_inline_when_the_generator_thread_waits_for_the_gil_an
     assert offload_rule(starved, Knobs("thread", offload="thread"), fixed, Memory()) is None
 
 
-def test_the_generators_auto_start_and_the_controller_draw_one_line_so_neither_undoes_the_other():
-    """``generation.inline_below_s`` is both the generator's AUTO line and the controller's: a
-    call of 500 us CPU stays inline in both, and a user's line moves both."""
+def test_the_controller_resolves_auto_offload_from_the_first_measured_call_on_the_line_it_keeps_after():
+    """``generation.offload="auto"``: the first call warms up in the generator's thread, the next
+    runs inline and is measured, and the controller's start rule picks from it on the line
+    ``generation.inline_below_s``, which its epoch rule keeps too: a call of 500 us CPU stays
+    inline in both, and a user's line moves both."""
     import asyncio
     from types import SimpleNamespace
 
@@ -234,28 +236,38 @@ def test_the_generators_auto_start_and_the_controller_draw_one_line_so_neither_u
     from ebrl.runtime.resources.controller import offload_rule
     from ebrl.runtime.resources.manager import ResourceManager
 
+    def manager(gen, line):
+        cfg = ebrl.RunConfig(num_envs=16, generation={"inline_below_s": line})
+        pool = SimpleNamespace(backend=SimBackend.THREAD, resizable=False, size=2, resize=None)
+        return ResourceManager(cfg, SimpleNamespace(close=lambda: None), pool, SimpleNamespace(), gen, virtual=False)
+
     async def modes(line):
-        # 500 us of CPU a call: over the old 200 us line, under 1 ms
-        gen = Generator(Spinning(act_dim=2, cpu_s=0.0005), batch_target=1, max_wait_s=0.0, live=1, inline_below_s=line)
-        server = asyncio.create_task(gen.serve())
+        # 500 us of CPU a call: over a 100 us line, under the default 1 ms
+        gen = Generator(Spinning(act_dim=2, cpu_s=0.0005), batch_target=1, max_wait_s=0.0, live=1)
+        mgr = manager(gen, line)
+        server, start = asyncio.create_task(gen.serve()), asyncio.create_task(mgr._start_offload())
         seen = []
         for _ in range(6):
             await gen.act(0, np.zeros(3, np.float32))
+            await asyncio.sleep(0)  # the controller's task runs between calls
             seen.append(gen.offload_mode)
         server.cancel()
-        return seen
+        await start
+        return seen, [d.to_dict() for d in mgr.decisions]
 
     default = ebrl.RunConfig().generation.inline_below_s
-    assert asyncio.run(modes(default))[1:] == [Offload.INLINE] * 5  # the first call warms up in the thread
-    assert asyncio.run(modes(100e-6))[-1] is Offload.THREAD
-    # the controller, from the same setting: 500 us inline calls stay; with a 100 us line they go
+    seen, decisions = asyncio.run(modes(default))
+    assert seen == [Offload.INLINE] * 6  # the warm-up call ran in the thread before the first look
+    assert [(d["epoch"], d["knob"], d["old"], d["new"]) for d in decisions] == [(-1, "offload", "auto", "inline")]
+    seen, decisions = asyncio.run(modes(100e-6))
+    assert seen[0] is Offload.INLINE and seen[-1] is Offload.THREAD  # the measured call ran inline
+    assert decisions[0]["new"] == "thread" and "over 0.1 ms" in decisions[0]["reason"]
+    # the controller's epoch rule, from the same setting: 500 us inline calls stay; with a 100 us line they go
     inline = profile(gen={"gen_batches": 100, "gen_rows": 800, "gen_busy_s": 0.05, "gen_cpu_s": 0.05,
                           "offload": "inline"})
     for line, moved in ((default, False), (100e-6, True)):
-        cfg = ebrl.RunConfig(num_envs=16, generation={"inline_below_s": line})
-        pool = SimpleNamespace(backend=SimBackend.THREAD, resizable=False, size=2, resize=None)
         gen = SimpleNamespace(max_wait_s=0.002, batch_target=8, offload_mode=Offload.INLINE, actuators=dict)
-        mgr = ResourceManager(cfg, SimpleNamespace(close=lambda: None), pool, SimpleNamespace(), gen, virtual=False)
+        mgr = manager(gen, line)
         assert mgr.limits.inline_up_to_s == line
         d = offload_rule(inline, Knobs("thread", offload="inline"), mgr.limits, Memory())
         assert (d is not None) is moved
@@ -492,9 +504,9 @@ def test_the_generator_counts_the_cpu_time_of_its_calls_inline_and_in_its_thread
     for offload in (Offload.INLINE, Offload.THREAD):
         cpu, modes = asyncio.run(go(offload))
         assert cpu >= 3 * 0.002 and set(modes) == {offload}
-    # AUTO: the first call in the thread, then inline until calls cost more than inline_below_s
+    # AUTO: the first call in the thread, then inline and measured; only the controller moves it
     _, modes = asyncio.run(go(Offload.AUTO))
-    assert modes[0] is Offload.THREAD and modes[-1] is Offload.THREAD and Offload.INLINE in modes
+    assert modes == [Offload.THREAD, Offload.INLINE, Offload.INLINE, Offload.INLINE]
 
 
 # ---------------------------------------------------------------- migrations, on real worker processes

@@ -155,7 +155,9 @@ def test_an_auto_run_on_a_mix_of_envs_moves_the_computing_ones_to_workers_and_co
                                                  resources={"epoch_s": 0.25}))
     result = ebrl.run_sync(trainer)
     assert result.accounting_ok() and result.dropped == {}
-    moved = [d for d in result.decisions if d["knob"] == "backend"]
+    start, moved = ([d for d in result.decisions if d["knob"] == "backend" and (d["epoch"] >= 0) is later]
+                    for later in (False, True))
+    assert [(d["old"], d["new"]) for d in start] == [("auto", "thread")]  # the start decision, from env 0
     assert moved and moved[0]["old"] == [LOCAL] * 8
     assert [w != LOCAL for w in moved[0]["new"]] == [i % 2 == 1 for i in range(8)]
     if not any("reverted" in d["reason"] for d in moved):

@@ -175,7 +175,8 @@ def controller_table(rep: dict) -> str:
         for row in rep["rows"]:
             if row["case"] == workload and row["runner"] == "defaults (controller)":
                 for d in row["decisions"]:
-                    name = d["knob"] + (" (reverted)" if d["reason"].startswith("reverted") else "")
+                    name = d["knob"] + (" (reverted)" if d["reason"].startswith("reverted")
+                                        else " (start)" if d["epoch"] < 0 else "")
                     made[name] = made.get(name, 0) + 1
         cells = [workload, best or "n/a", fmt_spread(runners.get(best, {}).get("steps_per_s")),
                  fmt_spread(runners.get("defaults (controller)", {}).get("steps_per_s")), fmt_ratio(ratios.get(key)),

@@ -10,9 +10,10 @@ soon as one of three things holds:
    never longer than ``max_wait_s``: waiting longer than a batch costs would delay the
    waiting envs more than a second, smaller batch would.
 
-One batch runs at a time, off the event loop in the generator's
-:class:`~ebrl.runtime.stage.Stage` thread once batches cost more than a thread hop
-(``Offload.AUTO``), so simulation results keep flowing while the policy runs. New weights are
+One batch runs at a time, on the event loop or off it in the generator's
+:class:`~ebrl.runtime.stage.Stage` thread (so simulation results keep flowing while the policy
+runs); under ``Offload.AUTO`` the controller picks from the first measured call
+(:mod:`~ebrl.runtime.resources.rules_start`), and may move the calls later. New weights are
 swapped in between batches, never during one, and every action is tagged with the version of
 the weights that produced it. No future or task per request:
 the batch calls each request's callback with its rows of the result.
@@ -44,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ebrl.config import GenerationConfig, Offload
+from ebrl.config import Offload
 from ebrl.policies.base import ActResult, load_published
 from ebrl.runtime.stage import Stage
 from ebrl.runtime.state import RunState
@@ -107,7 +108,7 @@ class Generator:
     """Dynamic batching in front of ``policy.act``."""
 
     def __init__(self, policy, *, batch_target: int, max_wait_s: float, live: int = 0,
-                 state: RunState | None = None, offload: Offload = Offload.AUTO, inline_below_s: float = GenerationConfig.inline_below_s,
+                 state: RunState | None = None, offload: Offload = Offload.AUTO,
                  on_batch: Callable[[np.ndarray, int], None] | None = None, timeline: Timeline | None = None,
                  streams: GpuStreams | None = None):
         self.policy = policy
@@ -115,7 +116,6 @@ class Generator:
         self.batch_target = batch_target
         self.max_wait_s = max_wait_s
         self.offload = offload
-        self.inline_below_s = inline_below_s
         self.version = 0
         self._state = state  # where the count of live envs comes from; else ``live`` below
         self._live = live
@@ -141,8 +141,11 @@ class Generator:
         self._idle.set()
         self._new_weights: tuple[dict, int] | None = None
         self.load_weights_s = 0.0  # loading published weights into the acting copy
-        self._cost_ewma: float | None = None  # seconds per inline policy call (AUTO offload)
         self._warmed = False  # AUTO: the first call ran (in the thread)
+        # AUTO: the CPU seconds of the first measured inline call, once it ran; the controller's
+        # start rule resolves AUTO from it (rules_start.offload_start)
+        self.first_inline_cpu_s: float | None = None
+        self.measured = asyncio.Event()
         self.batch_s_ewma = 0.0  # seconds per batch, how ever it ran: the adaptive wait
 
     @property
@@ -289,10 +292,10 @@ class Generator:
             threaded = not virtual and self._use_thread()
             result = await self.stage.call(act, obs, thread=threaded, size=rows)
             spent = self.stage.last_s
-            if not virtual and not threaded:
+            if self.first_inline_cpu_s is None and not virtual and not threaded:
                 # CPU time, not wall: waiting for the GIL or a core under load is no reason to offload
-                cpu = self.stage.last_cpu_s
-                self._cost_ewma = cpu if self._cost_ewma is None else 0.9 * self._cost_ewma + 0.1 * cpu
+                self.first_inline_cpu_s = self.stage.last_cpu_s
+                self.measured.set()
             if self.batch_sizes:  # the first call pays the policy's lazy set-up: not its cost
                 self.costs.add(rows, spent)
             self.batch_s_ewma = 0.8 * self.batch_s_ewma + 0.2 * spent
@@ -326,13 +329,7 @@ class Generator:
             return True
         if self.offload is Offload.INLINE:
             return False
-        if not self._warmed:
-            # AUTO's first call pays the policy's lazy set-up (tens of ms for a torch policy):
-            # off the loop, and not measured
-            self._warmed = True
-            return True
-        # AUTO: inline until batches are measured to cost more than a thread hop; then threads for good
-        if self._cost_ewma is not None and self._cost_ewma > self.inline_below_s:
-            self.offload = Offload.THREAD
-            return True
-        return False
+        # AUTO until the controller resolves it: the first call pays the policy's lazy set-up
+        # (tens of ms for a torch policy), off the loop and not measured; the next runs inline
+        warm, self._warmed = self._warmed, True
+        return not warm

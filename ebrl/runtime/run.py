@@ -33,11 +33,13 @@ from ebrl.runtime.generation import Generator
 from ebrl.runtime.learner import Checkpointing, Learner
 from ebrl.runtime.learner_process import LearnerProcess
 from ebrl.runtime.resources.gpu import GpuStreams
+from ebrl.runtime.resources.knobs import Decision
 from ebrl.runtime.resources.manager import ResourceManager
 from ebrl.runtime.resources.profiler import LiveProfiler
+from ebrl.runtime.resources.rules_start import learner_start, sim_start
 from ebrl.runtime.rollout import RolloutQueue
 from ebrl.runtime.schedules import effective_lag, generation_target, is_lockstep
-from ebrl.runtime.sim_pool import Probe, make_sim_pool, probe_backend
+from ebrl.runtime.sim_pool import Probe, StepProfile, make_sim_pool, probe_backend
 from ebrl.runtime.state import RunState
 from ebrl.runtime.stats import RunResult, RunStats, summarize
 from ebrl.runtime.threads import in_thread, usable_cpus
@@ -92,15 +94,18 @@ async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop
     cfg = resolve_run_config(cfg, trainer.algo)
     # env 0 once, for its spaces and time limit: AUTO's probe reads them from the env it measures,
     # off the loop (the caller's tasks run on meanwhile); virtual time builds it inline
-    probe = (Probe(SimBackend.INLINE, None, inspect_env(trainer.env_fn)) if virtual
-             else await probe_backend(trainer.env_fn, cfg.sim, cfg.num_envs))
+    probe = Probe(inspect_env(trainer.env_fn)) if virtual else await probe_backend(trainer.env_fn, cfg.sim)
     cfg = resolve_run_config(cfg, trainer.algo, probe.env.max_episode_steps)  # whole episodes: segment_len
     # before anything forks (learner process, sim workers) or builds the envs: one error naming both spaces
     check_policy_spaces(trainer.policy, probe.env.observation_space, probe.env.action_space)
     inputs = getattr(trainer.policy, "describe_inputs", None)
     if callable(inputs):  # which observation entries the policy reads, and how
         log.info("policy_inputs", policy=type(trainer.policy).__name__, inputs=inputs())
-    backend, lanes = probe.backend, probe.lanes
+    # the controller's first decisions resolve the config's auto values (rules_start.py)
+    start = start_decisions(cfg, probe.step, trainer.policy, virtual)
+    chosen = {d.knob: d.new for d in start}
+    backend = SimBackend(chosen.get("backend", SimBackend.INLINE if virtual else cfg.sim.backend))
+    mode = LearnerMode(chosen.get("learner", LearnerMode.THREAD if virtual else cfg.learner))
     old_threads = torch.get_num_threads()
     if cfg.torch_threads is not None:
         torch.set_num_threads(cfg.torch_threads)
@@ -108,11 +113,10 @@ async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop
     state = RunState(budget=cfg.total_env_steps, active=cfg.num_envs)
     # AUTO's choice is a start: the controller may move envs between lanes and workers
     movable = cfg.sim.backend is SimBackend.AUTO and cfg.resources.adapt and not virtual
-    pool = make_sim_pool(trainer.env_fn, cfg.num_envs, cfg.sim, backend, lanes, movable=movable)
+    pool = make_sim_pool(trainer.env_fn, cfg.num_envs, cfg.sim, backend, chosen.get("lanes"), movable=movable)
     lockstep, lag = is_lockstep(cfg.schedule), effective_lag(cfg)
     rollout = RolloutQueue(cfg.num_envs, cfg.segment_len, cfg.segments_per_batch, lag, stats, lockstep, state,
                            cut_at_episode_end=cfg.segment_cut is SegmentCut.EPISODE)
-    mode = learner_mode(cfg, trainer.policy, virtual)
     learner_threads = cfg.resources.learner_threads or cfg.torch_threads  # the learner process's
     streams = gpu_streams(trainer.policy) if mode is LearnerMode.THREAD and not virtual else None
     acting = acting_copy(trainer.policy)  # shares a frozen backbone where the policy has one
@@ -120,7 +124,7 @@ async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop
         reseed_sampling(acting, cfg.seed)
     generator = Generator(acting, batch_target=generation_target(cfg),
                           max_wait_s=_or(cfg.generation.max_wait_s, DEFAULT_MAX_WAIT_S), state=state,
-                          offload=cfg.generation.offload, inline_below_s=cfg.generation.inline_below_s,
+                          offload=cfg.generation.offload,
                           on_batch=rollout.mark_inflight, timeline=timeline, streams=streams)
     checkpoint = None
     if cfg.log_dir is not None:  # periodic checkpoints if asked for; always one if the learner process dies
@@ -153,7 +157,7 @@ async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop
         profiler = LiveProfiler(pool, driver, generator, learner, loop.time,
                                 system=None if virtual else SystemSampler())  # cores, and GPUs via pynvml
         manager = ResourceManager(cfg, profiler, pool, driver, generator, virtual, streams, learner,
-                                  learner_threads=learner_threads)
+                                  learner_threads=learner_threads, start=start)
         async with asyncio.TaskGroup() as tg:
             helpers = [tg.create_task(generator.serve(), name="ebrl-generator"),
                        tg.create_task(manager.run(), name="ebrl-resources")]
@@ -238,15 +242,15 @@ def _or(value, default):
     return default if value is None else value
 
 
-def learner_mode(cfg: RunConfig, policy, virtual: bool) -> LearnerMode:
-    """AUTO: a learner process when training runs on the CPU of a multi-core host."""
-    if virtual:
-        return LearnerMode.THREAD  # virtual time runs everything inline anyway
-    if cfg.learner is not LearnerMode.AUTO:
-        return cfg.learner
-    device = policy_device(policy)
-    on_cpu = device is not None and device.type == "cpu"
-    return LearnerMode.PROCESS if on_cpu and usable_cpus() >= 2 else LearnerMode.THREAD
+def start_decisions(cfg: RunConfig, step: StepProfile | None, policy, virtual: bool) -> list[Decision]:
+    """The controller's decisions before the first epoch (:mod:`~ebrl.runtime.resources.rules_start`):
+    AUTO's backend and lanes from the probe's ``step``, and AUTO's learner mode. A virtual run
+    makes none: it steps inline and trains in a thread."""
+    decisions = [] if step is None else sim_start(step, cfg.sim, cfg.num_envs, usable_cpus())
+    if cfg.learner is LearnerMode.AUTO and not virtual:
+        device = policy_device(policy)
+        decisions.append(learner_start(None if device is None else device.type, usable_cpus()))
+    return decisions
 
 
 async def _watch_stop(stop: asyncio.Event, state: RunState, rollout: RolloutQueue) -> None:

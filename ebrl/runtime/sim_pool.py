@@ -13,8 +13,9 @@ Three backends (:class:`~ebrl.config.SimBackend`), one file a role:
   runs in the worker.
 - ``sim_mixed.py``: ``MixedSimPool`` holds both, each env on lanes or in a worker; the resource
   controller moves envs between them by their measured steps (AUTO runs use it).
-- here: :func:`make_sim_pool` and the ``auto`` rule, which measures a step's wall and CPU time
-  and picks a backend (and, for threads, the lanes).
+- here: :func:`make_sim_pool`, and the probe that measures a step's wall and CPU time for
+  ``sim.backend="auto"``; the controller's start rule picks the backend (and, for threads,
+  the lanes) from it (:mod:`~ebrl.runtime.resources.rules_start`).
 
 Every backend resets an env in the same call as the step that ends its episode
 (gymnasium's ``AutoresetMode.SAME_STEP``): ``StepOut.obs`` is then the first observation
@@ -39,7 +40,6 @@ of the next episode and ``final_obs`` the last one of the episode that ended.
 
 from __future__ import annotations
 
-import math
 import multiprocessing as mp
 import time
 from dataclasses import dataclass
@@ -58,8 +58,7 @@ from ebrl.telemetry.logging import get_logger
 log = get_logger("ebrl.sim")
 DEFAULT_LANES = 2  # thread lanes when neither the probe nor sim.num_threads says
 
-__all__ = ["Probe", "StepProfile", "choose_backend", "decide_backend", "decide_lanes", "make_sim_pool",
-           "measure_step_cost", "probe_backend"]
+__all__ = ["Probe", "StepProfile", "make_sim_pool", "measure_step_cost", "probe_backend"]
 
 
 @dataclass(frozen=True)
@@ -78,9 +77,6 @@ class StepProfile:
         """The fraction of a step spent computing (1: CPU-bound; near 0: sleeping or waiting on a
         device or a C++ simulator that released the GIL)."""
         return min(1.0, self.cpu_s / self.wall_s) if self.wall_s > 0 else 1.0
-
-
-WAITS_BELOW = 0.5  # a step busy less than this fraction of its time mostly waits: threads overlap it
 
 
 # the probe's rounds take about this long each (10 steps at least): every env's first step waits
@@ -124,82 +120,44 @@ def _measure(env_fn: EnvFn, steps: int = 100, rounds: int = 3) -> tuple[StepProf
     return StepProfile(wall, cpu, releases_gil), facts
 
 
-def decide_backend(profile: StepProfile, cfg: SimConfig, cpus: int | None = None) -> SimBackend:
-    """The AUTO rule: inline if a step is cheaper than a thread hop; threads if the step mostly
-    waits (CPU time under half its wall time), or the env says it releases the GIL, or there is
-    one core; worker processes otherwise (a GIL-bound Python env)."""
-    cpus = cpus if cpus is not None else usable_cpus()
-    if profile.wall_s < cfg.inline_below_s:
-        return SimBackend.INLINE
-    if profile.releases_gil or cpus < 2 or profile.busy < WAITS_BELOW:
-        return SimBackend.THREAD
-    return SimBackend.PROCESS
-
-
-def decide_lanes(profile: StepProfile, num_envs: int, cpus: int | None = None) -> int:
-    """Thread lanes when ``sim.num_threads`` is not set: a lane keeps ``busy`` of a core busy, so
-    ``cpus / busy`` lanes keep every core busy without an env waiting for a lane; at most one lane
-    per env (a sleeping env gets a lane of its own), at least one per core."""
-    cpus = cpus if cpus is not None else usable_cpus()
-    want = math.ceil(cpus / max(profile.busy, 1.0 / max(num_envs, 1)))
-    return max(1, min(num_envs, max(cpus, want)))
-
-
-def choose_backend(env_fn: EnvFn, cfg: SimConfig, num_envs: int = 1) -> tuple[SimBackend, int | None, StepProfile]:
-    """Probe ``env_fn(0)``; the backend, the thread lanes (None unless the probe chose threads and
-    ``sim.num_threads`` is unset: an explicit value is never overridden) and the profile."""
-    return _choose(env_fn, cfg, num_envs)[:3]
-
-
-def _choose(env_fn: EnvFn, cfg: SimConfig, num_envs: int) -> tuple[SimBackend, int | None, StepProfile, EnvFacts]:
-    """:func:`choose_backend`, and env 0's facts."""
-    profile, facts = _measure(env_fn)
-    backend = decide_backend(profile, cfg)
-    lanes = decide_lanes(profile, num_envs) if backend is SimBackend.THREAD and cfg.num_threads is None else None
-    return backend, lanes, profile, facts
-
-
 @dataclass(frozen=True)
 class Probe:
-    """What :func:`probe_backend` found: the backend, AUTO's thread lanes, env 0's facts."""
+    """What :func:`probe_backend` found: env 0's facts, and its measured step under AUTO."""
 
-    backend: SimBackend
-    lanes: int | None  # None: no choice made (see choose_backend)
     env: EnvFacts
+    step: StepProfile | None = None  # None: no step measured (not AUTO, or vector envs)
 
 
-async def probe_backend(env_fn: EnvFn, cfg: SimConfig, num_envs: int = 1) -> Probe:
-    """``cfg.backend`` (and thread lanes, see :func:`choose_backend`) and env 0's facts, with AUTO
-    for plain envs resolved by :func:`choose_backend` in a forked child process (where fork is
-    the start method; else a private thread), so the probe (building ``env_fn(0)`` and about
-    0.05 s of steps, see :func:`measure_step_cost`) never blocks the event loop; the facts come
-    from the env it probes. Other backends, and vector envs (which keep AUTO:
-    :func:`make_sim_pool` gives them threads unprobed), build ``env_fn(0)`` once in a private
-    thread to read its facts, and close it unstepped (:func:`~ebrl.runtime.env_facts.inspect_env`).
-    The child and the threads are joined before this returns (nothing outlives the run)."""
+async def probe_backend(env_fn: EnvFn, cfg: SimConfig) -> Probe:
+    """Env 0's facts, and under AUTO for plain envs its measured step (:func:`measure_step_cost`,
+    from which the controller's start rule picks the backend), measured in a forked child
+    process (where fork is the start method; else a private thread), so the probe (building
+    ``env_fn(0)`` and about 0.05 s of steps) never blocks the event loop; the facts come from
+    the env it probes. Other backends, and vector envs (which keep AUTO: :func:`make_sim_pool`
+    gives them threads unprobed), build ``env_fn(0)`` once in a private thread to read its
+    facts, and close it unstepped (:func:`~ebrl.runtime.env_facts.inspect_env`). The child and
+    the threads are joined before this returns (nothing outlives the run)."""
     if cfg.backend is not SimBackend.AUTO or cfg.vector_size > 1:
-        return Probe(cfg.backend, None, await in_thread(inspect_env, env_fn, name="ebrl-env-inspect"))
-    probe = _probe_in_child if _can_fork(cfg) else _choose
-    backend, lanes, profile, facts = await in_thread(probe, env_fn, cfg, num_envs, name="ebrl-sim-probe")
-    log.info("sim_backend_chosen", backend=backend.value, lanes=lanes, step_wall_us=round(profile.wall_s * 1e6, 1),
-             step_cpu_us=round(profile.cpu_s * 1e6, 1), busy=round(profile.busy, 3),
-             declared_releases_gil=profile.releases_gil)
-    return Probe(backend, lanes, facts)
+        return Probe(await in_thread(inspect_env, env_fn, name="ebrl-env-inspect"))
+    probe = _probe_in_child if _can_fork(cfg) else _measure
+    step, facts = await in_thread(probe, env_fn, name="ebrl-sim-probe")
+    log.info("sim_step_probed", step_wall_us=round(step.wall_s * 1e6, 1), step_cpu_us=round(step.cpu_s * 1e6, 1),
+             busy=round(step.busy, 3), declared_releases_gil=step.releases_gil)
+    return Probe(facts, step)
 
 
 def _can_fork(cfg: SimConfig) -> bool:
     return cfg.start_method in (None, "fork") and "fork" in mp.get_all_start_methods()
 
 
-def _probe_in_child(env_fn: EnvFn, cfg: SimConfig, num_envs: int
-                    ) -> tuple[SimBackend, int | None, StepProfile, EnvFacts]:
-    """:func:`choose_backend` (and env 0's facts) in a forked child: building and stepping
-    ``env_fn(0)`` in a thread of this process would hold the GIL in C code (a MuJoCo model's
-    first build: ~80 ms), which stalls the caller's event loop. The child's own CPU clock is
-    then the probe's alone. Called from a private thread; the child is joined before this returns."""
+def _probe_in_child(env_fn: EnvFn) -> tuple[StepProfile, EnvFacts]:
+    """:func:`_measure` in a forked child: building and stepping ``env_fn(0)`` in a thread of
+    this process would hold the GIL in C code (a MuJoCo model's first build: ~80 ms), which
+    stalls the caller's event loop. The child's own CPU clock is then the probe's alone. Called
+    from a private thread; the child is joined before this returns."""
     ctx = mp.get_context("fork")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_probe_main, args=(child, env_fn, cfg, num_envs), name="ebrl-sim-probe", daemon=True)
+    proc = ctx.Process(target=_probe_main, args=(child, env_fn), name="ebrl-sim-probe", daemon=True)
     proc.start()
     child.close()
     try:
@@ -214,10 +172,10 @@ def _probe_in_child(env_fn: EnvFn, cfg: SimConfig, num_envs: int
     return value
 
 
-def _probe_main(conn, env_fn: EnvFn, cfg: SimConfig, num_envs: int) -> None:
+def _probe_main(conn, env_fn: EnvFn) -> None:
     ignore_stop_signals()
     try:
-        conn.send((True, _choose(env_fn, cfg, num_envs)))
+        conn.send((True, _measure(env_fn)))
     except Exception as exc:
         conn.send((False, describe(exc)))
     finally:
@@ -227,7 +185,7 @@ def _probe_main(conn, env_fn: EnvFn, cfg: SimConfig, num_envs: int) -> None:
 def make_sim_pool(env_fn: EnvFn, num_envs: int, cfg: SimConfig, backend: SimBackend | None = None,
                   lanes: int | None = None, movable: bool = False) -> SimPool:
     """A pool for ``num_envs`` envs: ``num_envs // cfg.vector_size`` vector envs when that is > 1.
-    Thread lanes: ``lanes`` (the probe's), else ``cfg.num_threads``, else 2. With ``movable``
+    Thread lanes: ``lanes`` (the controller's start decision), else ``cfg.num_threads``, else 2. With ``movable``
     (AUTO chose ``backend`` and the controller may move envs), thread or process envs go in a
     :class:`~ebrl.runtime.sim_mixed.MixedSimPool`, starting on ``backend``: envs can then move
     between lanes and workers. ``sim.backend="mixed"`` asks for that pool, starting on lanes."""
@@ -243,8 +201,8 @@ def make_sim_pool(env_fn: EnvFn, num_envs: int, cfg: SimConfig, backend: SimBack
         if backend is SimBackend.AUTO:
             backend = SimBackend.THREAD
     elif backend is SimBackend.AUTO:
-        backend, probed, _ = choose_backend(env_fn, cfg, num_envs)
-        lanes = probed or lanes
+        raise ValueError("sim.backend='auto' for plain envs is the controller's to resolve from the probe's step "
+                         "(ebrl.runtime.resources.rules_start.sim_start): pass the backend it chose")
     if backend is SimBackend.MIXED or (movable and size == 1 and backend in (SimBackend.THREAD, SimBackend.PROCESS)):
         if size > 1:
             raise ConfigError("sim.backend", "mixed", f"vector envs (sim.vector_size={size}) step in this "

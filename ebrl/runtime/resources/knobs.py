@@ -44,7 +44,7 @@ class Limits:
     sm_granularity: int = 8
     act_wait_target_s: float = 0.002  # generation gets the fewest SMs that keep env waits for actions under this
     # a policy call of more CPU than this runs in a thread (inline it would stall the loop):
-    # generation.inline_below_s, the line the generator's AUTO start draws too
+    # generation.inline_below_s, the line the start rule for AUTO draws too (rules_start.py)
     inline_up_to_s: float = GenerationConfig.inline_below_s
 
 

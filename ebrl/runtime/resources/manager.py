@@ -23,8 +23,10 @@ applies each decision where it acts:
   their cores (:mod:`~ebrl.runtime.resources.affinity`); this process gets all its cores back
   when the run ends.
 
-Every decision is logged (``resource_decision``, with its reason) and kept in
-``RunResult.decisions``; every profile in ``RunResult.profiles``.
+Before the first epoch it also holds the start decisions (``rules_start.py``, epoch -1): the
+ones ``run()`` made from the probe before the pool was built, and the offload from the first
+measured policy call. Every decision is logged (``resource_decision``, with its reason) and
+kept in ``RunResult.decisions``; every profile in ``RunResult.profiles``.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from ebrl.runtime.resources import affinity
 from ebrl.runtime.resources.controller import Decision, Knobs, Limits, Memory, decide, lpt_placement, postpone_trials
 from ebrl.runtime.resources.gpu import GpuStreams, StreamMode
 from ebrl.runtime.resources.profiler import EpochProfile, LiveProfiler
+from ebrl.runtime.resources.rules_start import offload_start
 from ebrl.runtime.sim_mixed import LOCAL, MixedSimPool
 from ebrl.runtime.threads import usable_cpus
 from ebrl.telemetry.logging import get_logger
@@ -64,7 +67,8 @@ def fixed_knobs(cfg: RunConfig) -> frozenset[str]:
 
 class ResourceManager:
     def __init__(self, cfg: RunConfig, profiler: LiveProfiler, pool, driver, generator, virtual: bool,
-                 streams: GpuStreams | None = None, learner=None, learner_threads: int | None = None):
+                 streams: GpuStreams | None = None, learner=None, learner_threads: int | None = None,
+                 start: list[Decision] = ()):
         self.cfg, self.profiler, self.pool, self.driver, self.generator = cfg, profiler, pool, driver, generator
         self.learner = learner
         remote = getattr(learner, "remote", None)
@@ -77,6 +81,8 @@ class ResourceManager:
         self.streams = streams if streams is not None and streams.mode is StreamMode.GREEN_CONTEXTS else None
         self.profiles: list[EpochProfile] = []
         self.decisions: list[Decision] = []
+        for d in start:  # made before the pool was built (rules_start.py): kept and logged like the rest
+            self._record(d)
         self.memory = Memory()
         self.virtual = virtual
         self._retire_to: int | None = None  # workers to keep once the envs moving off the rest have moved
@@ -125,11 +131,22 @@ class ResourceManager:
                      batch_target=self.generator.batch_target)
 
     async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.resources.epoch_s)
-            self.epoch()
-            if self._grow_to is not None:
-                await self._grow()
+        async with asyncio.TaskGroup() as tg:
+            if self.generator.offload is Offload.AUTO and not self.virtual:
+                tg.create_task(self._start_offload(), name="ebrl-offload-start")
+            while True:
+                await asyncio.sleep(self.cfg.resources.epoch_s)
+                self.epoch()
+                if self._grow_to is not None:
+                    await self._grow()
+
+    async def _start_offload(self) -> None:
+        """Resolve ``generation.offload="auto"`` from the first measured policy call, at once:
+        the first epoch is a second away, and a 40 ms call inline stalls the loop meanwhile."""
+        await self.generator.measured.wait()
+        d = offload_start(self.generator.first_inline_cpu_s, self.limits.inline_up_to_s)
+        self._apply(d)
+        self._record(d)
 
     async def _grow(self) -> None:
         """Start the workers a ``workers`` or ``backend`` decision asked for, then move envs
@@ -166,10 +183,13 @@ class ResourceManager:
         decisions = decide(profile, self.knobs, self.limits, self.memory)
         for d in decisions:
             self._apply(d)
-            self.decisions.append(d)
-            log.info("resource_decision", epoch=d.epoch, knob=d.knob, old=_short(d.old), new=_short(d.new),
-                     reason=d.reason)
+            self._record(d)
         return decisions
+
+    def _record(self, d: Decision) -> None:
+        self.decisions.append(d)
+        log.info("resource_decision", epoch=d.epoch, knob=d.knob, old=_short(d.old), new=_short(d.new),
+                 reason=d.reason)
 
     def _retire(self) -> bool:
         """The envs have left the workers past ``_retire_to``: retire those workers (unless a

@@ -10,7 +10,7 @@ import numpy as np
 from ebrl.runtime.resources.knobs import MIN_STEPS_PER_UNIT, Decision, Knobs, Limits, Memory, settling
 from ebrl.runtime.resources.profiler import EpochProfile
 from ebrl.runtime.sim_mixed import LOCAL
-from ebrl.runtime.sim_pool import WAITS_BELOW  # a step computing less of its wall time than this mostly waits
+from ebrl.runtime.resources.rules_start import WAITS_BELOW  # a step computing less of its wall time than this mostly waits
 
 
 def lane_cap(profile: EpochProfile, limits: Limits) -> int:

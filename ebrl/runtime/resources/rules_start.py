@@ -1,0 +1,89 @@
+"""The controller's first decisions: the config's ``auto`` values, resolved once at the start
+from what the run measures before its first window. Each is a :class:`Decision` of epoch
+``START`` (-1), logged as ``resource_decision`` and kept in ``RunResult.decisions`` ahead of
+the epochs' own. Later epochs may change the backend, the lanes and the offload
+(``rules_sim.py``, ``rules_stages.py``); the learner mode holds for the run.
+
+- ``backend`` (``sim.backend="auto"``, plain envs), from the probe's step
+  (:class:`~ebrl.runtime.sim_pool.StepProfile`, measured in a forked child): inline when a
+  step costs less than a thread hop (``sim.inline_below_s``); thread lanes when the step mostly
+  waits (CPU under half its wall time), the env declares it releases the GIL, or there is one
+  core; worker processes otherwise (a GIL-bound Python env).
+- ``lanes`` (thread lanes chosen, ``sim.num_threads`` unset): a lane keeps ``busy`` of a core
+  busy, so ``cpus / busy`` lanes keep every core busy without an env waiting for a lane; at
+  most one per env (a sleeping env gets a lane of its own), at least one per core.
+- ``learner`` (``learner="auto"``): a learner process when training runs on the CPU of a
+  multi-core host (it then trains on cores of its own, free of the event loop's GIL); a thread
+  otherwise (a GPU policy trains on its own stream).
+- ``offload`` (``generation.offload="auto"``), from the first measured policy call (the first
+  call warms up in the generator's thread, unmeasured; the next runs inline): inline when it
+  took at most ``generation.inline_below_s`` of CPU, in the generator's thread otherwise: the
+  line :func:`~ebrl.runtime.resources.rules_stages.offload_rule` keeps, so neither undoes the other.
+
+    >>> from ebrl.config import SimConfig
+    >>> from ebrl.runtime.sim_pool import StepProfile
+    >>> sleeper = StepProfile(wall_s=1e-3, cpu_s=2e-5, releases_gil=False)  # 1 ms, nearly all asleep
+    >>> [(d.knob, d.new) for d in sim_start(sleeper, SimConfig(), num_envs=8, cpus=2)]
+    [('backend', 'thread'), ('lanes', 8)]
+    >>> offload_start(cpu_s=0.040, line=1e-3).new   # a 40 ms policy call: off the event loop
+    'thread'
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from ebrl.config import SimConfig
+from ebrl.runtime.resources.knobs import Decision
+
+if TYPE_CHECKING:
+    from ebrl.runtime.sim_pool import StepProfile
+
+START = -1  # the epoch of a decision made at the start, before the first window
+WAITS_BELOW = 0.5  # a step busy less than this fraction of its time mostly waits: threads overlap it
+
+
+def sim_start(profile: StepProfile, cfg: SimConfig, num_envs: int, cpus: int) -> list[Decision]:
+    """The backend for plain envs under ``sim.backend="auto"``, and the thread lanes where it
+    chose threads and ``sim.num_threads`` is unset (an explicit value is never overridden)."""
+    step = f"a step took {profile.wall_s * 1e6:.0f} us, {profile.busy:.0%} of it on a CPU"
+    if profile.wall_s < cfg.inline_below_s:
+        return [Decision(START, "backend", "auto", "inline",
+                         f"{step}: under sim.inline_below_s ({cfg.inline_below_s * 1e6:.0f} us), less than a thread hop")]
+    if not (profile.releases_gil or cpus < 2 or profile.busy < WAITS_BELOW):
+        return [Decision(START, "backend", "auto", "process",
+                         f"{step} holding the GIL: worker processes step such envs in parallel")]
+    why = ("the env declares it releases the GIL" if profile.releases_gil
+           else "one core: worker processes would gain nothing" if cpus < 2
+           else "it mostly waits: lane threads overlap the waits")
+    decisions = [Decision(START, "backend", "auto", "thread", f"{step}; {why}")]
+    if cfg.num_threads is None:
+        lanes = max(1, min(num_envs, max(cpus, math.ceil(cpus / max(profile.busy, 1.0 / max(num_envs, 1))))))
+        decisions.append(Decision(START, "lanes", None, lanes,
+                                  f"{cpus} cores over {profile.busy:.2f} of a core per lane, at most one per env"))
+    return decisions
+
+
+def learner_start(device: str | None, cpus: int) -> Decision:
+    """The learner under ``learner="auto"``, for a policy whose parameters are on ``device``
+    (``"cpu"``, ``"cuda"``, ...; None: it has none): a process of its own when it trains on the
+    CPU of a multi-core host, a thread of this process otherwise."""
+    if device == "cpu" and cpus >= 2:
+        return Decision(START, "learner", "auto", "process",
+                        f"training runs on the CPU and there are {cpus} cores: off the event loop's GIL")
+    why = ("one core" if device == "cpu" else "the policy has no parameters" if device is None
+           else f"training runs on {device}, on a stream of its own")
+    return Decision(START, "learner", "auto", "thread", why)
+
+
+def offload_start(cpu_s: float, line: float) -> Decision:
+    """Where policy calls run under ``generation.offload="auto"``, from one measured inline call
+    of ``cpu_s`` CPU seconds and the line ``generation.inline_below_s``."""
+    if cpu_s > line:
+        return Decision(START, "offload", "auto", "thread",
+                        f"a policy call took {cpu_s * 1e3:.2f} ms of CPU on the event loop (over "
+                        f"{line * 1e3:.1f} ms): in a thread the loop delivers sim results meanwhile")
+    return Decision(START, "offload", "auto", "inline",
+                    f"a policy call took {cpu_s * 1e3:.2f} ms of CPU (at most {line * 1e3:.1f} ms): "
+                    "on the event loop it costs no thread hop")
