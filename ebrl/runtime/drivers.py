@@ -1,27 +1,21 @@
 """The driver: one loop turns blocks of finished steps into records and new requests, for
-every schedule and backend.
+every schedule and backend, with no coroutine, future or Python object per env step
+(:meth:`Driver._steps`, PufferLib's and EnvPool's send/recv):
 
-The loop (:meth:`Driver._steps`) reads the pool as PufferLib's and EnvPool's send/recv do,
-with no coroutine, future or Python object per env step:
-
-1. ``block = await pool.recv()``: a block of envs whose steps are done. It is recorded into
-   the rollout storage (one write per field), episodes are tracked in NumPy
-   (:class:`~ebrl.runtime.episodes.Episodes`), and NaN/inf rows and failed envs go aside for
-   :class:`~ebrl.runtime.recovery.Recovery`, which resets or rebuilds them and answers
-   whether they are back: only the driver releases envs;
-2. the envs that may go on are released: they claim steps from the budget, envs that would
-   open a segment on a full queue park (backpressure), and the rest make one generation
-   request (:meth:`Generator.request`) for the block;
-3. the batch that serves them calls :meth:`Driver.on_actions`, which hands the behaviour data
-   to the rollout and submits the action rows to the pool (``pool.submit``).
+1. ``block = await pool.recv()``: it is recorded into the rollout storage (one write per
+   field) and its episodes tracked (:class:`~ebrl.runtime.episodes.Episodes`); NaN/inf rows
+   and failed envs go to :class:`~ebrl.runtime.recovery.Recovery`, which resets or rebuilds
+   them and answers whether they are back: only the driver releases envs;
+2. released envs claim steps from the budget; those that would open a segment on a full
+   queue park (backpressure), the rest make one request (:meth:`Generator.request`);
+3. the batch that serves them calls :meth:`Driver.on_actions`: the behaviour data go to the
+   rollout and the action rows to the pool (``pool.submit``).
 
 The schedules differ only in what is released together (:class:`~ebrl.config.Schedule`):
 under ``async`` every unit (an env, or a vector env) goes on alone, as soon as its step is
 back; under ``sync`` and ``pipelined`` a lockstep group goes on once all of its units are
-back, in env id order. :class:`~ebrl.runtime.waits.EnvWaits` observes the path: it counts
-each env's waits by cause for the profiler and, when a
-:class:`~ebrl.runtime.profiler.Timeline` is given, records the same spans there (``act``,
-``sim``, ``blocked``, ``fail`` per env); it does not fork the path.
+back. :class:`~ebrl.runtime.waits.EnvWaits` observes the path: each env's waits by cause,
+for the profiler and (when given) the :class:`~ebrl.runtime.profiler.Timeline`.
 
 Every transition is counted exactly once: simulated, then trained, dropped with a reason, or
 still in flight when the run stops.
@@ -32,7 +26,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -42,6 +36,7 @@ from ebrl.runtime.episodes import Episodes
 from ebrl.runtime.errors import EnvStepError, raise_first
 from ebrl.runtime.generation import Generator
 from ebrl.runtime.moves import Moves
+from ebrl.runtime.profiler import Timeline
 from ebrl.runtime.recovery import Recovery
 from ebrl.runtime.rollout import RolloutQueue
 from ebrl.runtime.schedules import Barrier, is_lockstep
@@ -50,12 +45,6 @@ from ebrl.runtime.state import RunState
 from ebrl.runtime.stats import RunStats
 from ebrl.runtime.waits import EnvWaits
 from ebrl.spaces import all_finite, index, part
-from ebrl.telemetry.logging import get_logger
-
-if TYPE_CHECKING:
-    from ebrl.runtime.profiler import Timeline
-
-log = get_logger("ebrl.env")
 
 
 class Driver:
@@ -63,8 +52,8 @@ class Driver:
 
     def __init__(self, cfg: RunConfig, pool: SimPool, generator: Generator, rollout: RolloutQueue,
                  stats: RunStats, state: RunState, timeline: Timeline | None = None):
-        self.cfg, self.pool, self.generator, self.rollout, self.stats = cfg, pool, generator, rollout, stats
-        self.state = state
+        self.cfg, self.pool, self.generator, self.rollout = cfg, pool, generator, rollout
+        self.stats, self.state = stats, state
         self.V = cfg.sim.vector_size
         self.lockstep = is_lockstep(cfg.schedule)
         self.barrier = Barrier(cfg)
@@ -87,23 +76,21 @@ class Driver:
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
-                units = range(self.cfg.num_envs // self.V)
                 # tasks of the group: a failure cancels the others (none is left running)
+                units = range(self.cfg.num_envs // self.V)
                 await asyncio.wait([tg.create_task(self.recovery.first_reset(u)) for u in units])
                 self.waits.ready(slice(None), self._loop.time())
-                steps = tg.create_task(self._steps(), name="ebrl-driver")
+                helpers = [tg.create_task(self._steps(), name="ebrl-driver")]
+                if self.cfg.faults.step_timeout_s is not None:
+                    helpers.append(tg.create_task(self.recovery.watch_steps(self.cfg.faults.step_timeout_s),
+                                                  name="ebrl-watchdog"))
                 for ids in self.barrier.groups:
                     self._release(ids)
-                watchdog = None
-                if self.cfg.faults.step_timeout_s is not None:
-                    watchdog = tg.create_task(self.recovery.watch_steps(self.cfg.faults.step_timeout_s),
-                                              name="ebrl-watchdog")
                 try:
                     await self._done
                 finally:
-                    steps.cancel()
-                    if watchdog is not None:
-                        watchdog.cancel()
+                    for task in helpers:
+                        task.cancel()
         except BaseExceptionGroup as group:  # raise the first failure as itself, the others as its notes
             raise_first(group)
         finally:
@@ -141,20 +128,19 @@ class Driver:
         self.stats.simulated += len(ids)
         go = ids
         if not block.clean and not block.finite.all():
-            # NaN/inf rows are dropped; their units wait for the reset of those rows, then go on whole
-            held = self._hold_nonfinite(block, np.flatnonzero(~block.finite))
+            # NaN/inf rows are dropped (or raise); their units wait for the reset of those rows, then go on whole
+            held = self.recovery.nonfinite_steps(block, np.flatnonzero(~block.finite))
+            self._reset_rows(held)
             block = block.take(np.flatnonzero(block.finite))
             ids = block.ids
             go = ids[~np.isin(ids // self.V, list(held))]
         if len(ids):
             self.rollout.record(block)
             self.episodes.track(block)
-            if self.moves.wanted and not block.clean:
-                moving = self.moves.due(block)
-                for env_id, worker in moving:
+            if self.moves.wanted and not block.clean:  # the controller's env moves, at episode ends
+                for env_id, worker in self.moves.due(block):
                     self._when_back(np.array([env_id]), self.moves.move(env_id, worker))
-                if moving:
-                    go = go[~np.isin(go, [i for i, _ in moving])]
+                    go = go[go != env_id]
         if len(go):
             self._arrive(go)
 
@@ -178,8 +164,7 @@ class Driver:
                 return
         blocked = self.rollout.need_space(ids)
         if np.count_nonzero(blocked):
-            if self.lockstep or self.V > 1:
-                # a group or a vector env goes whole, or not at all
+            if self.lockstep or self.V > 1:  # a group or a vector env goes whole, or not at all
                 self._park(ids)
                 return
             self._park(ids[blocked])
@@ -193,8 +178,10 @@ class Driver:
             self.rollout.begin(ids, result, lo, hi, version)
             self.waits.submitted(ids, self._loop.time())
             env_actions = part(result.env_actions, lo, hi, len(result.logprobs))
-            if not all_finite(env_actions):
-                ids, env_actions = self._hold_nonfinite_actions(ids, env_actions, version)
+            if not all_finite(env_actions):  # those envs wait for a new episode (or it raises)
+                bad, units = self.recovery.nonfinite_actions(ids, env_actions, version, self.lockstep or self.V > 1)
+                self._reset_rows(units)
+                ids, env_actions = ids[~bad], index(env_actions, np.flatnonzero(~bad))
                 if not len(ids):
                     return
             self.pool.submit(ids, env_actions)
@@ -218,8 +205,6 @@ class Driver:
 
     def unpark(self) -> None:
         """The learner took segments: let parked envs try again."""
-        if not self.parked:
-            return
         parked, self.parked = self.parked, deque()
         now = self._loop.time()
         for ids in parked:
@@ -231,25 +216,9 @@ class Driver:
 
     # ---------------------------------------------------------------- faults
 
-    def _hold_nonfinite(self, block: Block, rows: np.ndarray) -> dict[int, list[int]]:
-        """Drop the NaN/inf steps at ``rows`` (or raise); their units wait for the reset of
-        those rows. Returns the units held."""
-        held = self.recovery.nonfinite_steps(block, rows)
-        self._reset_rows(held)
-        return held
-
-    def _hold_nonfinite_actions(self, ids: np.ndarray, actions: Any, version: int) -> tuple[np.ndarray, Any]:
-        """NaN/inf in the policy's actions: hold those envs back until a new episode begins
-        (or raise); returns the rows that go on."""
-        bad, units = self.recovery.nonfinite_actions(ids, actions, version, whole=self.lockstep or self.V > 1)
-        self._reset_rows(units)
-        keep = ~bad
-        return ids[keep], index(actions, np.flatnonzero(keep))
-
     def _on_errors(self, errors: list[tuple[int, str]], now: float) -> None:
-        units = sorted({i // self.V for i, _ in errors})
         detail = dict(errors)
-        for u in units:
+        for u in sorted({i // self.V for i in detail}):
             ids = self.recovery.unit_ids(u)
             self.waits.failed(ids, now)
             self.state.release(len(ids))  # the claimed step never happened
@@ -261,17 +230,13 @@ class Driver:
         for unit, env_ids in units.items():
             self._when_back(self.recovery.unit_ids(unit), self.recovery.reset_rows(unit, env_ids))
 
-    def _ready(self, ids: np.ndarray) -> None:
-        """Envs ``ids`` are back from a reset, rebuild or move: ready for their next step."""
-        self.waits.ready(ids, self._loop.time())
-        self._arrive(ids)
-
     def _when_back(self, ids: np.ndarray, back: Coroutine[Any, Any, bool]) -> None:
         """Envs ``ids`` go on once ``back`` (a reset, rebuild or move, a task of the run's
         TaskGroup) answers True."""
         async def go_on() -> None:
             if await back:
-                self._ready(ids)
+                self.waits.ready(ids, self._loop.time())
+                self._arrive(ids)
 
         task = go_on()
         if self._tg is not None:
