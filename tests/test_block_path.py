@@ -121,11 +121,13 @@ def test_the_rollout_owns_each_transition_from_the_action_to_the_record():
     stores each env's step with its own behaviour data, whatever order the block comes back in."""
     from ebrl.policies.base import ActResult
     from ebrl.runtime.collate import collate
+    from ebrl.runtime.fields import transition_fields
     from ebrl.runtime.rollout import RolloutQueue
     from ebrl.runtime.sim_types import Block
     from ebrl.runtime.stats import RunStats
 
-    rollout = RolloutQueue(4, 1, 4, 0, RunStats())
+    box = gym.spaces.Box(-np.inf, np.inf, (1,), np.float32)
+    rollout = RolloutQueue(4, 1, 4, 0, RunStats(), transition_fields(box, box))
     rollout.set_obs(np.arange(4), np.arange(4, dtype=np.float32)[:, None])
     acts = np.arange(5, dtype=np.float32)[:, None] * 10  # a batch of 5 rows; envs 2 and 0 got rows 1 and 2
     result = ActResult(acts, acts, np.arange(5, dtype=np.float32), -np.arange(5, dtype=np.float32))

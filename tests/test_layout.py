@@ -9,10 +9,10 @@ import pytest
 
 from ebrl import spaces
 
-SIM_MODULES = ["ebrl.spaces", "ebrl.runtime.sim_types", "ebrl.runtime.vector_envs", "ebrl.runtime.sim_local",
-               "ebrl.runtime.sim_threads", "ebrl.runtime.sim_worker_process", "ebrl.runtime.sim_worker_link",
-               "ebrl.runtime.sim_workers_elastic", "ebrl.runtime.sim_workers", "ebrl.runtime.sim_mixed",
-               "ebrl.runtime.sim_pool"]
+SIM_MODULES = ["ebrl.spaces", "ebrl.runtime.fields", "ebrl.runtime.sim_types", "ebrl.runtime.vector_envs",
+               "ebrl.runtime.sim_local", "ebrl.runtime.sim_threads", "ebrl.runtime.sim_worker_process",
+               "ebrl.runtime.sim_worker_link", "ebrl.runtime.sim_workers_elastic", "ebrl.runtime.sim_workers",
+               "ebrl.runtime.sim_mixed", "ebrl.runtime.sim_pool"]
 
 
 @pytest.mark.parametrize("first", SIM_MODULES)

@@ -92,6 +92,7 @@ def training_capacity(suite: Suite, env_fn, seed: int = 0) -> float:
     """Env steps/s the algorithm trains on alone (one update on a batch of num_envs x T steps)."""
     from ebrl.runtime.learner_process import update_once
     from ebrl.runtime.collate import collate
+    from ebrl.runtime.fields import transition_fields
     from ebrl.runtime.rollout import RolloutQueue
     from ebrl.runtime.sim_types import Block
     from ebrl.runtime.stats import RunStats
@@ -100,7 +101,7 @@ def training_capacity(suite: Suite, env_fn, seed: int = 0) -> float:
     policy = suite.policy_fn(env.observation_space, env.action_space, seed)
     algo = suite.algo_fn(seed)
     n, T = suite.num_envs, suite.segment_len
-    rollout = RolloutQueue(n, T, n, 0, RunStats())
+    rollout = RolloutQueue(n, T, n, 0, RunStats(), transition_fields(env.observation_space, env.action_space))
     obs, _ = env.reset(seed=seed)
     for s in range(n):  # one env plays every segment in turn, recorded as the runtime records it
         ids = np.array([s])

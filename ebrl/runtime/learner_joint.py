@@ -18,7 +18,7 @@ async def run_joint(learner: Learner) -> None:
     the weights agree. The job ends when every rank is done, all at the same update."""
     dp = learner.dp
     rollout = learner.rollout
-    while rollout.fields is None and not (rollout.finished or learner.state.stopping):
+    while not rollout.steps_per_env.any() and not (rollout.finished or learner.state.stopping):
         await asyncio.sleep(JOINT_POLL_S)  # a rank joins updates once it has a step to store
     # lockstep schedules and lag 0 pause generation to train, so a rank's queue stays due
     # until it trains: an update waits for every rank (a job-wide sync), else for the first
@@ -48,7 +48,7 @@ async def run_joint(learner: Learner) -> None:
             learner.state.stop()  # every rank stops at the same update
             rollout.poke()
             return
-        if rollout.fields is None:  # a rank must have stored a step to bring its (empty) batch
+        if not rollout.steps_per_env.any():  # a rank must have stored a step to bring its (empty) batch
             raise RuntimeError(f"rank {dp.rank} ended before recording any step: it cannot take part in updates")
         if learner.pause_generation:
             await learner.generator.pause()

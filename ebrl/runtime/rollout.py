@@ -1,8 +1,8 @@
 """Rollout storage: segments of ``T`` steps in preallocated ``[slots, T]`` arrays, and the rules
 that bound policy lag.
 
-Batch-first, as in rsl_rl: each field (observation leaves, actions, log-probs, values, rewards,
-done flags, versions) is one array ``[M, T, ...]`` of ``M`` segment slots. Each env fills an
+Batch-first, as in rsl_rl: each field of the transition (:mod:`ebrl.runtime.fields`) is one
+array (one per observation leaf) ``[M, T, ...]`` of ``M`` segment slots. Each env fills an
 open slot; a block of finished steps is written with one fancy-indexed assignment per field
 (``buf[slots, pos] = rows``), never a Python loop per env. A full slot closes and joins the
 queue; the learner receives the slots' rows gathered into contiguous ``[S, T]`` arrays
@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ebrl.runtime.fields import ENV, OBS, POLICY, RUN, Field
 from ebrl.runtime.state import RunState
 from ebrl.runtime.stats import RunStats
 from ebrl.spaces import index, part, tree_map, write
@@ -57,11 +58,6 @@ from ebrl.spaces import index, part, tree_map, write
 if TYPE_CHECKING:
     from ebrl.policies.base import ActResult
     from ebrl.runtime.sim_types import Block
-
-
-def _alloc(like: Any, lead: tuple[int, ...]) -> Any:
-    """Zeroed storage with leading dims ``lead`` for values shaped like the leaves of ``like`` (rows ``[B, ...]``)."""
-    return tree_map(lambda a: np.zeros((*lead, *np.shape(a)[1:]), np.asarray(a).dtype), like)
 
 
 def _grow(buf: Any, extra: int) -> Any:
@@ -72,7 +68,7 @@ class RolloutQueue:
     """Slots, open segments per env, closed segments in order, and the rules that bound lag."""
 
     def __init__(self, num_envs: int, segment_len: int, batch_segments: int, max_lag: int,
-                 stats: RunStats, lockstep: bool = False, state: RunState | None = None,
+                 stats: RunStats, fields: tuple[Field, ...], lockstep: bool = False, state: RunState | None = None,
                  cut_at_episode_end: bool = False):
         self.T = segment_len
         self.cut_at_episode_end = cut_at_episode_end
@@ -83,14 +79,17 @@ class RolloutQueue:
         self.state = state if state is not None else RunState(budget=0, active=num_envs)
         self.num_envs = num_envs
         self.capacity = num_envs if lockstep else (max_lag + 1) * batch_segments  # closed segments
-        self.obs: Any = None  # [N, ...]: each env's current observation
-        # [N]: the behaviour data of each env's step in flight (begin() allocates the actions)
-        self.act_actions: Any = None
-        self.act_logprob = np.zeros(num_envs, np.float32)
-        self.act_value = np.zeros(num_envs, np.float32)
-        self.act_version = np.zeros(num_envs, np.int64)
-        # per slot
+        self.schema = fields
         m = 2 * num_envs + self.capacity
+        # [N] per env, the fields not from the block: its current observation, and the behaviour
+        # data of its step in flight (from begin()); [M, T] per slot: every field, and
+        # bootstrap_obs [M]. The policy's actions, stored as it gives them, from the first begin().
+        self.held = {f.name: f.alloc((num_envs,)) for f in fields if f.source != ENV}
+        self.store = {f.name: f.alloc((m, self.T)) for f in fields}
+        obs = next(f for f in fields if f.source == OBS)
+        self.obs, self.store["bootstrap_obs"] = self.held[obs.name], obs.alloc((m,))
+        self._copies = self._outcome = self._acted = None  # what begin() and record() write (_bind)
+        # per slot
         self.slot_env = np.full(m, -1, np.int64)
         self.slot_seq = np.zeros(m, np.int64)
         self.slot_n = np.zeros(m, np.int64)
@@ -98,7 +97,6 @@ class RolloutQueue:
         self.slot_group = np.full(m, -1, np.int64)  # the key of the episode the slot starts with, -1: mid-episode
         self.slot_final: list[dict[int, Any]] = [{} for _ in range(m)]  # t -> final obs (truncated steps)
         self.free: list[int] = list(range(m - 1, -1, -1))
-        self.fields: dict[str, Any] | None = None  # allocated at the first record, from its rows
         # per env
         self.open_slot = np.full(num_envs, -1, np.int64)
         self.closed: deque[int] = deque()
@@ -117,8 +115,6 @@ class RolloutQueue:
 
     def set_obs(self, ids: Any, obs: Any) -> None:
         """Envs ``ids`` start from ``obs`` (rows): after a reset."""
-        if self.obs is None:
-            self.obs = _alloc(obs, (self.num_envs,))
         write(self.obs, ids, obs)
         self.at_start[ids] = True
 
@@ -175,58 +171,53 @@ class RolloutQueue:
         self.slot_group = np.concatenate([self.slot_group, np.full(extra, -1, np.int64)])
         self.slot_final += [{} for _ in range(extra)]
         self.free += list(range(m + extra - 1, m - 1, -1))
-        if self.fields is not None:
-            self.fields = {k: _grow(v, extra) for k, v in self.fields.items()}
+        self.store = {k: v if v is None else _grow(v, extra) for k, v in self.store.items()}
+        if self._copies is not None:
+            self._bind(None)
+
+    def _bind(self, result: ActResult | None) -> None:
+        """Allocate the fields the policy shapes as its first output (``result``) and list the
+        arrays :meth:`begin` and :meth:`record` write: (slot storage, per-env rows) leaf by leaf."""
+        for f in self.schema:
+            if self.store[f.name] is None:
+                like = getattr(result, f.attr)
+                self.held[f.name] = f.alloc((self.num_envs,), like)
+                self.store[f.name] = f.alloc((len(self.slot_env), self.T), like)
+        self._copies = []
+        for name, rows in self.held.items():
+            tree_map(lambda a, b: self._copies.append((a, b)), self.store[name], rows)
+        self._outcome = [(self.store[f.name], f.attr) for f in self.schema if f.source == ENV]
+        self._acted = [(self.held[f.name], None if f.source == RUN else f.attr)
+                       for f in self.schema if f.source in (POLICY, RUN)]
 
     def begin(self, ids: np.ndarray, result: ActResult, lo: int = 0, hi: int | None = None,
               version: int = 0) -> None:
         """Envs ``ids`` step with rows ``lo:hi`` of ``result`` (a batch's policy output), made by
         weights ``version``: kept until :meth:`record` stores their step."""
-        if self.act_actions is None:
-            self.act_actions = tree_map(
-                lambda a: np.zeros((self.num_envs, *np.shape(a)[1:]), np.asarray(a).dtype), result.actions)
+        if self._copies is None:
+            self._bind(result)
         n = len(result.logprobs)
         hi = n if hi is None else hi
-        write(self.act_actions, ids, part(result.actions, lo, hi, n))
-        self.act_logprob[ids] = part(result.logprobs, lo, hi, n)
-        self.act_value[ids] = part(result.values, lo, hi, n)
-        self.act_version[ids] = version
+        for rows, attr in self._acted:  # the policy's output, and the version (RUN)
+            write(rows, ids, version if attr is None else part(getattr(result, attr), lo, hi, n))
 
     def record(self, block: Block) -> None:
         """Store one finished step of each env of ``block`` (distinct ids, every row finite):
-        the block's outcome with the behaviour data :meth:`begin` kept; ``final_obs`` by row,
-        ``chunk_rewards``/``chunk_steps`` for action chunks (see :class:`~ebrl.algos.batch.Batch`)."""
-        ids, versions, actions = block.ids, self.act_version[block.ids], index(self.act_actions, block.ids)
-        terminated, truncated, chunk_steps = block.terminated, block.truncated, block.chunk_steps
+        the block's outcome (its fields of the schema; None: 0) with the observation acted on and
+        the behaviour data :meth:`begin` kept; ``final_obs`` by row."""
+        ids = block.ids
         slots = self.open_slot[ids]
         fresh = slots < 0
         if np.count_nonzero(fresh):  # a fifth of .any()'s cost on a block's few rows
             for k in fresh.nonzero()[0].tolist():
-                slots[k] = self._open(int(ids[k]), int(versions[k]))
-        if self.fields is None:
-            m = len(self.slot_env)
-            self.fields = {
-                "obs": _alloc(self.obs, (m, self.T)), "actions": _alloc(actions, (m, self.T)),
-                "logprobs": np.zeros((m, self.T), np.float32), "values": np.zeros((m, self.T), np.float32),
-                "rewards": np.zeros((m, self.T), np.float32), "terminated": np.zeros((m, self.T), bool),
-                "truncated": np.zeros((m, self.T), bool), "versions": np.zeros((m, self.T), np.int64),
-                "bootstrap_obs": _alloc(self.obs, (m,))}
-            if chunk_steps is not None:
-                self.fields["chunk_rewards"] = np.zeros((m, self.T, block.chunk_rewards.shape[1]), np.float32)
-                self.fields["chunk_steps"] = np.zeros((m, self.T), np.int64)
-        f, pos = self.fields, self.slot_n[slots]
+                slots[k] = self._open(int(ids[k]), int(self.held["versions"][ids[k]]))
+        pos = self.slot_n[slots]
         where = (slots, pos)
-        write(f["obs"], where, index(self.obs, ids))
-        write(f["actions"], where, actions)
-        f["logprobs"][where] = self.act_logprob[ids]
-        f["values"][where] = self.act_value[ids]
-        f["rewards"][where] = block.reward
-        f["terminated"][where] = terminated
-        f["truncated"][where] = truncated
-        f["versions"][where] = versions
-        if chunk_steps is not None:
-            f["chunk_rewards"][where] = block.chunk_rewards
-            f["chunk_steps"][where] = chunk_steps
+        for buf, rows in self._copies:
+            buf[where] = rows[ids]
+        for buf, attr in self._outcome:
+            value = getattr(block, attr)
+            buf[where] = 0 if value is None else value
         for row, o in block.final_obs.items():
             self.slot_final[slots[row]][int(pos[row])] = o
         write(self.obs, ids, block.obs)
@@ -235,7 +226,7 @@ class RolloutQueue:
         self.steps_per_env[ids] += 1
         woke = self._clear_inflight(ids)
         full = pos >= self.T
-        ended = terminated | truncated
+        ended = block.terminated | block.truncated
         self.at_start[ids] = ended
         if self.cut_at_episode_end:
             full |= ended
@@ -260,7 +251,7 @@ class RolloutQueue:
     def _close(self, env_id: int) -> None:
         slot = int(self.open_slot[env_id])
         self.open_slot[env_id] = -1
-        write(self.fields["bootstrap_obs"], slot, index(self.obs, env_id))
+        write(self.store["bootstrap_obs"], slot, index(self.obs, env_id))
         self.closed.append(slot)
         self.closed_per_env[env_id] += 1
 

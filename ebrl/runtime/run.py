@@ -29,6 +29,7 @@ from ebrl.policies.expects import check_policy_spaces
 from ebrl.runtime.drivers import Driver
 from ebrl.runtime.env_facts import inspect_env
 from ebrl.runtime.errors import raise_first
+from ebrl.runtime.fields import transition_fields
 from ebrl.runtime.generation import Generator
 from ebrl.runtime.learner import Checkpointing, Learner
 from ebrl.runtime.learner_process import LearnerProcess
@@ -115,8 +116,9 @@ async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop
     movable = cfg.sim.backend is SimBackend.AUTO and cfg.resources.adapt and not virtual
     pool = make_sim_pool(trainer.env_fn, cfg.num_envs, cfg.sim, backend, chosen.get("lanes"), movable=movable)
     lockstep, lag = is_lockstep(cfg.schedule), effective_lag(cfg)
-    rollout = RolloutQueue(cfg.num_envs, cfg.segment_len, cfg.segments_per_batch, lag, stats, lockstep, state,
-                           cut_at_episode_end=cfg.segment_cut is SegmentCut.EPISODE)
+    rollout = RolloutQueue(cfg.num_envs, cfg.segment_len, cfg.segments_per_batch, lag, stats,
+                           transition_fields(probe.env.observation_space, probe.env.action_space), lockstep,
+                           state, cut_at_episode_end=cfg.segment_cut is SegmentCut.EPISODE)
     learner_threads = cfg.resources.learner_threads or cfg.torch_threads  # the learner process's
     streams = gpu_streams(trainer.policy) if mode is LearnerMode.THREAD and not virtual else None
     acting = acting_copy(trainer.policy)  # shares a frozen backbone where the policy has one

@@ -105,8 +105,7 @@ class LocalEnvs(SimPool):
         else:
             ids = self._ids(unit)
             vs = step_vector_env(env, rows.actions(ids))
-            self._commit(unit, rows.write_many, ids, vs.obs, vs.reward, vs.terminated, vs.truncated, vs.finite,
-                         vs.success, vs.final_obs, vs.chunk_rewards, vs.chunk_steps)
+            self._commit(unit, rows.write_many, ids, vs)
             declared = vs.cost_s
         if not account:
             return declared

@@ -4,10 +4,11 @@ step results into, the :class:`Block` it hands back, and stepping one env with s
 The block path: the driver hands a pool a block of env ids and their action rows
 (:meth:`SimPool.submit`); wherever the steps run (the event loop, a lane thread, a worker
 process), each result is written into that env's row of :class:`StepRows` (plain NumPy, or
-shared memory for worker processes: one array per observation key, plus rewards, flags and
-final observations); the pool then puts a :class:`Block` naming the envs whose steps are
-done in its :class:`~ebrl.runtime.outbox.Outbox`, and the driver's loop takes it with
-``await pool.recv()``. Nothing per env crosses the event loop as a Python object.
+shared memory for worker processes: one array per observation key, plus the env's fields of
+the transition from :mod:`ebrl.runtime.fields`, flags and final observations); the pool then
+puts a :class:`Block` naming the envs whose steps are done in its
+:class:`~ebrl.runtime.outbox.Outbox`, and the driver's loop takes it with ``await pool.recv()``.
+Nothing per env crosses the event loop as a Python object.
 
 Every backend resets an env in the same call as the step that ends its episode
 (gymnasium's ``AutoresetMode.SAME_STEP``): the row's observation is then the first of the
@@ -29,13 +30,14 @@ import math
 import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 
 from ebrl.config import SimBackend
+from ebrl.runtime.fields import space_rows, transition_fields
 from ebrl.runtime.outbox import Outbox
 from ebrl.spaces import all_finite, copy_tree, index, tree_map, write
 
@@ -95,48 +97,23 @@ class Block:
     final_obs: dict[int, Any] = field(default_factory=dict)
     errors: list[tuple[int, str]] = field(default_factory=list)
     clean: bool = False  # known: no episode ended, every row finite, no success flag
-    # action chunks (see StepRows.chunk_rewards): float32 [B, K] per-step rewards and int64 [B]
-    # steps taken, 0 where the env reported none; None unless the action space is Box(K, ...)
+    # action chunks (ebrl.runtime.fields): float32 [B, K] and int64 [B]; None unless Box(K, ...) actions
     chunk_rewards: np.ndarray | None = None
     chunk_steps: np.ndarray | None = None
 
     def take(self, keep: np.ndarray) -> Block:
         """The rows ``keep`` (final observations renumbered; no errors)."""
         where = {int(r): k for k, r in enumerate(keep.tolist())}
-        chunk = (None, None) if self.chunk_steps is None else (self.chunk_rewards[keep], self.chunk_steps[keep])
-        return Block(self.ids[keep], index(self.obs, keep), self.reward[keep], self.terminated[keep],
-                     self.truncated[keep], self.finite[keep], self.success[keep],
-                     {where[r]: o for r, o in self.final_obs.items() if r in where}, [], False, *chunk)
-
-
-def space_rows(space: gym.Space, n: int, alloc: Callable[[tuple, np.dtype], np.ndarray] | None = None) -> Any:
-    """Rows for ``n`` values of ``space``: an array ``[n, *shape]``, or a dict of them for a
-    ``Dict`` space (one array per key). ``alloc(shape, dtype)`` makes each array (default
-    ``np.zeros``; the process pool passes shared memory).
-
-        >>> rows = space_rows(gym.spaces.Dict({"img": gym.spaces.Box(0, 255, (2, 2), np.uint8),
-        ...                                    "pos": gym.spaces.Box(-1, 1, (3,))}), 4)
-        >>> rows["img"].shape, rows["img"].dtype, rows["pos"].shape
-        ((4, 2, 2), dtype('uint8'), (4, 3))
-    """
-    alloc = alloc or (lambda shape, dtype: np.zeros(shape, dtype))
-    if isinstance(space, gym.spaces.Dict):
-        return {k: space_rows(s, n, alloc) for k, s in space.spaces.items()}
-    if isinstance(space, gym.spaces.Box):
-        return alloc((n, *space.shape), space.dtype)
-    if isinstance(space, gym.spaces.Discrete):
-        return alloc((n,), np.dtype(np.int64))
-    if isinstance(space, (gym.spaces.MultiDiscrete, gym.spaces.MultiBinary)):
-        return alloc((n, *space.shape), np.dtype(np.int64))
-    raise TypeError(f"{type(space).__name__} spaces cannot be stored in rows: the runtime supports Box, "
-                    "Discrete, MultiDiscrete, MultiBinary and Dicts of them (wrap the env to flatten others)")
+        rows = {f.name: index(v, keep) for f in fields(self)
+                if f.name not in ("final_obs", "errors", "clean") and (v := getattr(self, f.name)) is not None}
+        return Block(**rows, final_obs={where[r]: o for r, o in self.final_obs.items() if r in where})
 
 
 class StepRows:
     """Per-env rows for the latest step of every env: observation (tree), final observation
-    (tree), action (tree), reward and flags. Written where the step runs, read by the pool when
-    it builds a :class:`Block`. Env ``i``'s rows are touched only while its step runs, so
-    writers and readers never overlap.
+    (tree), action (tree), the env's ``columns`` of the transition and flags. Written where the
+    step runs, read by the pool when it builds a :class:`Block`. Env ``i``'s rows are touched
+    only while its step runs, so writers and readers never overlap.
     """
 
     def __init__(self, num_envs: int, obs_space: gym.Space, act_space: gym.Space,
@@ -146,7 +123,12 @@ class StepRows:
         self.final_obs = space_rows(obs_space, num_envs, alloc)
         self.act = space_rows(act_space, num_envs, alloc)
         make = alloc or (lambda shape, dtype: np.zeros(shape, dtype))
-        self.reward = make((num_envs,), np.dtype(np.float64))
+        # the env's fields of the transition by Block attribute (ebrl.runtime.fields): reward and an
+        # action chunk's rewards and length (from the step's info; 0: the env reported none)
+        self.columns = {f.attr: make((num_envs, *f.shape), f.step_dtype)
+                        for f in transition_fields(obs_space, act_space) if f.step_dtype is not None}
+        self.reward, self.chunk_steps = self.columns["reward"], self.columns.get("chunk_steps")
+        self._chunk = [(k, v) for k, v in self.columns.items() if k != "reward"]  # Block's, None by default
         self.flags = make((num_envs,), np.dtype(np.uint8))
         # what each env's steps cost where they ran, summed since the start: columns STEPS, WALL
         # (seconds in env.step), CPU (CPU seconds of the stepping thread, or of the worker
@@ -161,12 +143,6 @@ class StepRows:
         # driver writes it under RunConfig.reset_group; zero-filled, so a worker attaching later
         # never clobbers it)
         self.reset_seed = make((num_envs,), np.dtype(np.int64))
-        # an action space Box(K, ...) may be an action chunk (ebrl.envs.chunks.ActionChunk): the
-        # per-step rewards inside env i's last chunk and its length, from the step's info
-        # (chunk_steps 0: the env reported none, so the chunk counts as one step)
-        k = chunk_len(act_space)
-        self.chunk_rewards = make((num_envs, k), np.dtype(np.float32)) if k else None
-        self.chunk_steps = make((num_envs,), np.dtype(np.int64)) if k else None
         # a flat view for per-step adds: a memoryview item costs a third of a NumPy scalar's
         self._cost_flat = memoryview(self.cost).cast("B").cast("d")
 
@@ -193,35 +169,28 @@ class StepRows:
 
     def _write_chunk(self, i: int, info: dict) -> None:
         n = info.get("chunk_steps")
-        if n is None:
+        if n is None:  # no chunk reported: one step
             self.chunk_steps[i] = 0
             return
-        rewards = np.asarray(info["chunk_rewards"], np.float32)
-        if rewards.shape != self.chunk_rewards.shape[1:] or not 1 <= n <= len(rewards):
+        rows, rewards = self.columns["chunk_rewards"], np.asarray(info["chunk_rewards"], np.float32)
+        if rewards.shape != rows.shape[1:] or not 1 <= n <= len(rewards):
             raise ValueError(f"info['chunk_rewards'] of shape {rewards.shape} with chunk_steps={n}: expected "
-                             f"{self.chunk_rewards.shape[1]} rewards (zero-padded) and 1 <= chunk_steps <= that")
-        self.chunk_rewards[i] = rewards
-        self.chunk_steps[i] = n
+                             f"{rows.shape[1]} rewards (zero-padded) and 1 <= chunk_steps <= that")
+        rows[i], self.chunk_steps[i] = rewards, n
 
-    def write_many(self, ids: np.ndarray, obs: Any, reward: np.ndarray, terminated: np.ndarray,
-                   truncated: np.ndarray, finite: np.ndarray, success: np.ndarray,
-                   final_obs: dict[int, Any], chunk_rewards: np.ndarray | None = None,
-                   chunk_steps: np.ndarray | None = None) -> None:
-        """Store the steps of envs ``ids`` at once (a vector env's); ``final_obs`` by row."""
-        write(self.obs, ids, obs)
-        self.reward[ids] = reward
-        known = success >= 0
-        self.flags[ids] = (TERMINATED * terminated | TRUNCATED * truncated | NONFINITE * ~finite
-                           | SUCCESS_KNOWN * known | SUCCESS * (success > 0)).astype(np.uint8)
-        for row, o in final_obs.items():
+    def write_many(self, ids: np.ndarray, step: Block) -> None:
+        """Store the steps of envs ``ids`` at once (a vector env's, by row:
+        :class:`~ebrl.runtime.vector_envs.VectorStep`)."""
+        write(self.obs, ids, step.obs)
+        for name, column in self.columns.items():  # None: the env reported no chunks
+            value = getattr(step, name)
+            column[ids] = 0 if value is None else value
+        terminated, truncated, success = step.terminated, step.truncated, step.success
+        self.flags[ids] = (TERMINATED * terminated | TRUNCATED * truncated | NONFINITE * ~step.finite
+                           | SUCCESS_KNOWN * (success >= 0) | SUCCESS * (success > 0)).astype(np.uint8)
+        for row, o in step.final_obs.items():
             if truncated[row] and not terminated[row]:
                 write(self.final_obs, int(ids[row]), o)
-        if self.chunk_steps is not None:
-            if chunk_steps is None:
-                self.chunk_steps[ids] = 0
-            else:
-                self.chunk_rewards[ids] = chunk_rewards
-                self.chunk_steps[ids] = chunk_steps
 
     def actions(self, ids: np.ndarray) -> Any:
         return index(self.act, ids)
@@ -233,33 +202,29 @@ class StepRows:
         """The finished steps of envs ``ids`` (copied out of the rows)."""
         flags = self.flags[ids]
         n = len(ids)
-        chunk = (None, None) if self.chunk_steps is None else (self.chunk_rewards[ids], self.chunk_steps[ids])
         if not np.count_nonzero(flags):  # the common step: no episode end, no NaN, no success flag
             no = np.zeros(n, bool)
-            return Block(ids, index(self.obs, ids), self.reward[ids], no, no, ~no, np.full(n, -1, np.int8),
-                         {}, errors or [], True, *chunk)
-        terminated = (flags & TERMINATED) != 0
-        truncated = (flags & TRUNCATED) != 0
-        success = np.where(flags & SUCCESS_KNOWN, (flags & SUCCESS) != 0, -1).astype(np.int8)
-        boot = (truncated & ~terminated).nonzero()[0]
-        final_obs = {int(r): tree_map(np.copy, index(self.final_obs, int(ids[r]))) for r in boot}
-        return Block(ids, index(self.obs, ids), self.reward[ids], terminated, truncated,
-                     (flags & NONFINITE) == 0, success, final_obs, errors or [], False, *chunk)
+            block = Block(ids, index(self.obs, ids), self.reward[ids], no, no, ~no, np.full(n, -1, np.int8),
+                          {}, errors or [], True)
+        else:
+            terminated = (flags & TERMINATED) != 0
+            truncated = (flags & TRUNCATED) != 0
+            success = np.where(flags & SUCCESS_KNOWN, (flags & SUCCESS) != 0, -1).astype(np.int8)
+            boot = (truncated & ~terminated).nonzero()[0]
+            final_obs = {int(r): tree_map(np.copy, index(self.final_obs, int(ids[r]))) for r in boot}
+            block = Block(ids, index(self.obs, ids), self.reward[ids], terminated, truncated,
+                          (flags & NONFINITE) == 0, success, final_obs, errors or [])
+        for name, column in self._chunk:
+            setattr(block, name, column[ids])
+        return block
 
     def close(self) -> None:
         if self._cost_flat is not None:
             self._cost_flat.release()  # a live export would keep a shared-memory block from closing
         self._cost_flat = None
         self.obs = self.final_obs = self.act = self.reward = self.flags = self.cost = self.started = None
-        self.reset_seed = self.chunk_rewards = self.chunk_steps = None
-
-
-def chunk_len(act_space: gym.Space) -> int:
-    """``K`` for an action space that may be an action chunk (a ``Box(K, ...)`` of two or more
-    dimensions), else 0."""
-    if isinstance(act_space, gym.spaces.Box) and len(act_space.shape) >= 2:
-        return int(act_space.shape[0])
-    return 0
+        self.reset_seed = self.chunk_steps = None
+        self.columns, self._chunk = {}, []
 
 
 def reset_env(env: gym.Env, seed: int | None = None) -> tuple[Any, dict]:

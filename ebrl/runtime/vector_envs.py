@@ -34,7 +34,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from ebrl.runtime.sim_types import SUCCESS_KEYS, success_flag
+from ebrl.runtime.sim_types import SUCCESS_KEYS, Block, success_flag
 from ebrl.spaces import all_finite, copy_tree, finite_rows, index, tree_map, unstack, write
 
 SAME_STEP, DISABLED = gym.vector.AutoresetMode.SAME_STEP, gym.vector.AutoresetMode.DISABLED
@@ -101,22 +101,13 @@ def reset_vector_env(venv: gym.vector.VectorEnv, seed: list[int | None] | dict[i
     return {i: obs[i] for i in rows}, {i: row_info(infos, i) for i in rows}
 
 
-@dataclass(slots=True)
-class VectorStep:
-    """One step of every env of a vector env, row ``i`` for env ``i`` (same-step autoreset)."""
+@dataclass(slots=True, eq=False)
+class VectorStep(Block):
+    """One step of every env of a vector env (same-step autoreset): a :class:`Block` of its rows
+    (``ids`` ``0..n-1``; ``final_obs`` of every row whose episode ended; ``chunk_rewards``/
+    ``chunk_steps`` None when the infos carry none), and the step's declared cost (virtual time)."""
 
-    obs: Any  # array tree [n, ...]: after an episode's end, the next episode's first observation
-    reward: np.ndarray  # float64 [n]
-    terminated: np.ndarray  # bool [n]
-    truncated: np.ndarray  # bool [n]
-    finite: np.ndarray  # bool [n]
-    success: np.ndarray  # int8 [n]: 1, 0, or -1 where the row's info had no success flag
-    final_obs: dict[int, Any]  # row -> last observation of the episode that ended there
-    cost_s: float = 0.0  # declared cost (virtual time)
-    # float32 [n, K] and int64 [n]: the per-step rewards of each row's action chunk and its
-    # length (ebrl.envs.chunks.ActionChunk's info), None when the infos carry none
-    chunk_rewards: np.ndarray | None = None
-    chunk_steps: np.ndarray | None = None
+    cost_s: float = 0.0
 
 
 def _chunks(infos: dict, done: np.ndarray, same_step: bool) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -169,5 +160,5 @@ def step_vector_env(venv: gym.vector.VectorEnv, actions: Any) -> VectorStep:
                 success[i] = success_flag(row_info(infos.get("final_info", {}), i))
                 finite[i] &= all_finite(final_obs[int(i)])
     chunk_rewards, chunk_steps = _chunks(infos or {}, done, done.any() and autoreset_mode(venv) is not DISABLED)
-    return VectorStep(obs, rewards, terminated, truncated, finite, success, final_obs, _vector_cost(venv),
-                      chunk_rewards, chunk_steps)
+    return VectorStep(np.arange(n), obs, rewards, terminated, truncated, finite, success, final_obs,
+                      chunk_rewards=chunk_rewards, chunk_steps=chunk_steps, cost_s=_vector_cost(venv))
