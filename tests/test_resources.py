@@ -556,22 +556,26 @@ def test_sleeping_envs_on_too_few_workers_get_more_and_move_there_with_every_ste
 def test_fewer_workers_retire_only_after_their_envs_have_moved_off():
     from types import SimpleNamespace
 
+    from ebrl.runtime.sim_types import ElasticPool
+
     from ebrl.config import Offload, SimBackend
     from ebrl.runtime.resources.controller import Decision
     from ebrl.runtime.moves import Moves
     from ebrl.runtime.resources.manager import ResourceManager
 
-    class Pool:
-        backend, resizable, size = SimBackend.PROCESS, False, 4
+    class Pool:  # an elastic pool's surface, no envs
+        backend, resizable, mixed, workers = SimBackend.PROCESS, False, False, 4
         placement = np.array([0, 1, 2, 3] * 2)
         resized = []
 
         def migrate(self, *a):
             raise AssertionError("the driver migrates, at episode ends")
 
-        def resize(self, n):
+        def resize_workers(self, n):
             self.resized.append(n)
-            self.size = n
+            self.workers = n
+
+    ElasticPool.register(Pool)
 
     cfg = ebrl.RunConfig(num_envs=8, sim={"backend": "process"})
     pool = Pool()

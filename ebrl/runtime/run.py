@@ -204,7 +204,7 @@ async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop
         version=versions, gen_batches=generator.batch_sizes, ended_at=t_end,
         steps_per_env=rollout.steps_per_env.tolist(), history=learner.history,
         gen_wait_max_s=generator.max_request_wait_s, gen_costs=generator.costs.to_dict(),
-        timeouts=driver.recovery.timeouts, respawns=getattr(pool, "respawns", 0), migrations=driver.moves.done,
+        timeouts=driver.recovery.timeouts, respawns=pool.respawns, migrations=driver.moves.done,
         sim_backend=pool.backend.value, sim_size=pool.size, learner_mode=mode.value,
         generator_busy_s=generator.busy_s, learner_busy_s=learner.busy_s, busy=busy,
         cpu_wall_s=time.perf_counter() - wall0,

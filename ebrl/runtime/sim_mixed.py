@@ -39,7 +39,7 @@ import numpy as np
 
 from ebrl.config import SimBackend
 from ebrl.runtime.sim_threads import ThreadSimPool
-from ebrl.runtime.sim_types import EnvFn, SimPool
+from ebrl.runtime.sim_types import ElasticPool, EnvFn, SimPool
 from ebrl.runtime.sim_workers import ProcessSimPool
 from ebrl.runtime.sim_workers_elastic import NOWHERE
 from ebrl.spaces import index
@@ -47,10 +47,11 @@ from ebrl.spaces import index
 LOCAL = NOWHERE  # an env on the thread lanes: its worker pool hosts it nowhere
 
 
-class MixedSimPool(SimPool):
+class MixedSimPool(ElasticPool):
     """Envs on thread lanes (``placement == LOCAL``) or in worker processes; see the module docstring."""
 
     resizable = True  # the lanes (``size``); workers change with grow() and resize_workers()
+    mixed = True
 
     def __init__(self, env_fn: EnvFn, num_envs: int, lanes: int, workers: int, start: SimBackend = SimBackend.THREAD,
                  start_method: str | None = None, reply_hold_s: float = 0.002):

@@ -282,6 +282,7 @@ class SimPool(ABC):
     backend: SimBackend
     resizable = False
     vector_size = 1
+    respawns = 0  # worker processes replaced after dying (the process and mixed pools count them)
 
     def __init__(self, env_fn: EnvFn, num_envs: int):
         self.env_fn = env_fn
@@ -350,4 +351,40 @@ class SimPool(ABC):
         seconds, summed since start; see :attr:`StepRows.cost`), or None before start."""
         rows = getattr(self, "rows", None)
         return None if rows is None or rows.cost is None else rows.cost.copy()
+
+
+class ElasticPool(SimPool):
+    """A pool whose envs live on worker processes and can move between them (the process pool),
+    or also to and from thread lanes (the mixed pool: ``mixed``): what the controller's
+    ``placement``, ``workers`` and ``backend`` knobs act on. One ``isinstance`` check tells the
+    manager and the profiler a pool can do all of it."""
+
+    mixed = False  # envs may also step on thread lanes (placement negative)
+
+    @property
+    @abstractmethod
+    def placement(self) -> np.ndarray:
+        """Env -> worker (a copy); negative: not on a worker (a mixed pool's env on the lanes)."""
+
+    @property
+    @abstractmethod
+    def workers(self) -> int:
+        """Worker processes now."""
+
+    @abstractmethod
+    async def migrate(self, env_id: int, worker: int, seed: int | None = None) -> tuple[Any, dict]:
+        """Move idle env ``env_id`` to ``worker``, rebuilt there from ``env_fn`` and reset with
+        ``seed``; returns that reset's ``(obs, info)``. On failure the env stays where it was."""
+
+    @abstractmethod
+    async def grow(self, n: int) -> None:
+        """Start workers up to ``n`` (forked off the loop); envs move onto them with :meth:`migrate`."""
+
+    @abstractmethod
+    def resize_workers(self, n: int) -> None:
+        """Retire the workers past ``n`` (their envs must have moved off first)."""
+
+    @abstractmethod
+    def worker_pids(self) -> list[int]:
+        """The live workers' process ids (for CPU pinning)."""
 

@@ -51,7 +51,7 @@ import numpy as np
 
 from ebrl.config import SimBackend
 from ebrl.runtime.errors import EnvStepError, TimedOut, WorkerDied
-from ebrl.runtime.sim_types import EnvFn, SimPool, StepRows
+from ebrl.runtime.sim_types import ElasticPool, EnvFn, StepRows
 from ebrl.runtime.sim_worker_link import WorkerLink
 from ebrl.runtime.sim_worker_process import ERRORS, PICKLED, release_shared, shm_alloc
 from ebrl.runtime.sim_workers_elastic import ElasticWorkers
@@ -62,7 +62,7 @@ from ebrl.telemetry.logging import get_logger
 log = get_logger("ebrl.sim")
 
 
-class ProcessSimPool(ElasticWorkers, SimPool):
+class ProcessSimPool(ElasticWorkers, ElasticPool):
     """Envs hosted in worker processes; steps travel through shared memory as env-id blocks.
 
     ``placement[i]`` is env ``i``'s worker (round-robin at start); :meth:`migrate` moves an idle

@@ -98,6 +98,13 @@ class ElasticWorkers:
             self._request_to(source, "drop", env_id, None).add_done_callback(_ignore)
         return out
 
+    @property
+    def workers(self) -> int:
+        return self.size
+
+    def resize_workers(self, n: int) -> None:
+        self.resize(n)
+
     def resize(self, n: int) -> None:
         """Grow to ``n`` workers (new ones host no env until :meth:`migrate` moves some there),
         or shrink by retiring workers ``n..size-1``, which must host no env (ValueError, naming

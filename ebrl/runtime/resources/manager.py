@@ -42,7 +42,8 @@ from ebrl.runtime.resources.controller import Decision, Knobs, Limits, Memory, d
 from ebrl.runtime.resources.gpu import GpuStreams, StreamMode
 from ebrl.runtime.resources.profiler import EpochProfile, LiveProfiler
 from ebrl.runtime.resources.rules_start import offload_start
-from ebrl.runtime.sim_mixed import LOCAL, MixedSimPool
+from ebrl.runtime.sim_mixed import LOCAL
+from ebrl.runtime.sim_types import ElasticPool
 from ebrl.runtime.threads import usable_cpus
 from ebrl.telemetry.logging import get_logger
 
@@ -74,8 +75,10 @@ class ResourceManager:
         remote = getattr(learner, "remote", None)
         # the learner process's torch threads, when the controller may change them
         self._threads = learner_threads if remote is not None and cfg.resources.learner_threads is None else None
-        self.mixed = isinstance(pool, MixedSimPool)  # envs may move between lanes and workers
-        self._affinity = ("shared" if remote is not None and (pool.backend is SimBackend.PROCESS or self.mixed)
+        # envs on worker processes that can move (checked once): placement, workers, backend
+        self.elastic = pool if isinstance(pool, ElasticPool) else None
+        self.mixed = self.elastic is not None and self.elastic.mixed  # envs may move between lanes and workers
+        self._affinity = ("shared" if remote is not None and self.elastic is not None
                           and cfg.resources.affinity and not virtual and affinity.available() else None)
         self._cores = sorted(os.sched_getaffinity(0)) if self._affinity else []
         self.streams = streams if streams is not None and streams.mode is StreamMode.GREEN_CONTEXTS else None
@@ -97,9 +100,7 @@ class ResourceManager:
                              inline_up_to_s=cfg.generation.inline_below_s)
         self._resizable = pool.resizable and (pool.backend is SimBackend.THREAD or virtual or self.mixed)
         # envs move between workers only one by one (vector envs stay where they are built)
-        self._movable = ((pool.backend is SimBackend.PROCESS or self.mixed) and hasattr(pool, "migrate")
-                         and cfg.sim.vector_size == 1)
-        self._resize_workers = pool.resize_workers if self.mixed else pool.resize
+        self._movable = self.elastic is not None and cfg.sim.vector_size == 1
         self._then_place: tuple[int, ...] | None = None  # a placement waiting for workers to start
         self.knobs = self._current()
         # knob -> setter: the controller's decisions act through these alone
@@ -113,9 +114,7 @@ class ResourceManager:
 
     @property
     def _workers(self) -> int | None:
-        if self.mixed:
-            return self.pool.workers
-        return self.pool.size if self.pool.backend is SimBackend.PROCESS else None
+        return None if self.elastic is None else self.elastic.workers
 
     def _current(self) -> Knobs:
         """The knobs as the pool and generator have them now (a failed migration leaves an env put)."""
@@ -152,7 +151,7 @@ class ResourceManager:
         """Start the workers a ``workers`` or ``backend`` decision asked for, then move envs
         onto them (by cost, or where the ``backend`` decision placed them)."""
         n, self._grow_to = self._grow_to, None
-        await self.pool.grow(n)
+        await self.elastic.grow(n)
         if self._then_place is not None:
             self._move_to(self._then_place)
             self._then_place = None
@@ -160,7 +159,7 @@ class ResourceManager:
             self._place_on(n)
 
     def _move_to(self, placement) -> None:
-        now = self.pool.placement
+        now = self.elastic.placement
         self.driver.moves.wanted = {i: int(w) for i, w in enumerate(placement) if now[i] != w}
 
     def epoch(self) -> list[Decision]:
@@ -195,18 +194,18 @@ class ResourceManager:
         """The envs have left the workers past ``_retire_to``: retire those workers (unless a
         migration failed and left an env there, which keeps its worker). True if it did."""
         n, self._retire_to = self._retire_to, None
-        left = np.flatnonzero(self.pool.placement >= n).tolist()
+        left = np.flatnonzero(self.elastic.placement >= n).tolist()
         if left:
             log.warning("workers_kept", workers=self._workers, wanted=n, envs_left=left)
             return False
-        self._resize_workers(n)
+        self.elastic.resize_workers(n)
         return True
 
     def _place_on(self, n: int) -> None:
         """Place every env on workers ``0..n-1`` by measured cost per step (longest first),
         keeping as many where they are as possible; they move at their episode ends."""
         profile = self.profiles[-1]
-        now = self.pool.placement
+        now = self.elastic.placement
         on = now != LOCAL  # a mixed pool's envs on the lanes stay there
         costs = np.nan_to_num(profile.mean_step_s[on], nan=float(np.nanmean(profile.mean_step_s)))
         new = now.copy()
@@ -219,7 +218,7 @@ class ResourceManager:
             plan = {"loop": self._cores, "learner": self._cores, "workers": self._cores}
         affinity.pin(os.getpid(), plan["loop"])
         affinity.pin(self.learner.remote.process.pid, plan["learner"])
-        for pid in self.pool.worker_pids():
+        for pid in self.elastic.worker_pids():
             affinity.pin(pid, plan["workers"])
         self._affinity = mode
 
@@ -247,7 +246,7 @@ class ResourceManager:
         local = sum(w == LOCAL for w in placement)
         if local > self.pool.lanes and "lanes" not in self.limits.fixed:
             self.pool.resize(local)  # only envs whose steps wait go to the lanes: a lane each
-        if need > self.pool.workers:
+        if need > self.elastic.workers:
             self._grow_to, self._then_place = need, tuple(placement)
         else:
             self._move_to(placement)

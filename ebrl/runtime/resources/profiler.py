@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from ebrl.runtime.sim_types import CPU, QUEUE, STEPS, WALL
+from ebrl.runtime.sim_types import CPU, QUEUE, STEPS, WALL, ElasticPool
 
 WAIT_CAUSES = ("lane", "delivery", "action", "barrier", "backpressure")
 
@@ -243,11 +243,11 @@ class LiveProfiler:
         with np.errstate(invalid="ignore", divide="ignore"):
             mean = np.where(total[:, STEPS] > 0, total[:, WALL] / total[:, STEPS], np.nan)
         pool = self.pool
-        placement = getattr(pool, "placement", None)
-        workers = getattr(pool, "workers", pool.size if placement is not None else 0)
+        elastic = isinstance(pool, ElasticPool)
+        placement, workers = (pool.placement, pool.workers) if elastic else (None, 0)
         profile = EpochProfile(
             epoch=self.epoch, t_start=last["t"], t_end=now["t"], backend=pool.backend.value,
-            lanes=getattr(pool, "lanes", pool.size), workers=workers, num_units=self.driver.cfg.num_envs // self.driver.V,
+            lanes=pool.lanes if elastic and pool.mixed else pool.size, workers=workers, num_units=self.driver.cfg.num_envs // self.driver.V,
             steps=steps, wall_s=wall, cpu_s=dc[:, CPU], mean_step_s=mean,
             waits={"lane": dc[:, QUEUE], "delivery": np.maximum(roundtrip - wall - dc[:, QUEUE], 0.0),
                    **{c: now[c] - last[c] for c in ("action", "barrier", "backpressure")}},
