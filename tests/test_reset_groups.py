@@ -7,7 +7,7 @@ import pytest
 
 import ebrl
 from ebrl.config import ConfigError
-from ebrl.testing import Latency, MockEnv, MockPolicy, NoopAlgo
+from ebrl.testing import Latency, MockEnv, MockPolicy, NoopAlgo, run_virtual
 
 
 class Drifting(MockEnv):
@@ -47,6 +47,45 @@ def test_groups_share_every_reset_and_segments_are_episodes(backend):
     assert len(shared) >= 10  # episodes after the first: the seeds written for the autoresets
     for obs in shared:  # one seed, one start: MockEnv's first target is drawn from the reset's seed
         assert all(np.array_equal(obs[0], o) for o in obs[1:])
+
+
+class EndsEarly(MockEnv):
+    """Env ``i``'s ``k``-th episode terminates after ``3 + (i + 3k) % 9`` steps, before its time
+    limit of 20: group-mates' episodes end at different steps (as when a task succeeds)."""
+
+    def __init__(self, i):
+        super().__init__(dim=3, episode_len=20)
+        self.i, self.k, self.t = i, 0, 0
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = super().step(action)
+        self.t += 1
+        if self.t == 3 + (self.i + 3 * self.k) % 9:
+            terminated = True
+        if terminated or truncated:
+            self.k, self.t = self.k + 1, 0
+        return obs, reward, terminated, truncated, info
+
+
+@pytest.mark.parametrize("schedule", ["sync", "pipelined"])
+def test_lockstep_episode_segments_wait_for_every_env_instead_of_cutting(schedule):
+    """Under a lockstep schedule an env whose episode ended first waits outside the barrier and
+    the rest of its group steps on: every batch holds each env's whole episode from its reset
+    (it was: the first episode end parked the whole group, the update cut every other segment,
+    and GRPO used none of them)."""
+    algo = NoopAlgo()
+    num_envs = 8
+    cfg = ebrl.RunConfig(num_envs=num_envs, segment_len=20, total_env_steps=2000, reset_group=4,
+                         segment_cut="episode", schedule=schedule, num_groups=2, sim={"backend": "inline"})
+    res = run_virtual(ebrl.Trainer(EndsEarly, MockPolicy(act_dim=3), algo, cfg))
+    assert res.accounting_ok()
+    full = algo.batches[:-1]  # the last one holds what the budget's end left
+    assert len(full) >= 10
+    for b in full:
+        lengths = b.mask.sum(1).numpy()
+        ends = (b.terminated | b.truncated).numpy()[np.arange(len(lengths)), lengths - 1]
+        assert len(lengths) == num_envs and ends.all() and (b.group.numpy() >= 0).all(), lengths
+        assert sorted(set(lengths.tolist())) != [lengths[0]]  # the episodes' lengths differ within a batch
 
 
 def test_without_reset_groups_segments_cut_by_length_have_no_group():

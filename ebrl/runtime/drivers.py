@@ -158,15 +158,17 @@ class Driver:
         park what would overflow the queue; request actions for the rest."""
         go = self.state.claim(len(ids), self.V, whole=self.lockstep)
         if go < len(ids):  # the budget is spent: the rest are done
+            if self.lockstep:
+                self.barrier.leave(ids[go:])
             self._finish(len(ids) - go)
             ids = ids[:go]
             if not go:
                 return
         blocked = self.rollout.need_space(ids)
         if np.count_nonzero(blocked):
-            if self.lockstep or self.V > 1:  # a group or a vector env goes whole, or not at all
-                self._park(ids)
-                return
+            if self.V > 1:  # a vector env steps whole, or not at all
+                blocked = np.isin(ids // self.V, ids[blocked] // self.V)
+            # the rest go on: a lockstep group without its parked envs (their segments closed early)
             self._park(ids[blocked])
             ids = ids[~blocked]
             if not len(ids):
@@ -191,6 +193,8 @@ class Driver:
     # ---------------------------------------------------------------- backpressure
 
     def _park(self, ids: np.ndarray) -> None:
+        if self.lockstep:
+            self.barrier.leave(ids)
         self.parked.append(ids)
         self.state.parked += len(ids)
         self.waits.parked(ids, self._loop.time())
@@ -211,6 +215,8 @@ class Driver:
             self.state.parked -= len(ids)
             self.waits.unparked(ids, now)
             self.state.release(len(ids))  # _release claims again
+            if self.lockstep:
+                self.barrier.rejoin(ids)
             self._release(ids)
         self.generator.poke()
 

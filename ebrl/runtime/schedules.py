@@ -44,11 +44,19 @@ def generation_target(cfg: RunConfig) -> int:
 
 class Barrier:
     """The lockstep barrier: which groups are whole once envs ``ids`` are back (every env of a
-    group, in env id order). Under ``async`` each unit is a group of its own.
+    group that is not waiting outside it, in env id order). Under ``async`` each unit is a group
+    of its own.
+
+    An env parked on a full queue (its segment closed early: its episode ended, under
+    ``segment_cut="episode"``) leaves the barrier (:meth:`leave`) and the rest of its group steps on
+    without it until it rejoins (:meth:`rejoin`): the rollout still ends when every env's segment has
+    closed, and no env's segment is cut short by another's episode end.
 
         >>> barrier = Barrier(RunConfig(num_envs=4, schedule="sync"))
         >>> barrier.arrive(np.array([0, 1])), barrier.arrive(np.array([3, 2]))
         ([], [array([0, 1, 2, 3])])
+        >>> barrier.leave(np.array([2])); barrier.arrive(np.array([0, 1, 3]))
+        [array([0, 1, 3])]
     """
 
     def __init__(self, cfg: RunConfig):
@@ -58,6 +66,8 @@ class Barrier:
         for g, ids in enumerate(self.groups):
             self.group_of[ids] = g
         self.arrived = np.zeros(len(self.groups), np.int64)  # envs of each group back and ready
+        self.inside = np.array([len(g) for g in self.groups], np.int64)  # envs each group waits for
+        self.out = np.zeros(cfg.num_envs, bool)  # parked envs: not waited for
 
     def arrive(self, ids: np.ndarray) -> list[np.ndarray]:
         """Envs ``ids`` (whole units) are ready; the groups now whole (whose count starts again)."""
@@ -65,7 +75,18 @@ class Barrier:
         groups, counts = np.unique(self.group_of[ids], return_counts=True)
         for g, c in zip(groups.tolist(), counts.tolist()):
             self.arrived[g] += c
-            if self.arrived[g] == len(self.groups[g]):
+            if self.arrived[g] == self.inside[g]:
                 self.arrived[g] = 0
-                whole.append(self.groups[g])
+                members = self.groups[g]
+                whole.append(members[~self.out[members]])
         return whole
+
+    def leave(self, ids: np.ndarray) -> None:
+        """Envs ``ids`` (just released, not stepping) wait outside: their groups go on without them."""
+        self.out[ids] = True
+        np.subtract.at(self.inside, self.group_of[ids], 1)
+
+    def rejoin(self, ids: np.ndarray) -> None:
+        """Envs ``ids`` step again: their groups wait for them from their next arrival."""
+        self.out[ids] = False
+        np.add.at(self.inside, self.group_of[ids], 1)
