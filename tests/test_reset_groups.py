@@ -85,7 +85,7 @@ def test_lockstep_episode_segments_wait_for_every_env_instead_of_cutting(schedul
         lengths = b.mask.sum(1).numpy()
         ends = (b.terminated | b.truncated).numpy()[np.arange(len(lengths)), lengths - 1]
         assert len(lengths) == num_envs and ends.all() and (b.group.numpy() >= 0).all(), lengths
-        assert sorted(set(lengths.tolist())) != [lengths[0]]  # the episodes' lengths differ within a batch
+        assert len(set(lengths.tolist())) > 1  # the episodes' lengths differ within a batch
 
 
 def test_without_reset_groups_segments_cut_by_length_have_no_group():
