@@ -119,6 +119,21 @@ def test_finished_envs_reset_in_the_same_step_and_only_they(fake_maniskill):
     assert np.allclose(obs[1][:2], 0.0) and info["final_info"]["success"][1]  # the next episode's first
 
 
+def test_ignore_terminations_runs_a_successful_episode_to_the_time_limit(fake_maniskill):
+    envs = make(f"maniskill/{TASK}", num_envs=2, ignore_terminations=True, max_episode_steps=3)
+    envs.reset(seed=0)
+    base = envs.env.unwrapped
+    base.goal[1] = torch.tensor([0.05, 0.0])  # env 1 succeeds at its first step and stays there
+    act = np.array([[0, 0], [0.5, 0]], np.float32)
+    for t in (1, 2, 3):
+        obs, _, term, trunc, info = envs.step(act if t == 1 else np.zeros((2, 2), np.float32))
+        assert not term.any() and info["success"].tolist() == [False, True]  # success reported, the episode goes on
+        assert trunc.tolist() == [t == 3, t == 3]
+    assert base.resets[-1] == [0, 1]  # no partial reset at the success: both ended at the limit
+    with pytest.raises(ValueError, match="ignore_terminations='yes'"):
+        make(f"maniskill/{TASK}", num_envs=2, ignore_terminations="yes")
+
+
 def test_pixels_give_uint8_cameras_on_channels_and_a_flat_state(fake_maniskill):
     envs = make(f"maniskill/{TASK}", num_envs=2, pixels=24)
     space = envs.single_observation_space

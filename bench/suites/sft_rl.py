@@ -12,8 +12,11 @@ On ManiSkill3 ``PickCube-v1`` from state (SAPIEN's CPU backend, end-effector con
    too few to solve the task, enough to start from;
 3. RL from the SFT weights for ``MAX_S`` seconds, each run a fresh process: PPO on ManiSkill's
    dense reward under ``async`` and ``sync``, and GRPO on the sparse success under ``sync`` (its
-   preferred schedule), 16 envs, every knob at its default but PPO's discount (``gamma=0.8``,
-   ManiSkill's PPO baseline's for its 50-step tasks, as in ``embodied-learning``); evaluated every
+   preferred schedule), 16 envs, every knob at its default but two that follow ManiSkill's PPO
+   baseline for PPO: its discount (``gamma=0.8``, as in ``embodied-learning``) and no episode end at
+   success (``ignore_terminations=True``; the baseline bootstraps at every episode end instead):
+   ended there, an episode forfeits the dense reward that hovering near the goal keeps paying, and
+   PPO learns to avoid success (see :mod:`ebrl.envs.maniskill`); evaluated every
    ``EVAL_EVERY_S`` during the run (``run.eval_every_s``, ``EVAL_DURING`` episodes) and as SFT
    was at the end.
 
@@ -47,11 +50,11 @@ RUNS = (("ppo", "async"), ("ppo", "sync"), ("grpo", "sync"))
 SFT_EPOCHS = 200  # SFTConfig's 30 epochs are 210 gradient steps on 100 demonstrations' 1,800 frames
 
 
-def env_fn(reward_mode: str):
+def env_fn(reward_mode: str, ignore_terminations: bool = False):
     def make(i: int):
         from ebrl.envs import make as make_env
 
-        return make_env(ENV, reward_mode=reward_mode, **CONTROL)
+        return make_env(ENV, reward_mode=reward_mode, ignore_terminations=ignore_terminations, **CONTROL)
 
     return make
 
@@ -96,7 +99,7 @@ def measure_run(algo: str, schedule: str, seed: int, policy_dir: str, sft_succes
     from ebrl.policies import MLPPolicy
     from ebrl.runs import load_policy_weights
 
-    fn = env_fn("normalized_dense" if algo == "ppo" else "sparse")
+    fn = env_fn("normalized_dense", ignore_terminations=True) if algo == "ppo" else env_fn("sparse")
     probe = fn(0)
     policy = MLPPolicy.from_spaces(probe.observation_space, probe.action_space, seed=seed)
     probe.close()

@@ -23,8 +23,15 @@ picks one) at that size and gives ``{"pixels": uint8 [H, W, 3 * cameras], "state
 (a bool; a bool array of the vector env) feeds the runtime's ``success_once``/``success_at_end``. Episode ends:
 success is ``terminated`` (as ManiSkill reports it), the task's time limit (ManiSkill's
 ``max_episode_steps``, 50 for PickCube) ``truncated``; ``env.spec.max_episode_steps`` says it
-on the CPU. ``reset(seed=s)`` repeats an episode exactly, and so do the unseeded resets after
-it (``enhanced_determinism=True`` is the default here).
+on the CPU. ``ignore_terminations=True`` (ManiSkill's ``ManiSkillVectorEnv`` option of that name)
+never reports ``terminated``: episodes run to the time limit, success stays in ``info``. Train
+PPO on a dense reward that way: ended at its success, an episode forfeits the dense reward that
+staying near the goal keeps paying (PickCube's ``normalized_dense``: 1 at success, about 0.7 a
+step just before it, so with ``gamma=0.8`` not succeeding is worth ~3.5 and succeeding 1), and
+the critic learns to steer away from success. ManiSkill's own PPO baseline avoids it by
+bootstrapping at every episode end (``bootstrap_at_done="always"``). ``reset(seed=s)`` repeats
+an episode exactly, and so do the unseeded resets after it (``enhanced_determinism=True`` is the
+default here).
 
 Install: ``pip install 'ebrl[maniskill]'``. ManiSkill simulates and renders through SAPIEN,
 which needs a Vulkan device even for state observations: on a machine without a GPU, Mesa's
@@ -225,15 +232,18 @@ class ManiSkillEnv(gym.Env):
     metadata = {"render_modes": ["rgb_array"]}
 
     def __init__(self, task: str, *, pixels: int | tuple[int, int] | None = None, camera: str | None = None,
-                 sim_backend: str = "physx_cpu", render_mode: str | None = None, **kwargs):
+                 sim_backend: str = "physx_cpu", render_mode: str | None = None, ignore_terminations: bool = False,
+                 **kwargs):
         if render_mode not in (None, "rgb_array"):
             raise ValueError(f"ManiSkillEnv render_mode={render_mode!r}: must be None or 'rgb_array'")
+        self.ignore_terminations = _flag("ignore_terminations", ignore_terminations)
         self.env = _build(task, 1, pixels, sim_backend=sim_backend, render_mode=render_mode, **kwargs)
         self.spec = gym.envs.registration.EnvSpec(
             f"maniskill/{task}", entry_point=f"{__name__}:ManiSkillEnv", nondeterministic=False,
             order_enforce=False, disable_env_checker=True,
             kwargs={"task": task, "pixels": pixels, "camera": camera, "sim_backend": sim_backend,
-                    **({"render_mode": render_mode} if render_mode else {}), **kwargs})
+                    **({"render_mode": render_mode} if render_mode else {}),
+                    **({"ignore_terminations": True} if ignore_terminations else {}), **kwargs})
         self.render_mode = render_mode
         self.pixels, self.camera = pixels is not None, camera
         # ManiSkill's own time limit (its TimeLimitWrapper keeps the registered or given one here)
@@ -250,8 +260,8 @@ class ManiSkillEnv(gym.Env):
 
     def step(self, action):
         obs, reward, terminated, truncated, info = self.env.step(np.asarray(action, np.float32))
-        return (index(_observe(obs, self.pixels, self.camera), 0), float(reward), bool(terminated),
-                bool(truncated), _unbatch(info))
+        return (index(_observe(obs, self.pixels, self.camera), 0), float(reward),
+                bool(terminated) and not self.ignore_terminations, bool(truncated), _unbatch(info))
 
     def render(self):
         if self.render_mode is None:
@@ -285,6 +295,12 @@ def _closed_on_error(owner: ManiSkillEnv | ManiSkillEnvs):
         raise
 
 
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"maniskill {name}={value!r}: must be true or false")
+    return value
+
+
 def _unbatch(info: dict) -> dict:
     """ManiSkill's info of one env (tensors of [1]) -> Python scalars (arrays of their own for
     per-env arrays): gymnasium's vector envs batch Python bools into bool arrays, NumPy ones
@@ -298,7 +314,8 @@ class ManiSkillEnvs(gym.vector.VectorEnv):
     metadata = {"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP}
 
     def __init__(self, task: str, num_envs: int, *, pixels: int | tuple[int, int] | None = None,
-                 camera: str | None = None, **kwargs):
+                 camera: str | None = None, ignore_terminations: bool = False, **kwargs):
+        self.ignore_terminations = _flag("ignore_terminations", ignore_terminations)
         self.env = _build(task, num_envs, pixels, **kwargs)
         self.pixels, self.camera = pixels is not None, camera
         base = self.env.unwrapped
@@ -334,7 +351,7 @@ class ManiSkillEnvs(gym.vector.VectorEnv):
 
         act = torch.as_tensor(np.asarray(actions), dtype=torch.float32, device=self.device)
         obs, reward, terminated, truncated, info = self.env.step(act)
-        terminated = _flags(terminated, self.num_envs)
+        terminated = _flags(terminated, self.num_envs) & (not self.ignore_terminations)
         truncated = _flags(truncated, self.num_envs)
         done = terminated | truncated
         obs = self._observe(obs)
