@@ -113,7 +113,24 @@ def test_equal_returns_in_a_group_give_zero_advantages():
     policy = MLPPolicy(2, 1, seed=0, normalize_obs=False)
     batch = make_batch([2, 3], [[0, 0], [0, 0, 0]], ["term", "term"], [5, 5], policy=policy)
     m = GRPO(update_epochs=1).update(policy, batch)
-    assert m["groups_uniform"] == 1.0 and m["policy_loss"] == 0.0
+    assert m["groups_uniform"] == 1.0 and m["no_signal"] == 1.0 and m["minibatches"] == 0.0
+
+
+def test_an_update_without_signal_leaves_the_policy_after_one_with_signal():
+    # Adam's momentum from the first update would move the weights on the second's zero gradient
+    policy = MLPPolicy(2, 1, seed=0, normalize_obs=False)
+    algo = GRPO(update_epochs=2, minibatch_size=2)
+    useful = make_batch([2, 2], [[0, 1], [0, 0]], ["term", "term"], [5, 5], policy=policy)
+    assert algo.update(policy, useful)["no_signal"] == 0.0
+    before = copy.deepcopy(policy.state_dict())
+    uniform = make_batch([2, 2], [[0, 0], [0, 0]], ["term", "term"], [6, 6], policy=policy, seed=1)
+    m = algo.update(policy, uniform)
+    assert m["no_signal"] == 1.0 and m["minibatches"] == 0.0 and m["steps_used"] == 4.0
+    assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
+    # an entropy term is a gradient of its own: the same batch then steps
+    m = GRPO(update_epochs=1, ent_coef=0.01).update(policy, uniform)
+    assert m["no_signal"] == 0.0 and m["minibatches"] == 1.0
+    assert not all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
 
 
 def test_no_usable_segment_returns_nan_metrics_without_stepping():

@@ -8,8 +8,10 @@ On ManiSkill3 ``PickCube-v1`` from state (SAPIEN's CPU backend, end-effector con
    PPO's critic does not start from nothing; ``log_std`` is SFT's fit to the held-out error,
    ``SFTConfig.fit_std``); success measured by
    :func:`ebrl.evaluation.evaluate` (``EVAL_EPISODES`` episodes on the evaluation seeds, the
-   policy's mode). In exploratory runs 10 demonstrations cloned to success 0.0 and 100 to 0.33:
-   too few to solve the task, enough to start from;
+   policy's mode; ``sft_sampled_success`` is the same with sampled actions, as RL's rollouts act:
+   GRPO learns only from reset groups holding both a success and a failure). In exploratory
+   runs 10 demonstrations cloned to success 0.0 and 100 to 0.33: too few to solve the task,
+   enough to start from;
 3. RL from the SFT weights for ``MAX_S`` seconds, each run a fresh process: PPO on ManiSkill's
    dense reward under ``async`` and ``sync``, and GRPO on the sparse success under ``sync`` (its
    preferred schedule), 16 envs, every knob at its default but two that follow ManiSkill's PPO
@@ -78,12 +80,13 @@ def prepare(seed: int, root: Path, quick: bool) -> dict:
                       SFTConfig(seed=seed, value_pass=True, gamma=0.8, epochs=2 if quick else SFT_EPOCHS))
         sft_s = time.perf_counter() - t0
         result = evaluate(policy, env, episodes=2 if quick else EVAL_EPISODES, deterministic=True)
+        sampled = evaluate(policy, env, episodes=2 if quick else EVAL_EPISODES)  # what RL's rollouts start from
     finally:
         env.close()
     spec = {"env": ENV, "env_kwargs": dict(CONTROL), "policy": {"kind": "mlp"}}
     save_sft(policy_dir, policy, spec, history)
     return {"demo_success": collected["success_once"], "demo_frames": collected["frames"], "sft_s": sft_s,
-            "sft_success": result.success_once, "sft_val_loss": history["val_loss"][-1],
+            "sft_success": result.success_once, "sft_sampled_success": sampled.success_once, "sft_val_loss": history["val_loss"][-1],
             "sft_log_std": history.get("log_std"), "policy_dir": str(policy_dir)}
 
 

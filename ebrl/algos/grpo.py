@@ -30,7 +30,10 @@ these fields ``auto``/``None``, see :mod:`ebrl.algos.needs`):
   ``segments_unused`` metric, as are the segments above). Batches holding whole groups waste
   nothing.
 
-The group std is the sample std (``n - 1``, as ``torch.std`` in TRL and verl).
+The group std is the sample std (``n - 1``, as ``torch.std`` in TRL and verl). An update whose
+used steps all have advantage 0 (every group uniform: on sparse success, all failures) and no
+entropy or KL term takes no optimizer step (metric ``no_signal``): its loss has no gradient, and
+stepping Adam on it would move the policy by the momentum of the last informative update.
 
 Example::
 
@@ -314,9 +317,13 @@ class GRPO(MinibatchAlgo):
         joint = distributed.active() is not None  # one rank of a data-parallel job: takes part even with no rows
         if (n_valid or joint) and hasattr(policy, "update_obs_stats"):
             policy.update_obs_stats(_index(b.obs, mask))
-        if n == 0:
-            nonfinite = self._epochs(policy, None, 0, device)[2] if joint else False
-            return {**base, **dict.fromkeys(names, math.nan), "nonfinite_loss": float(nonfinite), "minibatches": 0.0}
+        # no step without a signal: with every used step's advantage 0 (all groups uniform) and no
+        # entropy or KL term the loss has no gradient, yet Adam's momentum alone would move the policy
+        signal = self._signal(adv[steps], joint)  # every rank of a data-parallel job asks, rows or not
+        if n == 0 or not signal:
+            nonfinite = self._epochs(policy, None, 0, device)[2] if joint and signal else False
+            return {**base, **dict.fromkeys(names, math.nan), "nonfinite_loss": float(nonfinite), "minibatches": 0.0,
+                    "no_signal": float(n > 0 and not signal)}
 
         flat = {"obs": _index(b.obs, steps), "actions": b.actions[steps], "logprobs": b.logprobs[steps],
                 "advantages": adv[steps]}
@@ -328,8 +335,20 @@ class GRPO(MinibatchAlgo):
         # the runtime reads this: a loss that was NaN/inf stopped the update (faults.nonfinite)
         out["nonfinite_loss"] = float(nonfinite)
         out["minibatches"] = float(count)
+        out["no_signal"] = 0.0
         out.update(base)
         return out
+
+    def _signal(self, advantages: Tensor, joint: bool) -> bool:
+        """Whether the loss can have a gradient: a non-zero advantage (on any rank of a
+        data-parallel job, so that all ranks skip together), or an entropy or KL term."""
+        c = self.config
+        if c.ent_coef > 0 or c.kl_coef > 0:
+            return True
+        mine = float(bool(advantages.any()))
+        if joint:
+            return bool(distributed.active().all_max(torch.tensor([mine], dtype=torch.float64), "agreeing on a signal")[0])
+        return bool(mine)
 
 
 def _freeze(module: nn.Module) -> nn.Module:
