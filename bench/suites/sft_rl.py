@@ -86,8 +86,9 @@ def prepare(seed: int, root: Path, quick: bool) -> dict:
     spec = {"env": ENV, "env_kwargs": dict(CONTROL), "policy": {"kind": "mlp"}}
     save_sft(policy_dir, policy, spec, history)
     return {"demo_success": collected["success_once"], "demo_frames": collected["frames"], "sft_s": sft_s,
-            "sft_success": result.success_once, "sft_sampled_success": sampled.success_once, "sft_val_loss": history["val_loss"][-1],
-            "sft_log_std": history.get("log_std"), "policy_dir": str(policy_dir)}
+            "sft_success": result.success_once, "sft_sampled_success": sampled.success_once,
+            "sft_val_loss": history["val_loss"][-1], "sft_log_std": history.get("log_std"),
+            "policy_dir": str(policy_dir)}
 
 
 def measure_run(algo: str, schedule: str, seed: int, policy_dir: str, sft_success: float, quick: bool) -> dict:

@@ -314,12 +314,13 @@ class GRPO(MinibatchAlgo):
                 "lag_max": float(lags.max()) if n_valid else 0.0,
                 "steps_used": float(n), **info}
         names = ["policy_loss", "entropy", "approx_kl", "clipfrac"] + (["kl_ref"] if c.kl_coef > 0 else [])
-        joint = distributed.active() is not None  # one rank of a data-parallel job: takes part even with no rows
+        dp = distributed.active()
+        joint = dp is not None  # one rank of a data-parallel job: takes part even with no rows
         if (n_valid or joint) and hasattr(policy, "update_obs_stats"):
             policy.update_obs_stats(_index(b.obs, mask))
         # no step without a signal: with every used step's advantage 0 (all groups uniform) and no
         # entropy or KL term the loss has no gradient, yet Adam's momentum alone would move the policy
-        signal = self._signal(adv[steps], joint)  # every rank of a data-parallel job asks, rows or not
+        signal = self._signal(adv[steps], dp)  # every rank of a data-parallel job asks, rows or not
         if n == 0 or not signal:
             nonfinite = self._epochs(policy, None, 0, device)[2] if joint and signal else False
             return {**base, **dict.fromkeys(names, math.nan), "nonfinite_loss": float(nonfinite), "minibatches": 0.0,
@@ -339,16 +340,16 @@ class GRPO(MinibatchAlgo):
         out.update(base)
         return out
 
-    def _signal(self, advantages: Tensor, joint: bool) -> bool:
+    def _signal(self, advantages: Tensor, dp: distributed.DataParallel | None) -> bool:
         """Whether the loss can have a gradient: a non-zero advantage (on any rank of a
         data-parallel job, so that all ranks skip together), or an entropy or KL term."""
         c = self.config
         if c.ent_coef > 0 or c.kl_coef > 0:
             return True
-        mine = float(bool(advantages.any()))
-        if joint:
-            return bool(distributed.active().all_max(torch.tensor([mine], dtype=torch.float64), "agreeing on a signal")[0])
-        return bool(mine)
+        mine = bool(advantages.any())
+        if dp is None:
+            return mine
+        return bool(dp.all_max(torch.tensor([float(mine)], dtype=torch.float64), "agreeing on a signal")[0])
 
 
 def _freeze(module: nn.Module) -> nn.Module:
