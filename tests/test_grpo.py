@@ -257,6 +257,41 @@ def test_an_update_raises_the_log_prob_of_the_action_that_earned_more():
     assert logp(1) > before[0] + 0.01 and logp(0) < before[1]
 
 
+def test_episode_loss_agg_weighs_every_episode_alike():
+    # a success that ended after 1 step and a failure run to 4 steps, one group: advantages +-a
+    policy = MLPPolicy(2, 1, seed=0, normalize_obs=False)
+    batch = make_batch([1, 4], [[1], [0, 0, 0, 0]], ["term", "trunc"], [5, 5], policy=policy, T=4)
+    steps = batch.mask.bool()
+    algo = GRPO(loss_agg="episode", update_epochs=1, minibatch_size=64)
+    w = algo._step_weights(steps)
+    # n / (episodes * length): 5 / (2 * 1) for the success's step, 5 / (2 * 4) for each of the failure's
+    torch.testing.assert_close(w, torch.tensor([2.5, 0.625, 0.625, 0.625, 0.625]))
+    assert float(w.mean()) == pytest.approx(1.0)
+    assert GRPO()._step_weights(steps).tolist() == [1.0] * 5  # "step": a plain mean over steps
+
+    adv, _ = group_advantages(batch)
+    a = float(adv[0, 0])
+    mb = {"obs": batch.obs[steps], "actions": batch.actions[steps], "logprobs": batch.logprobs[steps],
+          "advantages": adv[steps]}
+    # ratios are 1 (behaviour = current policy): the policy loss is -mean(A) under each aggregation
+    _, by_step = GRPO().loss(policy, mb)
+    _, by_episode = algo.loss(policy, {**mb, "weights": w})
+    assert float(by_step["policy_loss"]) == pytest.approx(-(a - 4 * a) / 5, rel=1e-5)  # failures outweigh 4:1
+    assert float(by_episode["policy_loss"]) == pytest.approx(-(a - a) / 2, abs=1e-6)  # one episode each
+
+    # one update each way from the same weights: by episode the success's action gains more log-prob
+    def gain(agg):
+        p = copy.deepcopy(policy)
+        with torch.no_grad():
+            before, _, _ = p.evaluate(batch.obs[0, :1], batch.actions[0, :1])
+        GRPO(loss_agg=agg, lr=1e-2, update_epochs=1, minibatch_size=64).update(p, batch)
+        with torch.no_grad():
+            after, _, _ = p.evaluate(batch.obs[0, :1], batch.actions[0, :1])
+        return float(after - before)
+
+    assert gain("episode") > gain("step")
+
+
 # ---- config, failures, state ------------------------------------------------------------------
 
 
@@ -264,6 +299,7 @@ def test_an_update_raises_the_log_prob_of_the_action_that_earned_more():
     ("lr", 0.0), ("lr", math.inf), ("clip_coef", 0), ("update_epochs", 0), ("update_epochs", 1.5),
     ("minibatch_size", 0), ("ent_coef", -0.1), ("kl_coef", -1.0), ("kl_coef", math.nan),
     ("max_grad_norm", 0.0), ("norm_std", 1), ("min_group", 1), ("seed", "0"), ("lr", True),
+    ("loss_agg", "token"),
 ])
 def test_invalid_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=rf"GRPOConfig\.{field}="):

@@ -7,7 +7,8 @@ https://arxiv.org/abs/2509.15965): roll out a *group* of episodes from one initi
 each by its return ``R`` and give every step of episode ``i`` the advantage
 ``A_i = (R_i - mean(R_group)) / (std(R_group) + 1e-6)`` (``norm_std=False``: ``R_i - mean``).
 The policy is then trained with PPO's clipped ratio against the behaviour log-probs, averaged over
-all steps of the used episodes (step level, as DAPO's token-level mean), optionally with a KL
+all steps of the used episodes (step level, as DAPO's token-level mean; ``loss_agg="episode"``:
+over each episode's steps, then over episodes, as the GRPO paper), optionally with a KL
 penalty to a frozen reference policy (the k3 estimator
 ``exp(ref - logp) - (ref - logp) - 1`` of DeepSeekMath). The value head is neither used nor
 trained; there is no discounting.
@@ -83,6 +84,7 @@ LossFn = Callable[[nn.Module, dict[str, Tensor]], tuple[Tensor, dict[str, Tensor
 
 GROUP_EPS = 1e-6  # added to the group std (verl's and SimpleVLA-RL's epsilon)
 DEFAULT_RESET_GROUP = 4  # envs per reset group when the run sets none
+LOSS_AGGS = ("step", "episode")  # GRPOConfig.loss_agg
 
 
 @dataclass
@@ -95,6 +97,10 @@ class GRPOConfig:
     kl_coef: float = 0.0  # 0: no KL term (and no reference policy)
     max_grad_norm: float = 0.5  # math.inf disables clipping
     norm_std: bool = True  # divide by the group's std (Dr. GRPO: False)
+    # "step": the loss is a mean over steps (DAPO's token-level mean), so an episode weighs as its
+    # length; "episode": a mean over each episode's steps, then over episodes (the GRPO paper's
+    # 1/|o_i| sum_t), so an early success weighs as much as a failure run to the time limit
+    loss_agg: str = "step"
     min_group: int = 2  # complete episodes a group needs in the batch to be used
     seed: int = 0
 
@@ -113,6 +119,7 @@ class GRPOConfig:
               "an int >= 2 (a lone episode has no baseline: its advantage would be 0)")
         integer("seed")
         check("norm_std", isinstance(self.norm_std, bool), "a bool")
+        check("loss_agg", self.loss_agg in LOSS_AGGS, f"one of {list(LOSS_AGGS)}")
 
 
 def _group_advantages(batch: Batch, norm_std: bool, min_group: int) -> tuple[Tensor, Tensor, dict[str, float]]:
@@ -243,23 +250,29 @@ class GRPO(MinibatchAlgo):
     # ---- the objective -------------------------------------------------------------------
 
     def loss(self, policy: nn.Module, mb: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor | float]]:
-        """Clipped GRPO loss on one minibatch of used steps, a mean over its steps.
+        """Clipped GRPO loss on one minibatch of used steps, a (weighted) mean over its steps.
 
         ``mb`` holds flat ``[M]`` tensors: ``obs, actions, logprobs`` (behaviour), ``advantages``
-        (group-relative) and, when ``kl_coef > 0``, ``ref_logprobs`` (the reference policy's).
+        (group-relative), ``weights`` (each step's share of the mean, absent: 1; under
+        ``loss_agg="episode"`` inversely proportional to its episode's length, 1 on average over
+        the update's steps) and, when ``kl_coef > 0``, ``ref_logprobs`` (the reference policy's).
         """
         c = self.config
         new_logp, entropy, _ = policy.evaluate(mb["obs"], mb["actions"])  # the value head is ignored
         logratio = new_logp - mb["logprobs"]
         ratio = logratio.exp()
-        adv = mb["advantages"]
-        pg_loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - c.clip_coef, 1 + c.clip_coef)).mean()
-        ent = entropy.mean()
+        adv, w = mb["advantages"], mb.get("weights")
+
+        def mean(x: Tensor) -> Tensor:
+            return x.mean() if w is None else (w * x).mean()
+
+        pg_loss = mean(torch.max(-adv * ratio, -adv * ratio.clamp(1 - c.clip_coef, 1 + c.clip_coef)))
+        ent = mean(entropy)
         loss = pg_loss - c.ent_coef * ent
         metrics: dict[str, Tensor | float] = {}
         if c.kl_coef > 0:
             d = mb["ref_logprobs"] - new_logp
-            kl = (d.exp() - d - 1).mean()  # k3: unbiased, >= 0 (DeepSeekMath eq. 4)
+            kl = mean(d.exp() - d - 1)  # k3: unbiased, >= 0 (DeepSeekMath eq. 4)
             loss = loss + c.kl_coef * kl
             metrics["kl_ref"] = kl.detach()
         with torch.no_grad():
@@ -327,7 +340,7 @@ class GRPO(MinibatchAlgo):
                     "no_signal": float(n > 0 and not signal)}
 
         flat = {"obs": _index(b.obs, steps), "actions": b.actions[steps], "logprobs": b.logprobs[steps],
-                "advantages": adv[steps]}
+                "advantages": adv[steps], "weights": self._step_weights(steps)}
         if c.kl_coef > 0:
             flat["ref_logprobs"] = self._ref_logprobs(flat["obs"], flat["actions"], n)
         sums, count, nonfinite = self._epochs(policy, flat, n, device)
@@ -339,6 +352,19 @@ class GRPO(MinibatchAlgo):
         out["no_signal"] = 0.0
         out.update(base)
         return out
+
+    def _step_weights(self, steps: Tensor) -> Tensor:
+        """``[n]`` weights of the used steps (``steps``: ``[S, T]`` bool) in the loss's mean: 1 each
+        under ``loss_agg="step"``; under ``"episode"`` ``n / (episodes * length)``, so that every
+        episode's steps sum to the same share and the weights average 1 (a minibatch's mean is
+        then an unbiased estimate of the mean over episodes)."""
+        n = int(steps.sum())
+        if self.config.loss_agg == "step":
+            return torch.ones(n, device=steps.device)
+        length = steps.sum(1, keepdim=True).float()  # [S, 1]: each used episode's steps
+        episodes = int((length > 0).sum())
+        w = (n / (episodes * length.clamp(min=1))).expand_as(steps)
+        return w[steps]
 
     def _signal(self, advantages: Tensor, dp: distributed.DataParallel | None) -> bool:
         """Whether the loss can have a gradient: a non-zero advantage (on any rank of a
