@@ -267,7 +267,7 @@ def test_episode_loss_agg_weighs_every_episode_alike():
     # n / (episodes * length): 5 / (2 * 1) for the success's step, 5 / (2 * 4) for each of the failure's
     torch.testing.assert_close(w, torch.tensor([2.5, 0.625, 0.625, 0.625, 0.625]))
     assert float(w.mean()) == pytest.approx(1.0)
-    assert GRPO()._step_weights(steps).tolist() == [1.0] * 5  # "step": a plain mean over steps
+    assert GRPO()._step_weights(steps) is None  # "step": no weights, a plain mean over steps
 
     adv, _ = group_advantages(batch)
     a = float(adv[0, 0])

@@ -340,7 +340,10 @@ class GRPO(MinibatchAlgo):
                     "no_signal": float(n > 0 and not signal)}
 
         flat = {"obs": _index(b.obs, steps), "actions": b.actions[steps], "logprobs": b.logprobs[steps],
-                "advantages": adv[steps], "weights": self._step_weights(steps)}
+                "advantages": adv[steps]}
+        weights = self._step_weights(steps)
+        if weights is not None:
+            flat["weights"] = weights
         if c.kl_coef > 0:
             flat["ref_logprobs"] = self._ref_logprobs(flat["obs"], flat["actions"], n)
         sums, count, nonfinite = self._epochs(policy, flat, n, device)
@@ -353,14 +356,14 @@ class GRPO(MinibatchAlgo):
         out.update(base)
         return out
 
-    def _step_weights(self, steps: Tensor) -> Tensor:
-        """``[n]`` weights of the used steps (``steps``: ``[S, T]`` bool) in the loss's mean: 1 each
-        under ``loss_agg="step"``; under ``"episode"`` ``n / (episodes * length)``, so that every
-        episode's steps sum to the same share and the weights average 1 (a minibatch's mean is
-        then an unbiased estimate of the mean over episodes)."""
-        n = int(steps.sum())
+    def _step_weights(self, steps: Tensor) -> Tensor | None:
+        """``[n]`` weights of the used steps (``steps``: ``[S, T]`` bool) in the loss's mean, or
+        ``None`` under ``loss_agg="step"`` (a plain mean); under ``"episode"``
+        ``n / (episodes * length)``, so that every episode's steps sum to the same share and the
+        weights average 1 (a minibatch's mean is then an unbiased estimate of the mean over episodes)."""
         if self.config.loss_agg == "step":
-            return torch.ones(n, device=steps.device)
+            return None
+        n = int(steps.sum())
         length = steps.sum(1, keepdim=True).float()  # [S, 1]: each used episode's steps
         episodes = int((length > 0).sum())
         w = (n / (episodes * length.clamp(min=1))).expand_as(steps)
