@@ -172,6 +172,10 @@ def build_trainer(spec: dict[str, Any]):
     freeze = options.pop("freeze_obs_stats", init is not None)
     if not isinstance(freeze, bool):
         raise ConfigError("policy.freeze_obs_stats", freeze, "must be true or false")
+    std_scale = options.pop("init_std_scale", None)
+    if std_scale is not None and init is None:
+        raise ConfigError("policy.init_std_scale", std_scale, "scales the std loaded from policy.init: set that too "
+                          "(from scratch, policy.init_log_std sets the std)")
     try:
         facts = EnvFacts.of(probe)
         policy = build_policy(facts.observation_space, facts.action_space, with_env_instructions(options, probe))
@@ -184,6 +188,13 @@ def build_trainer(spec: dict[str, Any]):
             load_policy_weights(init, policy)
         except (ValueError, FileNotFoundError) as exc:
             raise ConfigError("policy.init", init, str(exc)) from None
+        if std_scale is not None:
+            from ebrl.runs import scale_std
+
+            try:
+                scale_std(policy, std_scale)
+            except ValueError as exc:
+                raise ConfigError("policy.init_std_scale", std_scale, str(exc)) from None
     if freeze:  # by default with policy.init: RL keeps the statistics its start weights were fitted to
         if callable(getattr(policy, "freeze_obs_stats", None)):
             policy.freeze_obs_stats()

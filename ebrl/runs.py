@@ -44,6 +44,23 @@ def load_policy_weights(path: str | Path, policy) -> dict[str, Any]:
     return data["meta"]
 
 
+def scale_std(policy, scale: float) -> None:
+    """Multiply a Gaussian policy's standard deviation by ``scale`` (``log_std += log(scale)``): RL
+    from a clone whose ``log_std`` SFT fitted to its held-out error samples a policy worse than its
+    mode, and RL learns from what it samples (``policy.init_std_scale``, docs/demos.md)."""
+    import math
+
+    import torch
+
+    log_std = getattr(policy, "log_std", None)
+    if not isinstance(log_std, torch.nn.Parameter):
+        raise ValueError(f"{type(policy).__name__} has no Gaussian log_std to scale")
+    if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"the scale must be a positive number, not {scale!r}")
+    with torch.no_grad():
+        log_std.add_(math.log(scale))
+
+
 def load_run(path: str | Path, overrides: dict[str, Any] | None = None):
     """``(spec, trainer)`` of the run or policy directory ``path``, its weights in ``trainer.policy``.
 

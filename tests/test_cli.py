@@ -1,5 +1,6 @@
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -125,6 +126,30 @@ def test_rl_from_sft_weights_keeps_their_observation_statistics(tmp_path):
     assert float(fresh.obs_mean.mean()) < -6
     with pytest.raises(ConfigError, match="policy.freeze_obs_stats.*true or false"):
         build_trainer(build_spec(None, ["env=mock/3", 'policy.freeze_obs_stats="yes"']))
+
+
+def test_init_std_scale_scales_the_loaded_std(tmp_path):
+    from ebrl.cli import build_trainer
+    from ebrl.sft import save_sft
+
+    sft = build_trainer(build_spec(None, ["env=mock/3"])).policy
+    with torch.no_grad():
+        sft.log_std.copy_(torch.tensor([-1.0, -2.0, -3.0])[: sft.log_std.numel()])
+    save_sft(tmp_path / "sft", sft, {"env": "mock/3", "env_kwargs": {}, "policy": {"kind": "mlp"}}, {})
+    init = f"policy.init={tmp_path / 'sft'}"
+
+    kept = build_trainer(build_spec(None, ["env=mock/3", init])).policy
+    torch.testing.assert_close(kept.log_std, sft.log_std)
+    halved = build_trainer(build_spec(None, ["env=mock/3", init, "policy.init_std_scale=0.5"])).policy
+    torch.testing.assert_close(halved.log_std.exp(), sft.log_std.exp() * 0.5)
+    obs = np.zeros((4000, 3), np.float32)  # what the rollouts sample: the actions' spread halves
+    spread = [np.std(p.act(obs).actions, axis=0) for p in (kept, halved)]
+    np.testing.assert_allclose(spread[1] / spread[0], 0.5, rtol=0.1)
+
+    with pytest.raises(ConfigError, match="policy.init_std_scale.*set that too"):
+        build_trainer(build_spec(None, ["env=mock/3", "policy.init_std_scale=0.5"]))
+    with pytest.raises(ConfigError, match="policy.init_std_scale.*positive number"):
+        build_trainer(build_spec(None, ["env=mock/3", init, "policy.init_std_scale=0"]))
 
 
 def test_train_from_pixels_end_to_end(tmp_path):

@@ -268,17 +268,19 @@ def vla_table(rep: dict) -> str:
 
 
 def sft_rl_table(rep: dict) -> str:
-    """``ebrl bench sft-rl``: per seed and RL run, success after SFT and after RL (95% Wilson
-    interval), the gain, the seconds to the first evaluation at SFT + 0.3; then the ratios and
-    the target."""
+    """``ebrl bench sft-rl``: per seed and RL run, success after SFT and after RL (the mode; 95% Wilson
+    interval), the gain, the same with sampled actions (as RL's rollouts act; ``—`` where a row
+    predates it), the seconds to the first evaluation at SFT + 0.3; then the ratios and the target."""
     meta = rep["meta"]
-    lines = ["| seed | RL run | success after SFT | success after RL (95% interval) | gain | seconds to +0.3 "
-             "| env steps/s |", "|---:|---|---:|---:|---:|---:|---:|"]
+    lines = ["| seed | RL run | success after SFT | success after RL (95% interval) | gain | sampled actions: "
+             "SFT → RL | seconds to +0.3 | env steps/s |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in rep["rows"]:
         ci = r.get("rl_success_ci") or [math.nan, math.nan]
         reached = r.get("time_to_gain_s")
+        sampled = [r.get(k) for k in ("sft_sampled_success", "rl_sampled_success")]
         lines.append(f"| {r['round']} | {r['case']} | {r['sft_success']:.2f} | {r['rl_success']:.2f} "
                      f"({ci[0]:.2f}-{ci[1]:.2f}) | {r['gain']:+.2f} | "
+                     f"{' → '.join('—' if x is None else f'{x:.2f}' for x in sampled)} | "
                      f"{'%.0f' % reached if reached is not None else 'not reached'} | {r['steps_per_s']:,.0f} |")
     lines += ["", "| figure | measured | target | |", "|---|---:|---|---|"]
     for name, s in rep.get("ratios", {}).items():
