@@ -22,8 +22,9 @@ def test_list_names_every_suite(capsys):
         assert name in out
 
 
-# the real simulators build slowly (a LIBERO env with a camera: ~4 s, steps 0.1 s): more time
-SLOW = {"embodied": 300}
+# the real simulators build slowly (a LIBERO env with a camera: ~4 s, steps 0.1 s; ManiSkill's
+# demonstrations, SFT and three RL runs): more time
+SLOW = {"embodied": 300, "sft-rl": 300}
 
 
 @pytest.mark.parametrize("suite", [pytest.param(s, marks=pytest.mark.timeout(SLOW[s])) if s in SLOW else s

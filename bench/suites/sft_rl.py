@@ -111,9 +111,12 @@ def measure_run(algo: str, schedule: str, seed: int, policy_dir: str, sft_succes
     load_policy_weights(policy_dir, policy)  # log_std included: SFT's fit
     policy.freeze_obs_stats()  # as ebrl train with policy.init: the statistics SFT's weights were fitted to
     algorithm = PPO(seed=seed, gamma=0.8) if algo == "ppo" else GRPO(seed=seed)
-    cfg = ebrl.RunConfig(num_envs=NUM_ENVS, segment_len=50, total_env_steps=10_000_000, schedule=schedule,
-                         seed=seed, eval_every_s=3.0 if quick else EVAL_EVERY_S, eval_episodes=EVAL_DURING)
-    result = run_capped(ebrl.Trainer(fn, policy, algorithm, cfg), 8.0 if quick else MAX_S)
+    # quick: one segment of 4 envs (a count, not seconds: a loaded machine may spend seconds building envs)
+    envs = 4 if quick else NUM_ENVS
+    cfg = ebrl.RunConfig(num_envs=envs, segment_len=50, total_env_steps=envs * 50 if quick else 10_000_000,
+                         schedule=schedule, seed=seed, eval_every_s=3.0 if quick else EVAL_EVERY_S,
+                         eval_episodes=EVAL_DURING)
+    result = run_capped(ebrl.Trainer(fn, policy, algorithm, cfg), 300.0 if quick else MAX_S)
     goal = min(1.0, sft_success + GAIN)
     hit = next((e for e in result.evaluations if e["success_once"] >= goal), None)
     env = make(ENV, **CONTROL)
