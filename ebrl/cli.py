@@ -182,15 +182,13 @@ def build_trainer(spec: dict[str, Any]):
     finally:
         probe.close()
     if init is not None:  # an ebrl sft output (or another run): RL starts from its weights
-        from ebrl.runs import load_policy_weights
+        from ebrl.runs import load_policy_weights, scale_std
 
         try:
             load_policy_weights(init, policy)
         except (ValueError, FileNotFoundError) as exc:
             raise ConfigError("policy.init", init, str(exc)) from None
         if std_scale is not None:
-            from ebrl.runs import scale_std
-
             try:
                 scale_std(policy, std_scale)
             except ValueError as exc:

@@ -62,11 +62,19 @@ def env_fn(reward_mode: str, ignore_terminations: bool = False):
     return make
 
 
+def score(policy, env, quick: bool):
+    """The policy's mode and its sampled actions (as RL's rollouts act), on the same evaluation
+    episodes: one protocol for the clone and for every RL run."""
+    from ebrl.evaluation import evaluate
+
+    episodes = 2 if quick else EVAL_EPISODES
+    return evaluate(policy, env, episodes=episodes, deterministic=True), evaluate(policy, env, episodes=episodes)
+
+
 def prepare(seed: int, root: Path, quick: bool) -> dict:
     """Demonstrations, SFT and its evaluation for one seed; the SFT policy saved under ``root``."""
     from ebrl.demos import DEMO_SEED, collect, read_lerobot
     from ebrl.envs import make
-    from ebrl.evaluation import evaluate
     from ebrl.policies import MLPPolicy
     from ebrl.sft import SFTConfig, save_sft, sft
 
@@ -80,8 +88,7 @@ def prepare(seed: int, root: Path, quick: bool) -> dict:
         history = sft(policy, read_lerobot(demos_dir), env.observation_space, env.action_space,
                       SFTConfig(seed=seed, value_pass=True, gamma=0.8, epochs=2 if quick else SFT_EPOCHS))
         sft_s = time.perf_counter() - t0
-        result = evaluate(policy, env, episodes=2 if quick else EVAL_EPISODES, deterministic=True)
-        sampled = evaluate(policy, env, episodes=2 if quick else EVAL_EPISODES)  # what RL's rollouts start from
+        result, sampled = score(policy, env, quick)
     finally:
         env.close()
     spec = {"env": ENV, "env_kwargs": dict(CONTROL), "policy": {"kind": "mlp"}}
@@ -100,7 +107,6 @@ def measure_run(algo: str, schedule: str, seed: int, policy_dir: str, sft_succes
     from ebrl.algos import GRPO, PPO
     from ebrl.benchmark.suite import run_capped
     from ebrl.envs import make
-    from ebrl.evaluation import evaluate
     from ebrl.policies import MLPPolicy
     from ebrl.runs import load_policy_weights
 
@@ -121,8 +127,7 @@ def measure_run(algo: str, schedule: str, seed: int, policy_dir: str, sft_succes
     hit = next((e for e in result.evaluations if e["success_once"] >= goal), None)
     env = make(ENV, **CONTROL)
     try:
-        after = evaluate(policy, env, episodes=2 if quick else EVAL_EPISODES, deterministic=True)
-        sampled = evaluate(policy, env, episodes=2 if quick else EVAL_EPISODES)  # as RL's rollouts act
+        after, sampled = score(policy, env, quick)
     finally:
         env.close()
     return {"rl_success": after.success_once, "rl_success_ci": list(after.success_once_ci),
