@@ -120,9 +120,15 @@ def build_policy(observation_space, action_space, options: dict[str, Any]):
         raise ConfigError("policy.kind", kind, str(exc)) from None
 
 
-def build_algo(spec: dict[str, Any]):
-    """``algo.kind`` and that kind's table of hyperparameters (``[ppo]``, ``[dppo]``, ...)."""
+DEMO_KEYS = ("demos", "demo_coef", "demo_decay")  # a kind's table: the demonstrations kept in RL's loss
+
+
+def build_algo(spec: dict[str, Any], observation_space=None, action_space=None):
+    """``algo.kind`` and that kind's table of hyperparameters (``[ppo]``, ``[dppo]``, ...), where
+    ``demos`` (a LeRobot dataset directory), ``demo_coef`` and ``demo_decay`` build the
+    algorithm's :class:`~ebrl.algos.demo_loss.DemoLoss` for a policy acting in these spaces."""
     from ebrl.algos import GRPO, PPO, DecoupledPPO, VTrace
+    from ebrl.algos.demo_loss import DemoLoss
 
     unknown = sorted(set(spec["algo"]) - {"kind"})
     if unknown:
@@ -133,8 +139,24 @@ def build_algo(spec: dict[str, Any]):
     if kind not in ALGO_KINDS:
         raise ConfigError("algo.kind", kind, f"must be one of {', '.join(ALGO_KINDS)}")
     cls = {"ppo": PPO, "dppo": DecoupledPPO, "vtrace": VTrace, "grpo": GRPO}[kind]
+    table = dict(spec[kind])
+    demo = {k: table.pop(k) for k in DEMO_KEYS if k in table}
+    demos = None
+    if demo:
+        if "demos" not in demo:
+            key = next(iter(demo))
+            raise ConfigError(f"{kind}.{key}", demo[key], f"weighs the demonstrations in RL's loss: set {kind}.demos "
+                              "to a LeRobot dataset directory (ebrl demos collect writes one)")
+        if observation_space is None:
+            raise ValueError("build_algo: demos need the env's observation and action spaces")
+        try:
+            demos = DemoLoss(demo["demos"], observation_space, action_space, coef=demo.get("demo_coef", 0.1),
+                             decay=demo.get("demo_decay", 0.995), seed=table.get("seed", 0))
+        except (ValueError, FileNotFoundError) as exc:  # a bad weight, or a dataset these spaces cannot read
+            key = next((k for k in DEMO_KEYS[1:] if str(exc).startswith(k)), "demos")
+            raise ConfigError(f"{kind}.{key}", demo[key], str(exc)) from None
     try:
-        return cls(**spec[kind])
+        return cls(**table, demos=demos)
     except (TypeError, ValueError) as exc:  # an unknown key, or a value the config refuses
         raise ConfigError(kind, spec[kind], str(exc)) from None
 
@@ -199,7 +221,7 @@ def build_trainer(spec: dict[str, Any]):
         elif asked:
             raise ConfigError("policy.freeze_obs_stats", freeze, f"{type(policy).__name__} keeps no observation "
                               "statistics")
-    algo = build_algo(spec)
+    algo = build_algo(spec, facts.observation_space, facts.action_space)
     # as ebrl.run() resolves it, here already so that trainer.config says what runs: the
     # algorithm's needs (GRPO: sync, episode cuts, reset groups, segments of the time limit)
     run_cfg = resolve_run_config(run_cfg, algo, facts.max_episode_steps)

@@ -79,8 +79,10 @@ class DecoupledPPO(PPO):
 
     config: DecoupledPPOConfig
 
-    def __init__(self, config: DecoupledPPOConfig | PPOConfig | None = None, *, loss_fn=None, **overrides):
-        super().__init__(_make_config(DecoupledPPOConfig, "DecoupledPPO", config, overrides), loss_fn=loss_fn)
+    def __init__(self, config: DecoupledPPOConfig | PPOConfig | None = None, *, loss_fn=None, demos=None,
+                 **overrides):
+        super().__init__(_make_config(DecoupledPPOConfig, "DecoupledPPO", config, overrides), loss_fn=loss_fn,
+                         demos=demos)
 
     def train_data(self, policy: nn.Module, b: Batch, obs, rewards: Tensor,
                    discounts: Tensor | None = None) -> dict[str, Tensor]:

@@ -194,13 +194,16 @@ class GRPO(MinibatchAlgo):
     """
 
     def __init__(self, config: GRPOConfig | None = None, *, reference: nn.Module | None = None,
-                 loss_fn: LossFn | None = None, **overrides):
+                 loss_fn: LossFn | None = None, demos=None, **overrides):
         valid = [f.name for f in dataclasses.fields(GRPOConfig)]
         unknown = [k for k in overrides if k not in valid]
         if unknown:
-            raise TypeError(f"GRPO() got unknown keyword(s) {unknown}; valid names: {valid + ['reference', 'loss_fn']}")
+            raise TypeError(f"GRPO() got unknown keyword(s) {unknown}; "
+                            f"valid names: {valid + ['reference', 'loss_fn', 'demos']}")
         self.config = dataclasses.replace(config or GRPOConfig(), **overrides)
         self.loss_fn = loss_fn
+        self.demos = demos  # a DemoLoss: the demonstrations' decaying BC term (ebrl.algos.demo_loss)
+        self.updates = 0
         self.reference = reference
         self._own_reference = False  # True: the deep copy taken here (saved with state_dict)
         self._pending_reference: dict | None = None
@@ -221,7 +224,7 @@ class GRPO(MinibatchAlgo):
     # ---- state (checkpoints, and the learner process handing its state back) -------------
 
     def state_dict(self) -> dict:
-        """Optimiser state, the minibatch RNG, and the reference weights when taken here."""
+        """Optimiser state, the minibatch RNG, the update count, and the reference weights when taken here."""
         ref = None
         if self._own_reference and self.reference is not None:
             state = self.reference.state_dict()
@@ -232,12 +235,13 @@ class GRPO(MinibatchAlgo):
         elif self._pending_reference is not None:
             ref = self._pending_reference
         return {"optimizer": self.optimizer.state_dict() if self.optimizer is not None else self._pending_optimizer_state,
-                "rng": self._gen.get_state(),
+                "rng": self._gen.get_state(), "updates": self.updates,
                 "reference": ref}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`; the optimiser state (and a saved reference) apply at the next update."""
         self._gen.set_state(state["rng"])
+        self.updates = state.get("updates", 0)
         self._pending_optimizer_state = state["optimizer"]
         self.optimizer = None
         ref = state.get("reference")
@@ -336,6 +340,7 @@ class GRPO(MinibatchAlgo):
         signal = self._signal(adv[steps], dp)  # every rank of a data-parallel job asks, rows or not
         if n == 0 or not signal:
             nonfinite = self._epochs(policy, None, 0, device)[2] if joint and signal else False
+            self.updates += 1
             return {**base, **dict.fromkeys(names, math.nan), "nonfinite_loss": float(nonfinite), "minibatches": 0.0,
                     "no_signal": float(n > 0 and not signal)}
 
@@ -347,6 +352,7 @@ class GRPO(MinibatchAlgo):
         if c.kl_coef > 0:
             flat["ref_logprobs"] = self._ref_logprobs(flat["obs"], flat["actions"], n)
         sums, count, nonfinite = self._epochs(policy, flat, n, device)
+        self.updates += 1
 
         out = {k: float(v) / count for k, v in sums.items()} if count else dict.fromkeys(names, math.nan)
         # the runtime reads this: a loss that was NaN/inf stopped the update (faults.nonfinite)

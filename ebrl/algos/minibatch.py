@@ -30,8 +30,12 @@ class MinibatchAlgo:
 
     Needs ``config`` (``lr``, ``update_epochs``, ``minibatch_size``, ``max_grad_norm``),
     ``loss_fn``/``loss``, ``_gen`` (the minibatch RNG), ``optimizer``, ``_policy`` and
-    ``_pending_optimizer_state``.
+    ``_pending_optimizer_state``. With ``demos`` (a :class:`~ebrl.algos.demo_loss.DemoLoss`),
+    every minibatch step adds its weighted behaviour-cloning term (weight by ``updates`` done).
     """
+
+    demos = None  # DemoLoss | None
+    updates = 0  # updates done (the critic warm-up and the demonstrations' weight count them)
 
     def reset_optimizer(self) -> None:
         """A fresh optimiser at the next update (after an update undone for NaN/inf: its moments may hold them)."""
@@ -85,6 +89,12 @@ class MinibatchAlgo:
                         a = mb["advantages"]
                         mb["advantages"] = (a - a.mean()) / (a.std() + 1e-8)
                     loss, metrics = loss_fn(policy, mb)
+                    if self.demos is not None:
+                        term, weight = self.demos(policy, self.updates)
+                        if term is not None:
+                            loss = loss + weight * term
+                            metrics = {**metrics, "demo_loss": term.detach()}
+                        metrics = {**metrics, "demo_weight": weight}
                     finite = bool(torch.isfinite(loss))
                 if not finite and dp is None:  # never step on NaN/inf: the rest of the update is skipped
                     return sums, count, True

@@ -128,19 +128,20 @@ class PPO(MinibatchAlgo):
     optimiser step).
     """
 
-    def __init__(self, config: PPOConfig | None = None, *, loss_fn: LossFn | None = None, **overrides):
+    def __init__(self, config: PPOConfig | None = None, *, loss_fn: LossFn | None = None, demos=None, **overrides):
         valid = [f.name for f in dataclasses.fields(PPOConfig)]
         unknown = [k for k in overrides if k not in valid]
         if unknown:
-            raise TypeError(f"PPO() got unknown keyword(s) {unknown}; valid names: {valid + ['loss_fn']}")
+            raise TypeError(f"PPO() got unknown keyword(s) {unknown}; valid names: {valid + ['loss_fn', 'demos']}")
         self.config = dataclasses.replace(config or PPOConfig(), **overrides)
         self.loss_fn = loss_fn
+        self.demos = demos  # a DemoLoss: the demonstrations' decaying BC term (ebrl.algos.demo_loss)
         self.reward_rms = _RunningVar()
         self.optimizer: torch.optim.Optimizer | None = None
         self._policy: nn.Module | None = None
         self._gen = torch.Generator().manual_seed(self.config.seed)  # minibatch permutations
         self._pending_optimizer_state: dict | None = None
-        self.updates = 0  # updates done (the critic warm-up counts them)
+        self.updates = 0
 
     # ---- state (checkpoints, and the learner process handing its state back) -------------
 

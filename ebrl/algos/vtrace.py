@@ -133,7 +133,7 @@ def _make_config(cls: type, algo: str, config: PPOConfig | None, overrides: dict
     valid = [f.name for f in dataclasses.fields(cls)]
     unknown = [k for k in overrides if k not in valid]
     if unknown:
-        raise TypeError(f"{algo}() got unknown keyword(s) {unknown}; valid names: {valid + ['loss_fn']}")
+        raise TypeError(f"{algo}() got unknown keyword(s) {unknown}; valid names: {valid + ['loss_fn', 'demos']}")
     if config is None:
         config = cls()
     elif not isinstance(config, cls):
@@ -181,8 +181,9 @@ class VTrace(PPO):
 
     config: VTraceConfig
 
-    def __init__(self, config: VTraceConfig | PPOConfig | None = None, *, loss_fn=None, **overrides):
-        super().__init__(_make_config(VTraceConfig, "VTrace", config, overrides), loss_fn=loss_fn)
+    def __init__(self, config: VTraceConfig | PPOConfig | None = None, *, loss_fn=None, demos=None, **overrides):
+        super().__init__(_make_config(VTraceConfig, "VTrace", config, overrides), loss_fn=loss_fn,
+                         demos=demos)
 
     def train_data(self, policy: nn.Module, b: Batch, obs, rewards: Tensor,
                    discounts: Tensor | None = None) -> dict[str, Tensor]:
