@@ -152,9 +152,10 @@ def build_algo(spec: dict[str, Any], observation_space=None, action_space=None):
         try:
             demos = DemoLoss(demo["demos"], observation_space, action_space, coef=demo.get("demo_coef", 0.1),
                              decay=demo.get("demo_decay", 0.995), seed=table.get("seed", 0))
-        except (ValueError, FileNotFoundError) as exc:  # a bad weight, or a dataset these spaces cannot read
-            key = next((k for k in DEMO_KEYS[1:] if str(exc).startswith(k)), "demos")
-            raise ConfigError(f"{kind}.{key}", demo[key], str(exc)) from None
+        except ConfigError as exc:  # a bad weight
+            raise ConfigError(f"{kind}.{exc.field}", exc.value, exc.allowed) from None
+        except (ValueError, FileNotFoundError) as exc:  # a dataset these spaces cannot read
+            raise ConfigError(f"{kind}.demos", demo["demos"], str(exc)) from None
     try:
         return cls(**table, demos=demos)
     except (TypeError, ValueError) as exc:  # an unknown key, or a value the config refuses

@@ -94,6 +94,13 @@ def demo_actions(demos: Demos, action_shape: tuple[int, ...]) -> np.ndarray:
                      "make the env as the demonstrations were (env_kwargs, chunk=)")
 
 
+def demo_batch(obs_all: Any, actions_all: np.ndarray, rows: np.ndarray, device) -> tuple[Any, Tensor]:
+    """Frames ``rows`` of the demonstrations (observations as :class:`ObsFeatures` gives them,
+    actions as :func:`demo_actions` shapes them) as tensors on ``device``."""
+    obs = tree_map(lambda x: torch.as_tensor(x[rows], device=device), obs_all)
+    return obs, torch.as_tensor(actions_all[rows], device=device)
+
+
 def bc_loss(policy, obs: Any, actions: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """The behaviour-cloning loss of one minibatch (see the module docstring)."""
     own = getattr(policy, "bc_loss", None)
@@ -149,8 +156,7 @@ def sft(policy, demos: Demos, observation_space, action_space, config: SFTConfig
     device = next(policy.parameters()).device
 
     def batch(rows: np.ndarray):
-        obs = tree_map(lambda x: torch.as_tensor(x[rows], device=device), obs_all)
-        return obs, torch.as_tensor(actions_all[rows], device=device)
+        return demo_batch(obs_all, actions_all, rows, device)
 
     if callable(getattr(policy, "update_obs_stats", None)):
         policy.update_obs_stats(batch(train_rows)[0])

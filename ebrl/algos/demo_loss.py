@@ -27,10 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from torch import Tensor
 
-from ebrl.spaces import tree_map
+from ebrl.config import ConfigError
 
 DROP_BELOW = 1e-3  # of coef: a weight this small no longer moves the policy, only costs a forward pass
 
@@ -47,9 +46,9 @@ class DemoLoss:
         from ebrl.sft import demo_actions
 
         if not (isinstance(coef, (int, float)) and 0 < coef < math.inf):
-            raise ValueError(f"demo_coef must be a finite number > 0, got {coef!r}")
+            raise ConfigError("demo_coef", coef, "a finite number > 0")
         if not (isinstance(decay, (int, float)) and 0 < decay <= 1):
-            raise ValueError(f"demo_decay must be in (0, 1], got {decay!r}")
+            raise ConfigError("demo_decay", decay, "a number in (0, 1]")
         if isinstance(demos, (str, Path)):
             demos = read_lerobot(demos)
         if len(demos) == 0:
@@ -66,12 +65,11 @@ class DemoLoss:
 
     def __call__(self, policy, update: int) -> tuple[Tensor | None, float]:
         """``(bc_loss, weight)`` for one minibatch step; ``(None, 0.0)`` once the term is dropped."""
-        from ebrl.sft import bc_loss
+        from ebrl.sft import bc_loss, demo_batch
 
         weight = self.weight(update)
         if weight == 0.0:
             return None, 0.0
         rows = self._rng.integers(len(self.actions), size=min(self.minibatch_size, len(self.actions)))
-        device = next(policy.parameters()).device
-        obs = tree_map(lambda x: torch.as_tensor(x[rows], device=device), self.obs)
-        return bc_loss(policy, obs, torch.as_tensor(self.actions[rows], device=device)), weight
+        obs, actions = demo_batch(self.obs, self.actions, rows, next(policy.parameters()).device)
+        return bc_loss(policy, obs, actions), weight
