@@ -1,26 +1,22 @@
 """SFT, then RL: what RL adds to a policy cloned from too few demonstrations.
 
-On ManiSkill3 ``PickCube-v1`` from state (SAPIEN's CPU backend, end-effector control
-``pd_ee_delta_pos``, the scripted expert's), per seed:
+On gymnasium-robotics ``FetchPickAndPlace-v4`` from state (MuJoCo), per seed:
 
-1. ``DEMOS`` episodes of the scripted expert (``ebrl demos collect``; it succeeds in each);
-2. SFT of an MLP policy on them (``ebrl sft``'s defaults, 200 epochs, and a value pass so that
-   PPO's critic does not start from nothing; ``log_std`` is SFT's fit to the held-out error,
-   ``SFTConfig.fit_std``); success measured by
-   :func:`ebrl.evaluation.evaluate` (``EVAL_EPISODES`` episodes on the evaluation seeds, the
-   policy's mode; ``sft_sampled_success`` is the same with sampled actions, as RL's rollouts act:
-   GRPO learns only from reset groups holding both a success and a failure). In exploratory
-   runs 10 demonstrations cloned to success 0.0 and 100 to 0.33: too few to solve the task,
-   enough to start from;
-3. RL from the SFT weights for ``MAX_S`` seconds, each run a fresh process: PPO on ManiSkill's
-   dense reward under ``async`` and ``sync``, and GRPO on the sparse success under ``sync`` (its
-   preferred schedule), 16 envs, every knob at its default but two that follow ManiSkill's PPO
-   baseline for PPO: its discount (``gamma=0.8``, as in ``embodied-learning``) and no episode end at
-   success (``ignore_terminations=True``; the baseline bootstraps at every episode end instead):
-   ended there, an episode forfeits the dense reward that hovering near the goal keeps paying, and
-   PPO learns to avoid success (see :mod:`ebrl.envs.maniskill`); evaluated every
-   ``EVAL_EVERY_S`` during the run (``run.eval_every_s``, ``EVAL_DURING`` episodes) and as SFT
-   was at the end.
+1. ``DEMOS`` episodes of the scripted expert (``ebrl demos collect``);
+2. SFT of an MLP policy on them (``ebrl sft``'s defaults, ``SFT_EPOCHS`` epochs, and a value pass
+   so that PPO's critic does not start from nothing; ``log_std`` is SFT's fit to the held-out error,
+   ``SFTConfig.fit_std``); success measured by :func:`ebrl.evaluation.evaluate` (``EVAL_EPISODES``
+   episodes on the evaluation seeds, the policy's mode; ``sft_sampled_success`` is the same with
+   sampled actions, as RL's rollouts act). In exploratory runs 20 demonstrations cloned to
+   success 0.10-0.30 over three seeds and 100 to 0.28: more demonstrations do not solve the task,
+   so 20 are "too few" and enough to start from;
+3. RL from the SFT weights for ``MAX_S`` seconds, each run a fresh process: PPO on the dense reward
+   (``FetchPickAndPlaceDense-v4``) under ``async`` and ``sync``, and GRPO on the sparse success
+   under ``sync`` (its preferred schedule), 16 envs, every knob at its default. RL keeps the
+   demonstrations in its loss (``demos=DemoLoss(...)`` at its default weights, DAPG's decaying
+   behaviour-cloning term; ``ppo.demos`` on the command line): without it, PPO and GRPO walked
+   off the clone in every exploratory run (docs/demos.md). Evaluated every ``EVAL_EVERY_S``
+   during the run (``run.eval_every_s``, ``EVAL_DURING`` episodes) and as SFT was at the end.
 
 Reported per seed and run: success after SFT and after RL (the mode), the gain, the same two
 with sampled actions (``sft_sampled_success``, ``rl_sampled_success``: what RL's rollouts do), the
@@ -38,26 +34,26 @@ from pathlib import Path
 
 from ebrl.benchmark.figures import spread
 
-DESCRIPTION = ("SFT on 100 scripted demos, then RL (PPO dense async/sync, GRPO sparse) on real ManiSkill PickCube-v1 "
-               "(CPU): success after SFT and after RL, time to +0.3, 3 seeds")
-ENV = "maniskill/PickCube-v1"
-CONTROL = {"control_mode": "pd_ee_delta_pos"}
+DESCRIPTION = ("SFT on 20 scripted demos, then RL with the demos in its loss (PPO dense async/sync, GRPO sparse) on "
+               "FetchPickAndPlace-v4 (MuJoCo): success after SFT and after RL, time to +0.3, 3 seeds")
+ENV = "robotics/FetchPickAndPlace-v4"  # sparse success: the demonstrations, GRPO and every evaluation
+DENSE_ENV = "robotics/FetchPickAndPlaceDense-v4"  # the same task and observations, reward -distance: PPO's
 SEEDS = (0, 1, 2)
-DEMOS = 100  # the expert's episodes: SFT on them reaches about a third of its success (10 reached none)
+DEMOS = 20  # the expert's episodes: the clone reaches 0.1-0.3 success (100 episodes reached no more)
 EVAL_EPISODES = 50
 NUM_ENVS = 16
 MAX_S = 600.0  # seconds of RL per run
 EVAL_EVERY_S, EVAL_DURING = 60.0, 10  # evaluation during RL: every minute, 10 episodes
 GAIN = 0.3
 RUNS = (("ppo", "async"), ("ppo", "sync"), ("grpo", "sync"))
-SFT_EPOCHS = 200  # SFTConfig's 30 epochs are 210 gradient steps on 100 demonstrations' 1,800 frames
+SFT_EPOCHS = 200  # SFTConfig's 30 epochs are ~120 gradient steps on 20 demonstrations' 1,000 frames
 
 
-def env_fn(reward_mode: str, ignore_terminations: bool = False):
+def env_fn(name: str):
     def make(i: int):
         from ebrl.envs import make as make_env
 
-        return make_env(ENV, reward_mode=reward_mode, ignore_terminations=ignore_terminations, **CONTROL)
+        return make_env(name)
 
     return make
 
@@ -79,44 +75,46 @@ def prepare(seed: int, root: Path, quick: bool) -> dict:
     from ebrl.sft import SFTConfig, save_sft, sft
 
     demos_dir, policy_dir = root / f"demos-{seed}", root / f"sft-{seed}"
-    collected = collect(ENV, demos_dir, episodes=2 if quick else DEMOS, seed=DEMO_SEED + 1000 * seed,
-                        env_kwargs=CONTROL)
-    env = make(ENV, **CONTROL)
+    collected = collect(ENV, demos_dir, episodes=2 if quick else DEMOS, seed=DEMO_SEED + 1000 * seed)
+    env = make(ENV)
     try:
         policy = MLPPolicy.from_spaces(env.observation_space, env.action_space, seed=seed)
         t0 = time.perf_counter()
         history = sft(policy, read_lerobot(demos_dir), env.observation_space, env.action_space,
-                      SFTConfig(seed=seed, value_pass=True, gamma=0.8, epochs=2 if quick else SFT_EPOCHS))
+                      SFTConfig(seed=seed, value_pass=True, epochs=2 if quick else SFT_EPOCHS))
         sft_s = time.perf_counter() - t0
         result, sampled = score(policy, env, quick)
     finally:
         env.close()
-    spec = {"env": ENV, "env_kwargs": dict(CONTROL), "policy": {"kind": "mlp"}}
+    spec = {"env": ENV, "policy": {"kind": "mlp"}}
     save_sft(policy_dir, policy, spec, history)
     return {"demo_success": collected["success_once"], "demo_frames": collected["frames"], "sft_s": sft_s,
             "sft_success": result.success_once, "sft_sampled_success": sampled.success_once,
             "sft_val_loss": history["val_loss"][-1], "sft_log_std": history.get("log_std"),
-            "policy_dir": str(policy_dir)}
+            "policy_dir": str(policy_dir), "demos_dir": str(demos_dir)}
 
 
-def measure_run(algo: str, schedule: str, seed: int, policy_dir: str, sft_success: float, quick: bool) -> dict:
-    """One RL run from the SFT weights (in a fresh process) for ``MAX_S`` seconds, evaluated every
-    ``EVAL_EVERY_S`` during it (``run.eval_every_s``: the policy's mode, ``EVAL_DURING`` episodes, in
-    a thread beside rollout), then evaluated as SFT was."""
+def measure_run(algo: str, schedule: str, seed: int, policy_dir: str, demos_dir: str, sft_success: float,
+                quick: bool) -> dict:
+    """One RL run from the SFT weights (in a fresh process) for ``MAX_S`` seconds, the demonstrations
+    in its loss, evaluated every ``EVAL_EVERY_S`` during it (``run.eval_every_s``: the policy's mode,
+    ``EVAL_DURING`` episodes, in a thread beside rollout), then evaluated as SFT was."""
     import ebrl
     from ebrl.algos import GRPO, PPO
+    from ebrl.algos.demo_loss import DemoLoss
     from ebrl.benchmark.suite import run_capped
     from ebrl.envs import make
     from ebrl.policies import MLPPolicy
     from ebrl.runs import load_policy_weights
 
-    fn = env_fn("normalized_dense", ignore_terminations=True) if algo == "ppo" else env_fn("sparse")
+    fn = env_fn(DENSE_ENV if algo == "ppo" else ENV)
     probe = fn(0)
     policy = MLPPolicy.from_spaces(probe.observation_space, probe.action_space, seed=seed)
+    demos = DemoLoss(demos_dir, probe.observation_space, probe.action_space, seed=seed)
     probe.close()
     load_policy_weights(policy_dir, policy)  # log_std included: SFT's fit
     policy.freeze_obs_stats()  # as ebrl train with policy.init: the statistics SFT's weights were fitted to
-    algorithm = PPO(seed=seed, gamma=0.8) if algo == "ppo" else GRPO(seed=seed)
+    algorithm = PPO(seed=seed, demos=demos) if algo == "ppo" else GRPO(seed=seed, demos=demos)
     # quick: one segment of 4 envs (a count, not seconds: a loaded machine may spend seconds building envs)
     envs = 4 if quick else NUM_ENVS
     cfg = ebrl.RunConfig(num_envs=envs, segment_len=50, total_env_steps=envs * 50 if quick else 10_000_000,
@@ -125,7 +123,7 @@ def measure_run(algo: str, schedule: str, seed: int, policy_dir: str, sft_succes
     result = run_capped(ebrl.Trainer(fn, policy, algorithm, cfg), 300.0 if quick else MAX_S)
     goal = min(1.0, sft_success + GAIN)
     hit = next((e for e in result.evaluations if e["success_once"] >= goal), None)
-    env = make(ENV, **CONTROL)
+    env = make(ENV)
     try:
         after, sampled = score(policy, env, quick)
     finally:
@@ -154,10 +152,11 @@ def run(quick: bool, in_process: bool = False) -> dict:
                   flush=True)
             for algo, schedule in RUNS:
                 args = {"algo": algo, "schedule": schedule, "seed": seed, "policy_dir": prep["policy_dir"],
+                        "demos_dir": prep["demos_dir"],
                         "sft_success": prep["sft_success"], "quick": quick}
                 out = measure_run(**args) if in_process else call_fresh("suite:sft-rl:measure_run", args)
                 row = {"case": f"{algo}-{schedule}", "runner": f"{algo}-{schedule}", "round": seed,
-                       **{k: v for k, v in prep.items() if k != "policy_dir"}, **out,
+                       **{k: v for k, v in prep.items() if not k.endswith("_dir")}, **out,
                        "gain": out["rl_success"] - prep["sft_success"]}
                 rows.append(row)
                 reached = row["time_to_gain_s"]
@@ -187,5 +186,6 @@ def run(quick: bool, in_process: bool = False) -> dict:
                 "met": bool(gains["n"]) and gains["min"] >= GAIN}]
     return {"rows": rows, "summary": {}, "ratios": ratios, "figures": figures, "targets": targets,
             "meta": {"description": DESCRIPTION, "quick": quick, "seeds": list(seeds), "rounds": len(seeds),
-                     "fresh_processes": not in_process, "env": ENV, "demos": DEMOS, "eval_episodes": EVAL_EPISODES,
+                     "fresh_processes": not in_process, "env": ENV, "dense_env": DENSE_ENV, "demos": DEMOS,
+                     "demo_loss": "DemoLoss defaults", "eval_episodes": EVAL_EPISODES,
                      "num_envs": NUM_ENVS, "max_s": MAX_S, "runs": [list(r) for r in RUNS]}}
