@@ -150,8 +150,8 @@ def build_algo(spec: dict[str, Any], observation_space=None, action_space=None):
         if observation_space is None:
             raise ValueError("build_algo: demos need the env's observation and action spaces")
         try:
-            demos = DemoLoss(demo["demos"], observation_space, action_space, coef=demo.get("demo_coef", 0.1),
-                             decay=demo.get("demo_decay", 0.995), seed=table.get("seed", 0))
+            weights = {k.removeprefix("demo_"): v for k, v in demo.items() if k != "demos"}  # else DemoLoss's defaults
+            demos = DemoLoss(demo["demos"], observation_space, action_space, seed=table.get("seed", 0), **weights)
         except ConfigError as exc:  # a bad weight
             raise ConfigError(f"{kind}.{exc.field}", exc.value, exc.allowed) from None
         except (ValueError, FileNotFoundError) as exc:  # a dataset these spaces cannot read

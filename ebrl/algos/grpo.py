@@ -74,7 +74,7 @@ from ebrl import distributed
 from ebrl.algos.advantages import _last_valid
 from ebrl.algos.batch import Batch
 from ebrl.algos.needs import RunNeeds
-from ebrl.algos.minibatch import MinibatchAlgo, _index
+from ebrl.algos.minibatch import MinibatchAlgo, _index, refuse_unknown
 from ebrl.algos.ppo import Checks
 from ebrl.config import Schedule, SegmentCut
 from ebrl.policies.base import acting_copy, load_published
@@ -195,11 +195,7 @@ class GRPO(MinibatchAlgo):
 
     def __init__(self, config: GRPOConfig | None = None, *, reference: nn.Module | None = None,
                  loss_fn: LossFn | None = None, demos=None, **overrides):
-        valid = [f.name for f in dataclasses.fields(GRPOConfig)]
-        unknown = [k for k in overrides if k not in valid]
-        if unknown:
-            raise TypeError(f"GRPO() got unknown keyword(s) {unknown}; "
-                            f"valid names: {valid + ['reference', 'loss_fn', 'demos']}")
+        refuse_unknown("GRPO", GRPOConfig, overrides, ("reference", "loss_fn", "demos"))
         self.config = dataclasses.replace(config or GRPOConfig(), **overrides)
         self.loss_fn = loss_fn
         self.demos = demos  # a DemoLoss: the demonstrations' decaying BC term (ebrl.algos.demo_loss)

@@ -23,6 +23,15 @@ def _index(x: Tensor | dict[str, Any], idx: Tensor) -> Tensor | dict[str, Any]:
     return {k: _index(v, idx) for k, v in x.items()}
 
 
+def refuse_unknown(algo: str, config_cls: type, overrides: dict[str, Any], extra: tuple[str, ...] = ()) -> None:
+    """A ``TypeError`` naming the keyword overrides that ``config_cls`` has no field for, and the
+    valid names (its fields, then the constructor's own keywords ``extra``)."""
+    valid = [f.name for f in dataclasses.fields(config_cls)]
+    unknown = [k for k in overrides if k not in valid]
+    if unknown:
+        raise TypeError(f"{algo}() got unknown keyword(s) {unknown}; valid names: {valid + list(extra)}")
+
+
 class MinibatchAlgo:
     """What PPO and GRPO share: an Adam optimiser made at the first update of a policy (with a
     restored state applied then), batches moved to the policy's device, and the epochs of

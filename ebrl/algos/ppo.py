@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from ebrl import distributed
 from ebrl.algos.advantages import build_next_values, chunk_discounting, gae
 from ebrl.algos.batch import Batch
-from ebrl.algos.minibatch import MinibatchAlgo, _index
+from ebrl.algos.minibatch import MinibatchAlgo, _index, refuse_unknown
 from ebrl.policies.base import critic_parameters
 from ebrl.policies.heads import merge_moments
 
@@ -129,10 +129,7 @@ class PPO(MinibatchAlgo):
     """
 
     def __init__(self, config: PPOConfig | None = None, *, loss_fn: LossFn | None = None, demos=None, **overrides):
-        valid = [f.name for f in dataclasses.fields(PPOConfig)]
-        unknown = [k for k in overrides if k not in valid]
-        if unknown:
-            raise TypeError(f"PPO() got unknown keyword(s) {unknown}; valid names: {valid + ['loss_fn', 'demos']}")
+        refuse_unknown("PPO", PPOConfig, overrides, ("loss_fn", "demos"))
         self.config = dataclasses.replace(config or PPOConfig(), **overrides)
         self.loss_fn = loss_fn
         self.demos = demos  # a DemoLoss: the demonstrations' decaying BC term (ebrl.algos.demo_loss)

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from ebrl.algos.advantages import _last_valid
 from ebrl.algos.batch import Batch
-from ebrl.algos.minibatch import _index
+from ebrl.algos.minibatch import _index, refuse_unknown
 from ebrl.algos.ppo import PPO, Checks, PPOConfig
 
 
@@ -130,10 +130,7 @@ class VTraceConfig(PPOConfig):
 
 def _make_config(cls: type, algo: str, config: PPOConfig | None, overrides: dict):
     """``cls`` built from ``config`` (a plain :class:`PPOConfig` is lifted) and keyword overrides."""
-    valid = [f.name for f in dataclasses.fields(cls)]
-    unknown = [k for k in overrides if k not in valid]
-    if unknown:
-        raise TypeError(f"{algo}() got unknown keyword(s) {unknown}; valid names: {valid + ['loss_fn', 'demos']}")
+    refuse_unknown(algo, cls, overrides, ("loss_fn", "demos"))
     if config is None:
         config = cls()
     elif not isinstance(config, cls):

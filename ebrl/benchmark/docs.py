@@ -290,7 +290,8 @@ def sft_rl_table(rep: dict) -> str:
                      f"| {'met' if t['met'] else '**missed**'} |")
     seeds = meta.get("seeds", [])
     lines += ["", f"Seeds {', '.join(map(str, seeds))} ({len(seeds)} of the suite's 3), {meta.get('demos')} expert "
-              f"demonstrations each on `{meta.get('env', '?')}`, success over {meta.get('eval_episodes')} evaluation episodes (the policy's mode), "
+              f"demonstrations each on `{meta.get('env', '?')}`, success over {meta.get('eval_episodes')} evaluation "
+              "episodes (the policy's mode), "
               f"RL {meta.get('max_s', 0) / 60:.0f} minutes a run in a fresh process, {meta.get('num_envs')} envs; "
               f"{meta['date'][:10]}, commit {meta.get('commit', '?')}; raw rows in "
               f"[docs/benchmarks/sft-rl.json](docs/benchmarks/sft-rl.json)."]
