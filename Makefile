@@ -25,8 +25,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/ebrl train
 
+# Half the suite's wall time is waiting (fresh interpreters, simulator resets, worker start-up),
+# so two pytest workers halve it even on 2 cores. --dist loadfile keeps each file on one worker:
+# its module fixtures (a LIBERO env, a tiny VLA) are built once. More cores: TEST_WORKERS=8.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # every suite into docs/benchmarks/, then the README's tables regenerated from that JSON;
 # `make bench SUITES="longtail overhead"` re-runs some and re-renders from all the JSON there
