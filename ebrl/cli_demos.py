@@ -84,7 +84,8 @@ def cmd_sft(args: argparse.Namespace) -> int:
     save_sft(out, trainer.policy, spec, history)
     val = history["val_loss"][-1]
     print(f"sft: {history['frames']:,} frames, {history['train_episodes']} episodes to train on and "
-          f"{history['val_episodes']} held out; loss {history['train_loss'][0]:.4f} -> {history['train_loss'][-1]:.4f}"
+          f"{history['val_episodes']} held out, {history['epochs']} passes; "
+          f"loss {history['train_loss'][0]:.4f} -> {history['train_loss'][-1]:.4f}"
           + ("" if math.isnan(val) else f", held out {history['val_loss'][0]:.4f} -> {val:.4f}"))
     print(f"policy: {out}/  (ebrl train --set policy.init={out}; ebrl eval {out})")
     return 0

@@ -148,6 +148,37 @@ def test_sft_makes_a_policy_that_beats_a_random_one(tmp_path):
         assert float(bc_loss(policy, obs, act)) > nll
 
 
+def test_sft_by_default_trains_a_small_dataset_for_min_steps_and_a_large_one_for_30_passes(tmp_path):
+    import torch
+
+    from ebrl.policies import MLPPolicy
+    from ebrl.sft import SFTConfig, sft
+    from ebrl.testing import InstructedReach
+
+    d = tmp_path / "demos"
+    collect("mock/reach", d, episodes=4)
+    env = InstructedReach()
+    rows = []  # the rows of each gradient step (the held-out loss runs without gradients)
+
+    class Counting(MLPPolicy):
+        def evaluate(self, obs, actions):
+            if torch.is_grad_enabled():
+                rows.append(len(actions))
+            return super().evaluate(obs, actions)
+
+    policy = Counting.from_spaces(env.observation_space, env.action_space, seed=0)
+    config = SFTConfig(min_steps=200, minibatch_size=32)
+    out = sft(policy, read_lerobot(d), env.observation_space, env.action_space, config)
+    passes = out["epochs"]
+    train_frames = sum(rows) // passes
+    assert passes == len(out["train_loss"]) == config.passes(train_frames) > 30
+    assert len(rows) == passes * -(-train_frames // 32) >= 200  # at least min_steps gradient steps
+    # a large dataset: 30 passes, already over min_steps; explicit epochs are taken as they are
+    assert SFTConfig().passes(100_000) == 30 and SFTConfig(epochs=3).passes(10) == 3
+    with pytest.raises(ValueError, match="min_steps"):
+        SFTConfig(min_steps=-1)
+
+
 def test_sft_trains_action_tokens_and_flow_chunks(tmp_path):
     from ebrl.policies import FlowPolicy, TokenPolicy
     from ebrl.sft import SFTConfig, demo_actions, sft

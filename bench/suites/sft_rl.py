@@ -46,7 +46,9 @@ MAX_S = 600.0  # seconds of RL per run
 EVAL_EVERY_S, EVAL_DURING = 60.0, 10  # evaluation during RL: every minute, 10 episodes
 GAIN = 0.3
 RUNS = (("ppo", "async"), ("ppo", "sync"), ("grpo", "sync"))
-SFT_EPOCHS = 200  # SFTConfig's 30 epochs are ~120 gradient steps on 20 demonstrations' 1,000 frames
+# passes of SFT, as the README's rows were measured (SFTConfig's 30 passes were ~120 gradient steps
+# on 20 demonstrations then; its default is now enough passes for min_steps, 250 here)
+SFT_EPOCHS = 200
 
 
 def env_fn(name: str):
