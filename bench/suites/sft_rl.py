@@ -3,7 +3,7 @@
 On gymnasium-robotics ``FetchPickAndPlace-v4`` from state (MuJoCo), per seed:
 
 1. ``DEMOS`` episodes of the scripted expert (``ebrl demos collect``);
-2. SFT of an MLP policy on them (``ebrl sft``'s defaults, ``SFT_EPOCHS`` epochs, and a value pass
+2. SFT of an MLP policy on them (``ebrl sft``'s defaults: 250 passes here, enough for ``min_steps``; a value pass
    so that PPO's critic does not start from nothing; ``log_std`` is SFT's fit to the held-out error,
    ``SFTConfig.fit_std``); success measured by :func:`ebrl.evaluation.evaluate` (``EVAL_EPISODES``
    episodes on the evaluation seeds, the policy's mode; ``sft_sampled_success`` is the same with
@@ -46,9 +46,6 @@ MAX_S = 600.0  # seconds of RL per run
 EVAL_EVERY_S, EVAL_DURING = 60.0, 10  # evaluation during RL: every minute, 10 episodes
 GAIN = 0.3
 RUNS = (("ppo", "async"), ("ppo", "sync"), ("grpo", "sync"))
-# passes of SFT, as the README's rows were measured (SFTConfig's 30 passes were ~120 gradient steps
-# on 20 demonstrations then; its default is now enough passes for min_steps, 250 here)
-SFT_EPOCHS = 200
 
 
 def env_fn(name: str):
@@ -83,7 +80,7 @@ def prepare(seed: int, root: Path, quick: bool) -> dict:
         policy = MLPPolicy.from_spaces(env.observation_space, env.action_space, seed=seed)
         t0 = time.perf_counter()
         history = sft(policy, read_lerobot(demos_dir), env.observation_space, env.action_space,
-                      SFTConfig(seed=seed, value_pass=True, epochs=2 if quick else SFT_EPOCHS))
+                      SFTConfig(seed=seed, value_pass=True, epochs=2 if quick else None))
         sft_s = time.perf_counter() - t0
         result, sampled = score(policy, env, quick)
     finally:
