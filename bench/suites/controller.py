@@ -3,7 +3,8 @@
 For each workload, every static configuration (backend x thread lanes or worker processes x
 generation batch target, with ``resources.adapt=false``) and the run a user gets (every knob
 at its default: the AUTO probe, then the controller each epoch) run once per round, in
-alternating order, 3 rounds. The figures:
+alternating order, 3 rounds, each run a fresh Python process (``--in-process``: all in the
+bench's own, for profiling). The figures:
 
 - ``controller/best static``: the default run's env steps/s over the static configuration with
   the best median, within each round (target >= 0.95);
@@ -37,6 +38,7 @@ import ebrl
 from ebrl.algos import PPO
 from ebrl.benchmark import Target, check_targets, spread, summarize_rows
 from ebrl.benchmark.figures import round_ratios
+from ebrl.benchmark.fresh import call_fresh
 from ebrl.benchmark.suite import CpuMeter
 from ebrl.policies import MLPPolicy
 from ebrl.runtime.run import loop_factory
@@ -176,7 +178,7 @@ def plan(workload: str, quick: bool) -> list[tuple[str, dict]]:
     return runs
 
 
-def run(quick: bool = False) -> dict:
+def run(quick: bool = False, in_process: bool = False) -> dict:
     rounds = 1 if quick else 3
     rows = []
     for workload, (_, steps) in WORKLOADS.items():
@@ -185,7 +187,9 @@ def run(quick: bool = False) -> dict:
         for r in range(rounds):
             order = runs if r % 2 == 0 else runs[::-1]  # alternate, so drift lands on every runner alike
             for runner, config in order:
-                rows.append({"round": r, **measure(workload, runner, config, steps, seed=r)})
+                kwargs = dict(workload=workload, runner=runner, config=config, steps=steps, seed=r)
+                row = measure(**kwargs) if in_process else call_fresh("suite:controller:measure", kwargs)
+                rows.append({"round": r, **row})
     summary = summarize_rows(rows, ("steps_per_s", "loop_block_ms", "settled_epochs"))
     figures = {}
     for workload, runners in summary.items():
@@ -212,4 +216,5 @@ def run(quick: bool = False) -> dict:
     others = {k: v for k, v in figures.items() if k not in ratios}  # epochs and milliseconds, not ratios
     return {"rows": rows, "summary": summary, "ratios": ratios, "figures": others, "targets": targets,
             "meta": {"num_envs": NUM_ENVS, "rounds": rounds, "description": DESCRIPTION,
-                     "accounting_ok": all(r["accounting_ok"] for r in rows), "migrations": migrations}}
+                     "fresh_processes": not in_process, "accounting_ok": all(r["accounting_ok"] for r in rows),
+                     "migrations": migrations}}
