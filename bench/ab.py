@@ -7,7 +7,7 @@ run's JSON is kept under ``--out``; the table pools each figure's values over th
 says whether head's median lies inside base's min-max. For "did this change cost anything",
 not for the README: its numbers come from ``make bench``.
 
-    python bench/ab.py overhead e98855a --rounds 3 --out docs/benchmarks/ab/issue26-overhead
+    python bench/ab.py overhead e98855a --rounds 3 --out /tmp/ab-overhead   # before issue 26 against HEAD
 """
 
 from __future__ import annotations
