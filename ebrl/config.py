@@ -116,7 +116,9 @@ class SimConfig:
     # envs that mostly wait, one per core for busy ones), else 2
     num_threads: int | None = None
     num_workers: int | None = None  # processes of the process backend; None = one per core
-    start_method: str | None = None  # multiprocessing start method; None = fork on Linux
+    # how child processes start (probe, sim workers, learner); None: fork while this process has no
+    # graphics or GPU driver loaded, else a fork server (ebrl.runtime.children)
+    start_method: str | None = None
     inline_below_s: float = 20e-6  # AUTO steps inline when a step costs less than this
     # a worker process holds finished envs at most this long before replying, and replies before
     # stepping an env known to take longer (or 3x its message-mates): a slow env never holds its
@@ -205,6 +207,14 @@ class FaultConfig:
     # a step longer than this is abandoned and its env replaced (thread lanes: a new lane; worker
     # processes: the worker is killed and respawned); None: wait for ever
     step_timeout_s: float | None = 60.0
+    # building an env (env_fn) or resetting it, anywhere (the start-up probe, a lane, a worker, a
+    # rebuild), and a worker's start: past this it is a fault of that env, handled as a hung step
+    # (in the probe: run() ends with one error naming the env, the phase and this setting). A
+    # LIBERO build or reset takes 6-9 s on 2 CPU cores; None: wait for ever
+    build_timeout_s: float | None = 300.0
+    # one learner update (algo.update with its publication) past this ends the run with a
+    # LearnerError (the learner process is killed); None: no deadline (updates can be long)
+    update_timeout_s: float | None = None
     # data-parallel jobs (ebrl.distributed): a collective waiting longer than this for another
     # rank fails, and the job ends (a dead rank ends it at once: its sockets close). Above
     # step_timeout_s, so a rank replacing a hung env is not taken for a hung rank
@@ -214,6 +224,8 @@ class FaultConfig:
         _check_int("faults.max_env_failures", self.max_env_failures, 0)
         _check_float("faults.collective_timeout_s", self.collective_timeout_s, 0.0, strict=True)
         _check_float("faults.step_timeout_s", self.step_timeout_s, 0.0, strict=True, optional=True)
+        _check_float("faults.build_timeout_s", self.build_timeout_s, 0.0, strict=True, optional=True)
+        _check_float("faults.update_timeout_s", self.update_timeout_s, 0.0, strict=True, optional=True)
         _check_float("faults.failure_window_s", self.failure_window_s, 0.0, strict=True)
         self.nonfinite = _coerce_enum("faults.nonfinite", self.nonfinite, NonFinite)
 

@@ -81,7 +81,7 @@ async def test_env_failure_in_a_worker_process_is_rebuilt(no_leaks):
 def test_the_controllers_start_rule_picks_the_backend_and_lanes_from_the_probed_step():
     from ebrl.config import SimConfig
     from ebrl.runtime.resources.rules_start import START, sim_start
-    from ebrl.runtime.sim_pool import StepProfile
+    from ebrl.runtime.probe import StepProfile
 
     def start(profile, cpus=2, num_envs=32, **sim):
         return {d.knob: d.new for d in sim_start(profile, SimConfig(**sim), num_envs, cpus)}

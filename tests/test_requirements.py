@@ -3,6 +3,7 @@ the RunConfig's auto fields and refuse contradictions before any env is built, a
 spaces (ebrl.policies.expects) are checked against env 0's before any env steps."""
 
 import asyncio
+import multiprocessing
 
 import gymnasium as gym
 import numpy as np
@@ -17,6 +18,7 @@ from ebrl.policies import CNNPolicy, FlowPolicy, MLPPolicy, check_policy_spaces
 from ebrl.testing import MockEnv, MockPolicy, NoopAlgo, run_virtual
 
 EPISODE = 12  # the time limit TimedEnv declares
+STEPPED = multiprocessing.Value("i", 0)  # TimedEnv steps in any process (the probe's forked child included)
 
 
 class TimedEnv(MockEnv):
@@ -32,12 +34,15 @@ class TimedEnv(MockEnv):
 
     def step(self, action):
         TimedEnv.total_steps += 1
+        with STEPPED.get_lock():
+            STEPPED.value += 1
         return super().step(action)
 
 
 @pytest.fixture(autouse=True)
 def _fresh_counters():
     TimedEnv.built, TimedEnv.total_steps = [], 0
+    STEPPED.value = 0
 
 
 def ppo_config(**kw) -> RunConfig:
@@ -104,10 +109,9 @@ def test_a_policy_built_for_other_spaces_fails_before_any_env_steps(policy, env_
     with pytest.raises(ConfigError) as err:
         ebrl.run_sync(ebrl.Trainer(env_fn, policy, PPO(), cfg))
     assert err.value.field == "policy" and all(s in str(err.value) for s in says), str(err.value)
-    if backend == "thread":  # env 0 was built once, in this process, to read its spaces; no env stepped
-        assert TimedEnv.built == [0] and TimedEnv.total_steps == 0
-    else:  # the AUTO probe read them in its forked child (which steps env 0 with random actions): none here
-        assert TimedEnv.built == []
+    # env 0 was built in the probe's child, to read its spaces; no env stepped anywhere, the AUTO
+    # probe's timing steps included (the check comes between its reset and its steps)
+    assert TimedEnv.built == [] and STEPPED.value == 0
 
 
 def test_virtual_time_checks_inline_before_any_step():
@@ -162,13 +166,18 @@ def test_resolve_fills_auto_from_the_algorithms_needs():
 
 
 def test_probe_carries_env_0s_facts_on_every_backend():
-    from ebrl.runtime.sim_pool import probe_backend
+    from ebrl.config import FaultConfig
+    from ebrl.runtime.probe import EnvProbe
+
+    async def probe(backend):
+        async with EnvProbe(TimedEnv, SimConfig(backend=backend), FaultConfig()) as p:
+            return await p.facts(), await p.step_profile()
 
     for backend in ("auto", "thread"):
-        probe = asyncio.run(probe_backend(TimedEnv, SimConfig(backend=backend)))
-        assert (probe.step is not None) == (backend == "auto")  # only AUTO measures a step
-        assert probe.env.max_episode_steps == EPISODE and probe.env.action_space.shape == (3,)
-    assert TimedEnv.built == [0]  # thread: built here once; auto: in the probe's child
+        facts, step = asyncio.run(probe(backend))
+        assert (step is not None) == (backend == "auto")  # only AUTO measures a step
+        assert facts.max_episode_steps == EPISODE and facts.action_space.shape == (3,)
+    assert TimedEnv.built == []  # built in the probe's child, never in this process
 
 
 def test_the_cli_runs_grpo_with_what_it_needs_and_refuses_a_contradiction(tmp_path, capsys):

@@ -26,8 +26,9 @@ from ebrl.config import DEFAULT_MAX_WAIT_S, ConfigError, LearnerMode, RunConfig,
 from ebrl.distributed import DataParallel, combine_results, rank_config, reseed_sampling, weight_hash
 from ebrl.policies.base import acting_copy
 from ebrl.policies.expects import check_policy_spaces
+from ebrl.runtime.children import fork_server_scope
 from ebrl.runtime.drivers import Driver
-from ebrl.runtime.env_facts import inspect_env
+from ebrl.runtime.env_facts import EnvFacts, inspect_env
 from ebrl.runtime.errors import raise_first
 from ebrl.runtime.fields import transition_fields
 from ebrl.runtime.generation import Generator
@@ -40,7 +41,8 @@ from ebrl.runtime.resources.profiler import LiveProfiler
 from ebrl.runtime.resources.rules_start import learner_start, sim_start
 from ebrl.runtime.rollout import RolloutQueue
 from ebrl.runtime.schedules import effective_lag, generation_target, is_lockstep
-from ebrl.runtime.sim_pool import Probe, StepProfile, make_sim_pool, probe_backend
+from ebrl.runtime.probe import EnvProbe, StepProfile
+from ebrl.runtime.sim_pool import make_sim_pool
 from ebrl.runtime.state import RunState
 from ebrl.runtime.stats import RunResult, RunStats, summarize
 from ebrl.runtime.threads import in_thread, usable_cpus
@@ -81,7 +83,9 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
                                   "derived from ebrl.algos.minibatch.MinibatchAlgo (PPO, DecoupledPPO, VTrace, GRPO)")
             cfg = rank_config(cfg, dp)
             dp.broadcast_module(trainer.policy)  # every rank starts from rank 0's weights
-        result = await _run(trainer, cfg, dp, loop, virtual, called, stop=stop, progress=progress, timeline=timeline)
+        with fork_server_scope():  # a fork server this run starts (ebrl.runtime.children) ends with it
+            result = await _run(trainer, cfg, dp, loop, virtual, called, stop=stop, progress=progress,
+                                timeline=timeline)
         clean = True
     finally:
         if dp is not None:
@@ -93,17 +97,23 @@ async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop
                stop: asyncio.Event | None, progress: Progress | None, timeline: "Timeline | None") -> RunResult:
     # the algorithm's needs fill the config's auto fields; a contradiction raises before any env is built
     cfg = resolve_run_config(cfg, trainer.algo)
-    # env 0 once, for its spaces and time limit: AUTO's probe reads them from the env it measures,
-    # off the loop (the caller's tasks run on meanwhile); virtual time builds it inline
-    probe = Probe(inspect_env(trainer.env_fn)) if virtual else await probe_backend(trainer.env_fn, cfg.sim)
-    cfg = resolve_run_config(cfg, trainer.algo, probe.env.max_episode_steps)  # whole episodes: segment_len
-    # before anything forks (learner process, sim workers) or builds the envs: one error naming both spaces
-    check_policy_spaces(trainer.policy, probe.env.observation_space, probe.env.action_space)
+    # env 0 once, for its spaces and time limit, built in the probe's child process (virtual time:
+    # inline). The trainer is checked against them before any env steps anywhere, the probe's
+    # own timing steps (AUTO) included: one error naming both spaces
+    step = None
+    if virtual:
+        facts = inspect_env(trainer.env_fn)
+        cfg = _checked(trainer, cfg, facts)
+    else:
+        async with EnvProbe(trainer.env_fn, cfg.sim, cfg.faults) as probe:
+            facts = await probe.facts()
+            cfg = _checked(trainer, cfg, facts)
+            step = await probe.step_profile()
     inputs = getattr(trainer.policy, "describe_inputs", None)
     if callable(inputs):  # which observation entries the policy reads, and how
         log.info("policy_inputs", policy=type(trainer.policy).__name__, inputs=inputs())
     # the controller's first decisions resolve the config's auto values (rules_start.py)
-    start = start_decisions(cfg, probe.step, trainer.policy, virtual)
+    start = start_decisions(cfg, step, trainer.policy, virtual)
     chosen = {d.knob: d.new for d in start}
     backend = SimBackend(chosen.get("backend", SimBackend.INLINE if virtual else cfg.sim.backend))
     mode = LearnerMode(chosen.get("learner", LearnerMode.THREAD if virtual else cfg.learner))
@@ -117,7 +127,7 @@ async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop
     pool = make_sim_pool(trainer.env_fn, cfg.num_envs, cfg.sim, backend, chosen.get("lanes"), movable=movable)
     lockstep, lag = is_lockstep(cfg.schedule), effective_lag(cfg)
     rollout = RolloutQueue(cfg.num_envs, cfg.segment_len, cfg.segments_per_batch, lag, stats,
-                           transition_fields(probe.env.observation_space, probe.env.action_space), lockstep,
+                           transition_fields(facts.observation_space, facts.action_space), lockstep,
                            state, cut_at_episode_end=cfg.segment_cut is SegmentCut.EPISODE)
     learner_threads = cfg.resources.learner_threads or cfg.torch_threads  # the learner process's
     streams = gpu_streams(trainer.policy) if mode is LearnerMode.THREAD and not virtual else None
@@ -220,6 +230,14 @@ async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop
              updates=result.updates, lag_max=result.lag_max, dropped=result.dropped,
              in_flight_at_stop=result.in_flight_at_stop, mean_return=result.mean_return)
     return result
+
+
+def _checked(trainer: "Trainer", cfg: RunConfig, facts: EnvFacts) -> RunConfig:
+    """``cfg`` with the algorithm's needs resolved against env 0's time limit (whole episodes:
+    segment_len), after the policy is checked against env 0's spaces."""
+    cfg = resolve_run_config(cfg, trainer.algo, facts.max_episode_steps)
+    check_policy_spaces(trainer.policy, facts.observation_space, facts.action_space)
+    return cfg
 
 
 def policy_device(policy) -> torch.device | None:

@@ -1,13 +1,15 @@
-"""Blocking work kept off the caller's event loop, in a private thread that never outlives the call.
+"""Blocking work kept off the caller's event loop, in a private thread made for the call.
 
 ``run()`` shares the caller's loop, so anything that blocks for milliseconds (building envs,
-forking processes, joining them, a probe) runs here instead: a one-thread executor made for
-the call and joined before it returns, also when the awaiting task is cancelled (the work is
-bounded, and no thread may outlive ``run()``).
+forking processes, joining them) runs here instead. The thread is joined when its work returns.
+With ``timeout_s``, or when the awaiting task is cancelled, the call returns at once: a thread
+still inside the work (an env constructor hung in C code) cannot be stopped, so it is never
+joined on the loop; it is a daemon, named in ``left_running()``, and logged. Work that may hang
+for good belongs in a child process, which can be killed (:mod:`ebrl.runtime.children`).
 
     >>> import asyncio, threading
     >>> asyncio.run(in_thread(lambda: threading.current_thread().name, name="ebrl-doc"))
-    'ebrl-doc_0'
+    'ebrl-doc'
 """
 
 from __future__ import annotations
@@ -18,20 +20,68 @@ import os
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from ebrl.telemetry.logging import get_logger
+
 T = TypeVar("T")
+log = get_logger("ebrl.threads")
 
 
-async def in_thread(fn: Callable[..., T], *args: Any, name: str = "ebrl-offloop") -> T:
-    """``fn(*args)`` in a private thread; see the module docstring."""
-    executor = ThreadPoolExecutor(1, thread_name_prefix=name)
+async def in_thread(fn: Callable[..., T], *args: Any, name: str = "ebrl-offloop",
+                    timeout_s: float | None = None) -> T:
+    """``fn(*args)`` in a private daemon thread; ``TimeoutError`` past ``timeout_s`` (the thread
+    is then left to finish alone: see the module docstring)."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def work() -> None:
+        try:
+            result, exc = fn(*args), None
+        except BaseException as e:  # handed to the awaiting coroutine
+            result, exc = None, e
+        try:
+            loop.call_soon_threadsafe(_settle, done, result, exc)
+        except RuntimeError:  # the loop closed meanwhile: nobody waits for it
+            pass
+
+    thread = threading.Thread(target=work, name=name, daemon=True)
+    thread.start()
     try:
-        return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+        async with asyncio.timeout(timeout_s):
+            return await asyncio.shield(done)
     finally:
-        executor.shutdown(wait=True)
+        if done.done():
+            thread.join()  # it has handed its result over: it is returning
+        else:
+            done.add_done_callback(_retrieve)
+            _left.add(thread)
+            log.warning("thread_left_running", thread=name, timeout_s=timeout_s,
+                        hint="a call that never returned (an env constructor hung in C code?); the thread is a daemon")
+
+
+_left: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
+
+
+def left_running() -> list[threading.Thread]:
+    """Threads of :func:`in_thread` given up on (timed out or cancelled) and still running."""
+    return [t for t in _left if t.is_alive()]
+
+
+def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is None:
+        fut.set_result(result)
+    else:
+        fut.set_exception(exc)
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()  # the work failed after it was given up on: that no longer matters
 
 
 def usable_cpus() -> int:

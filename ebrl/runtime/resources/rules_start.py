@@ -5,7 +5,7 @@ the epochs' own. Later epochs may change the backend, the lanes and the offload
 (``rules_sim.py``, ``rules_stages.py``); the learner mode holds for the run.
 
 - ``backend`` (``sim.backend="auto"``, plain envs), from the probe's step
-  (:class:`~ebrl.runtime.sim_pool.StepProfile`, measured in a forked child): inline when a
+  (:class:`~ebrl.runtime.probe.StepProfile`, measured in a forked child): inline when a
   step costs less than a thread hop (``sim.inline_below_s``); thread lanes when the step mostly
   waits (CPU under half its wall time), the env declares it releases the GIL, or there is one
   core; worker processes otherwise (a GIL-bound Python env).
@@ -21,7 +21,7 @@ the epochs' own. Later epochs may change the backend, the lanes and the offload
   line :func:`~ebrl.runtime.resources.rules_stages.offload_rule` keeps, so neither undoes the other.
 
     >>> from ebrl.config import SimConfig
-    >>> from ebrl.runtime.sim_pool import StepProfile
+    >>> from ebrl.runtime.probe import StepProfile
     >>> sleeper = StepProfile(wall_s=1e-3, cpu_s=2e-5, releases_gil=False)  # 1 ms, nearly all asleep
     >>> [(d.knob, d.new) for d in sim_start(sleeper, SimConfig(), num_envs=8, cpus=2)]
     [('backend', 'thread'), ('lanes', 8)]
@@ -38,7 +38,7 @@ from ebrl.config import SimConfig
 from ebrl.runtime.resources.knobs import Decision
 
 if TYPE_CHECKING:
-    from ebrl.runtime.sim_pool import StepProfile
+    from ebrl.runtime.probe import StepProfile
 
 START = -1  # the epoch of a decision made at the start, before the first window
 WAITS_BELOW = 0.5  # a step busy less than this fraction of its time mostly waits: threads overlap it

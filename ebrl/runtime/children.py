@@ -1,0 +1,127 @@
+"""Child processes started fork-safely: the AUTO probe, the sim workers and the learner process.
+
+Forking copies the parent's memory but only the forking thread. A graphics or GPU driver keeps
+state and threads of its own (Mesa's EGL and its llvmpipe rendering threads under MuJoCo and
+robosuite, SAPIEN's Vulkan, CUDA): in a child forked after it was loaded, building a renderer
+waits on a futex that no thread of the child will ever release. So children are forked only
+while the parent is clean, and otherwise come from a fork server: a fresh interpreter with
+ebrl's child code and torch imported, which forks each child from its own clean state.
+
+- ``sim.start_method=None`` (the default), on Linux: ``fork`` while :func:`fork_hazard` finds no
+  graphics or GPU driver mapped in this process (fast: a child in milliseconds, which the
+  start-up targets need), else ``forkserver`` (the first child of a run waits ~1-4 s for the
+  server; later ones take milliseconds). Elsewhere: ``spawn``.
+- ``fork``, ``forkserver``, ``spawn``: as set (a warning names the hazard if ``fork`` is set
+  while one is present).
+
+A child that does not come from a fork gets its arguments pickled: functions, lambdas and
+classes defined in a script are sent by value (:func:`portable`, through cloudpickle). It also
+imports the user's ``__main__`` module again, as every non-fork start method does: a script
+that starts a run must do so under ``if __name__ == "__main__":``.
+
+A fork server started for a run is stopped when that run ends (:func:`fork_server_scope`), so
+no process outlives ``run()``.
+
+    >>> ctx, why = child_context("spawn")
+    >>> ctx.get_start_method(), why
+    ('spawn', 'sim.start_method')
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import sys
+from collections.abc import Iterator
+from multiprocessing import forkserver
+from multiprocessing.context import BaseContext
+from typing import Any
+
+from ebrl.telemetry.logging import get_logger
+
+log = get_logger("ebrl.children")
+
+# shared objects whose presence means a driver (and perhaps its threads) is set up in this process
+DRIVER_LIBRARIES = ("libEGL", "libGLX", "libGL.so", "libOSMesa", "libgallium", "libvulkan", "libcuda.so",
+                    "libnvidia-glcore", "libnvidia-eglcore")
+# what the fork server imports once, so that its children start in milliseconds
+PRELOAD = ["ebrl.runtime.child_mains"]
+
+_scopes = 0  # fork_server_scope()s open now
+_started_here = False  # a scope started the fork server (it is stopped when the last scope closes)
+
+
+def fork_hazard() -> str | None:
+    """The first graphics or GPU driver library mapped in this process (why a fork could hang a
+    child that builds a simulator), or None. Read from ``/proc/self/maps``: a library stays
+    mapped once loaded, so a process that rendered once stays unsafe to fork."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(" ", 1)[-1]
+                if any(lib in path for lib in DRIVER_LIBRARIES):
+                    return path.strip().rsplit("/", 1)[-1]
+    except OSError:  # no /proc (macOS): fork is not chosen there anyway
+        return None
+    return None
+
+
+def child_context(start_method: str | None) -> tuple[BaseContext, str]:
+    """The multiprocessing context for a child, and why it was chosen (see the module docstring)."""
+    if start_method is not None:
+        if start_method == "fork" and (hazard := fork_hazard()) is not None:
+            log.warning("fork_with_driver_loaded", library=hazard,
+                        hint="sim.start_method='fork' was set; a child that renders may hang. Leave it unset "
+                             "to use a fork server in this case")
+        return mp.get_context(start_method), "sim.start_method"
+    if not sys.platform.startswith("linux"):
+        return mp.get_context("spawn"), "not Linux"
+    hazard = fork_hazard()
+    if hazard is None:
+        return mp.get_context("fork"), "clean parent"
+    return fork_server(), f"{hazard} is loaded in this process"
+
+
+def fork_server() -> BaseContext:
+    """The ``forkserver`` context, its server preloading ebrl's child code (started by the first
+    child; a :func:`fork_server_scope` stops it again)."""
+    global _started_here
+    ctx = mp.get_context("forkserver")
+    if _scopes and forkserver._forkserver._forkserver_pid is None:  # noqa: SLF001 (no public probe)
+        _started_here = True
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+@contextlib.contextmanager
+def fork_server_scope() -> Iterator[None]:
+    """Around a run: a fork server that the run started is stopped when it ends (with every child
+    of the run reaped by then). Nested and concurrent runs share it; the last to end stops it."""
+    global _scopes, _started_here
+    _scopes += 1
+    try:
+        yield
+    finally:
+        _scopes -= 1
+        if not _scopes and _started_here:
+            _started_here = False
+            with contextlib.suppress(Exception):
+                forkserver._forkserver._stop()  # noqa: SLF001 (the stdlib's own way to end it)
+
+
+def portable(obj: Any, ctx: BaseContext) -> Any:
+    """``obj`` as it can travel to a child of ``ctx``: itself for a fork, else wrapped so that
+    pickling sends lambdas, closures and a script's classes by value (cloudpickle)."""
+    return obj if ctx.get_start_method() == "fork" else _ByValue(obj)
+
+
+class _ByValue:
+    """Pickles the object it holds with cloudpickle; unpickles to that object itself."""
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __reduce__(self):
+        import cloudpickle
+
+        return cloudpickle.loads, (cloudpickle.dumps(self.obj),)

@@ -1,0 +1,251 @@
+"""The start-up probe: env 0 built in a child process, its facts read, and under ``sim.backend="auto"``
+its step timed, every phase under a deadline.
+
+``run()`` needs env 0's spaces and time limit before it starts anything (the policy is checked
+against them), and AUTO needs a measured step to choose the backend. Both come from one env,
+built in a child process (:mod:`ebrl.runtime.children` picks a fork-safe start), in phases:
+
+1. build ``env_fn(0)`` (deadline ``faults.build_timeout_s``), then under AUTO reset it (the same);
+2. send its :class:`~ebrl.runtime.env_facts.EnvFacts`, and wait: the parent checks the trainer
+   against them, so a policy that does not fit the env fails before any env is stepped;
+3. under AUTO, on the parent's word, time its steps (each under ``faults.step_timeout_s``).
+
+A phase past its deadline kills the child and ends ``run()`` with one
+:class:`~ebrl.runtime.errors.EnvStepError` naming env 0, the phase and the setting. The child is
+killed and reaped whatever happens, cancellation included. A vector env (``sim.vector_size > 1``,
+typically a GPU simulator that belongs in this process) is built in a thread instead, under the
+same build deadline, and never stepped.
+
+    >>> import asyncio
+    >>> from ebrl.config import FaultConfig, SimConfig
+    >>> from ebrl.testing import MockEnv
+    >>> async def demo():
+    ...     async with EnvProbe(lambda i: MockEnv(dim=3), SimConfig(backend="auto"), FaultConfig()) as probe:
+    ...         facts = await probe.facts()      # built and reset in the child; nothing stepped yet
+    ...         step = await probe.step_profile()
+    ...     return facts.action_space.shape, step.wall_s > 0
+    >>> asyncio.run(demo())
+    ((3,), True)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from ebrl.config import FaultConfig, SimBackend, SimConfig
+from ebrl.runtime.children import child_context, portable
+from ebrl.runtime.env_facts import EnvFacts, inspect_env
+from ebrl.runtime.errors import EnvStepError, TimedOut
+from ebrl.runtime.sim_types import EnvFn, describe
+from ebrl.runtime.threads import ignore_stop_signals, in_thread
+from ebrl.telemetry.logging import get_logger
+
+log = get_logger("ebrl.sim")
+
+# the probe's rounds take about this long each (10 steps at least): every env's first step waits
+# for the probe, and telling a step that computes from one that waits needs no more
+PROBE_ROUND_S = 0.015
+# the child's phases, as it writes them to the shared beat (phase, monotonic start time)
+BUILD, RESET, WAIT, STEP = 0.0, 1.0, 2.0, 3.0
+_PHASES = {BUILD: ("env_fn", "build_timeout_s"), RESET: ("reset", "build_timeout_s"), STEP: ("step", "step_timeout_s")}
+_POLL_S = 0.05  # how often the parent looks at the beat while no message comes
+_REAP_S = 1.0  # how long a finished child is given to exit before it is killed
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """What the AUTO probe measured of one env's step."""
+
+    wall_s: float  # seconds per step
+    # CPU seconds per step, of the whole child process (process_time): ~0 for a step that waits; a
+    # simulator's own helper threads count (Mesa's llvmpipe renders on several)
+    cpu_s: float
+    releases_gil: bool  # the env says so (``metadata["ebrl.releases_gil"]``)
+
+    @property
+    def busy(self) -> float:
+        """The fraction of a step spent computing (1: CPU-bound; near 0: sleeping or waiting on a
+        device or a C++ simulator that released the GIL)."""
+        return min(1.0, self.cpu_s / self.wall_s) if self.wall_s > 0 else 1.0
+
+
+class EnvProbe:
+    """Env 0 in a child process (see the module docstring); an async context manager."""
+
+    def __init__(self, env_fn: EnvFn, sim: SimConfig, faults: FaultConfig):
+        self.env_fn, self.sim, self.faults = env_fn, sim, faults
+        self.measure = sim.backend is SimBackend.AUTO and sim.vector_size == 1
+        self.in_child = sim.vector_size == 1
+        self.proc = self.conn = self.beat = None
+        self._facts: EnvFacts | None = None
+
+    async def __aenter__(self) -> EnvProbe:
+        if self.in_child:
+            ctx, why = child_context(self.sim.start_method)
+            self.beat = ctx.RawArray("d", 2)
+            self.conn, child = ctx.Pipe(duplex=True)
+            self.proc = ctx.Process(target=_probe_main, name="ebrl-sim-probe", daemon=True,
+                                    args=(child, portable(self.env_fn, ctx), self.measure, self.beat))
+            log.debug("sim_probe_start", start_method=ctx.get_start_method(), why=why)
+            proc, conn = self.proc, self.conn
+
+            def start() -> None:
+                proc.start()
+                child.close()
+
+            # off the loop: a fork copies this process's page tables, and a fork server's first child
+            # waits for the server to start. Cancelled meanwhile, the thread still finishes the start
+            # and ends what it started
+            starting = asyncio.ensure_future(in_thread(start, name="ebrl-sim-probe-start"))
+            try:
+                await asyncio.shield(starting)
+            except BaseException:
+                starting.add_done_callback(lambda _: _end(proc, conn, 0.0))
+                raise
+        return self
+
+    async def facts(self) -> EnvFacts:
+        """Env 0's facts: built (and under AUTO reset) in the child, never stepped."""
+        if not self.in_child:
+            try:
+                self._facts = await in_thread(inspect_env, self.env_fn, name="ebrl-env-inspect",
+                                              timeout_s=self.faults.build_timeout_s)
+            except TimeoutError:
+                raise self._timed_out(BUILD) from None
+            return self._facts
+        self._facts = (await self._next())[1]
+        return self._facts
+
+    async def step_profile(self) -> StepProfile | None:
+        """Under AUTO for plain envs, env 0's measured step (after :meth:`facts`); else None."""
+        if not self.measure:
+            return None
+        self.conn.send("go")
+        step = (await self._next())[1]
+        log.info("sim_step_probed", step_wall_us=round(step.wall_s * 1e6, 1), step_cpu_us=round(step.cpu_s * 1e6, 1),
+                 busy=round(step.busy, 3), declared_releases_gil=step.releases_gil)
+        return step
+
+    async def __aexit__(self, *exc) -> None:
+        if self.proc is None:
+            return
+        proc, conn = self.proc, self.conn
+        if exc[0] is None:  # it is exiting by itself: reaped off the loop
+            await in_thread(_end, proc, conn, _REAP_S, name="ebrl-sim-probe-reap")
+        else:  # a failure or a cancel: killed at once (a killed process is reaped in milliseconds)
+            _end(proc, conn, 0.0)
+
+    async def _next(self) -> tuple:
+        """The child's next message, waiting under the current phase's deadline."""
+        loop = asyncio.get_running_loop()
+        while True:
+            if self.conn.poll():
+                try:
+                    msg = self.conn.recv()
+                except EOFError:
+                    msg = None
+                if msg is not None and msg[0] == "error":
+                    raise EnvStepError(0, msg[1], msg[2])
+                if msg is not None:
+                    return msg
+            phase, started = self.beat[0], self.beat[1]
+            if not self.proc.is_alive():
+                self.proc.join(_REAP_S)
+                op = _PHASES.get(phase, ("probe",))[0]
+                raise EnvStepError(0, op, f"the sim probe's process exited (exit code {self.proc.exitcode})")
+            limit = getattr(self.faults, _PHASES[phase][1]) if phase in _PHASES else None
+            if limit is not None and started and time.monotonic() - started > limit:
+                self.proc.kill()
+                raise self._timed_out(phase)
+            readable = loop.create_future()
+            loop.add_reader(self.conn.fileno(), lambda: readable.done() or readable.set_result(None))
+            try:
+                await asyncio.wait({readable}, timeout=_POLL_S)
+            finally:
+                loop.remove_reader(self.conn.fileno())
+
+    def _timed_out(self, phase: float) -> EnvStepError:
+        op, setting = _PHASES[phase]
+        where = "in the sim probe's child process, which was killed" if self.in_child else "(its thread was left)"
+        what = {"env_fn": "build", "reset": "reset", "step": "step"}[op]
+        return EnvStepError(0, op, TimedOut(f"its {what} ran past faults.{setting}="
+                                            f"{getattr(self.faults, setting):g} s {where}"))
+
+
+def _end(proc, conn, wait_s: float) -> None:
+    """Tell the child to stop, give it ``wait_s`` to exit, then kill and reap it."""
+    try:
+        conn.send("stop")
+    except (OSError, ValueError):
+        pass
+    if proc.pid is not None:  # started
+        proc.join(wait_s)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(_REAP_S)
+    conn.close()
+
+
+def _probe_main(conn, env_fn: EnvFn, measure: bool, beat) -> None:
+    """The child: the phases of the module docstring, each written to ``beat`` as it starts."""
+    ignore_stop_signals()
+    op, env = "env_fn", None
+
+    def phase(code: float) -> None:
+        beat[1] = time.monotonic()
+        beat[0] = code
+
+    try:
+        phase(BUILD)
+        env = env_fn(0)
+        facts = EnvFacts.of(env)
+        if measure:
+            op = "reset"
+            phase(RESET)
+            env.reset(seed=0)
+        phase(WAIT)
+        conn.send(("facts", facts))
+        if not measure or conn.recv() != "go":
+            return
+        op = "step"
+        conn.send(("step", _time_steps(env, lambda: phase(STEP))))
+    except (EOFError, BrokenPipeError):
+        pass  # the parent has gone or given up
+    except Exception as exc:
+        try:
+            conn.send(("error", op, describe(exc)))
+        except OSError:
+            pass
+    finally:
+        if env is not None:
+            try:
+                env.close()
+            except Exception:
+                pass
+        conn.close()
+
+
+def _time_steps(env, before_step, steps: int = 100, rounds: int = 3) -> StepProfile:
+    """Wall and CPU seconds per random-action step of a reset ``env`` (the round with the least
+    wall time of ``rounds``, after a 10-step warm-up), and whether the env says it releases the
+    GIL. A round is ``steps`` steps, fewer for a slow env (about ``PROBE_ROUND_S`` a round, at
+    least 10 steps): the controller refines the choice from live numbers, so the probe only has
+    to tell a step that computes from one that waits."""
+    env.action_space.seed(0)
+    actions = [env.action_space.sample() for _ in range(steps)]
+
+    def one_round(n: int) -> tuple[float, float]:
+        t0, c0 = time.perf_counter(), time.process_time()
+        for a in actions[:n]:
+            before_step()
+            _, _, term, trunc, _ = env.step(a)
+            if term or trunc:
+                env.reset()
+        return (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
+
+    first, _ = one_round(min(10, steps))  # warm-up: first calls pay for caches and lazy imports
+    n = max(min(10, steps), min(steps, int(PROBE_ROUND_S / max(first, 1e-9))))
+    wall, cpu = min(one_round(n) for _ in range(rounds))
+    return StepProfile(wall, cpu, bool(env.metadata.get("ebrl.releases_gil", False)))
