@@ -328,6 +328,8 @@ def import_user_module(name: str) -> None:
     import importlib
     import importlib.util
 
+    from ebrl.runtime.children import send_by_value
+
     try:
         if name.endswith(".py"):
             path = Path(name).resolve()
@@ -337,6 +339,7 @@ def import_user_module(name: str) -> None:
             module = importlib.util.module_from_spec(spec)
             sys.modules[path.stem] = module  # so that its classes pickle by name, as an installed module's do
             spec.loader.exec_module(module)
+            send_by_value(module)  # a child that is not forked could not import it by that name
         else:
             importlib.import_module(name)
     except ImportError as exc:

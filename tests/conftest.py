@@ -1,7 +1,22 @@
+import faulthandler
+import sys
 import threading
 
 import pytest
 import uvloop
+
+
+@pytest.fixture(autouse=True)
+def _stacks_before_timeout(request):
+    """Every thread's stack on stderr a second before pytest-timeout ends a hung test. Its own
+    dump goes to the terminal, which an xdist worker does not show; faulthandler writes from C,
+    so it fires while the main thread sits in uvloop's loop."""
+    marker = request.node.get_closest_marker("timeout")
+    limit = float(marker.args[0]) if marker and marker.args else float(request.config.getini("timeout") or 0)
+    if limit > 1:
+        faulthandler.dump_traceback_later(limit - 1, file=sys.__stderr__)
+    yield
+    faulthandler.cancel_dump_traceback_later()
 
 
 def pytest_asyncio_loop_factories(config, item):
@@ -29,10 +44,17 @@ def hf_offline(monkeypatch):
     offline (the bring-your-own-VLA tests load every model from a local directory)."""
     import socket
 
-    def refuse(*args, **kwargs):
+    connect = socket.socket.connect
+
+    def refuse(sock, *args, **kwargs):
+        if sock.family == socket.AF_UNIX:  # this machine's own (a fork server's socket)
+            return connect(sock, *args, **kwargs)
+        raise OSError("network access attempted in an offline test")
+
+    def refuse_connection(*args, **kwargs):
         raise OSError("network access attempted in an offline test")
 
     monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse_connection)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")

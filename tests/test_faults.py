@@ -37,9 +37,10 @@ class HangsOnce(MockEnv):
 
 
 def _trainer(backend, steps=2000, timeout=0.5, **run):
+    # start_method fork: HUNG is shared with the workers through the fork (a pytest process that
+    # rendered in an earlier test would otherwise start them from a fork server)
     cfg = ebrl.RunConfig(**{"num_envs": 8, "segment_len": 16, "total_env_steps": steps,
-                            "sim": {"backend": backend, "num_threads": 4, "num_workers": 2} if backend == "thread"
-                            else {"backend": backend, "num_workers": 2},
+                            "sim": {"backend": backend, "num_threads": 4, "num_workers": 2, "start_method": "fork"},
                             "faults": {"step_timeout_s": timeout}, **run})
     return ebrl.Trainer(HangsOnce, MockPolicy(act_dim=3), NoopAlgo(), cfg)
 
@@ -105,8 +106,8 @@ def _hang():
 @pytest.mark.parametrize("where", ["first", "build", "rebuilt"])
 def test_a_hung_reset_or_rebuild_is_abandoned_its_env_replaced_and_the_run_goes_on(backend, where, release):
     BUILT.value = 0
-    cfg = ebrl.RunConfig(num_envs=8, segment_len=16, total_env_steps=2000, faults={"step_timeout_s": 0.5},
-                         sim={"backend": backend, "num_threads": 4, "num_workers": 2})
+    cfg = ebrl.RunConfig(num_envs=8, segment_len=16, total_env_steps=2000, faults={"build_timeout_s": 0.5},
+                         sim={"backend": backend, "num_threads": 4, "num_workers": 2, "start_method": "fork"})
     trainer = ebrl.Trainer(lambda i: HangsInReset(i, where), MockPolicy(act_dim=3), NoopAlgo(), cfg)
     t0 = time.monotonic()
     res = ebrl.run_sync(trainer)
@@ -123,14 +124,20 @@ async def _kill_mid_run(trainer, name: str, after_s: float):
     """``run(trainer)``, with the first child process named ``name...`` SIGKILLed after ``after_s``."""
     task = asyncio.ensure_future(ebrl.run(trainer))
     await asyncio.sleep(after_s)
-    victim = next(p for p in multiprocessing.active_children() if p.name.startswith(name))
+    for _ in range(200):  # a fork server's first child (a pytest process that rendered before) takes seconds
+        victims = [p for p in multiprocessing.active_children() if p.name.startswith(name)]
+        if victims:
+            break
+        await asyncio.sleep(0.05)
+    victim = victims[0]
     os.kill(victim.pid, signal.SIGKILL)
     return await task
 
 
 def test_a_killed_worker_is_respawned_and_its_envs_rebuilt(no_leaks):
+    # start_method fork: killed mid-run, not while a fork server's first child starts (a pytest process that rendered before)
     cfg = ebrl.RunConfig(num_envs=8, segment_len=16, total_env_steps=6000,
-                         sim={"backend": "process", "num_workers": 2}, resources={"adapt": False})
+                         sim={"backend": "process", "num_workers": 2, "start_method": "fork"}, resources={"adapt": False})
     trainer = ebrl.Trainer(lambda i: MockEnv(dim=3, episode_len=20, latency=Latency.constant(0.001)),
                            MockPolicy(act_dim=3), NoopAlgo(), cfg)
 
@@ -144,7 +151,7 @@ def test_a_dead_learner_process_stops_the_run_naming_the_signal_and_checkpoints(
 
     cfg = ebrl.RunConfig(num_envs=4, segment_len=16, total_env_steps=10**7, learner="process",
                          log_dir=str(tmp_path), checkpoint_every_s=3600.0,
-                         sim={"backend": "thread", "num_threads": 2})
+                         sim={"backend": "thread", "num_threads": 2, "start_method": "fork"})
     from ebrl.algos import PPO
     from ebrl.policies import MLPPolicy
 

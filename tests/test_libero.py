@@ -102,6 +102,29 @@ def test_runs_under_the_runtime_on_each_backend(backend, no_leaks):
     assert res.episodes >= 2 and res.success_once == 0.0  # random actions never place the bowl
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_runs_with_cameras_after_this_process_rendered_a_camera_never_hang(no_leaks):
+    """Issue 50's hang, as CI met it: a LIBERO env with a camera built and rendered in this
+    process, then the AUTO probe and process-backend runs with cameras, three in a row. A child
+    forked here would wait for ever in robosuite's EGL set-up; children come from a fork server."""
+    from ebrl.runtime.children import fork_hazard
+
+    env = make("libero/libero_object/1", pixels=64)
+    try:
+        env.reset(seed=0)
+    finally:
+        env.close()
+    assert fork_hazard() is not None
+    for backend in ("auto", "process", "auto"):
+        res = ebrl.run_sync(ebrl.Trainer(
+            lambda i: make("libero/libero_object/1", pixels=64, max_episode_steps=8),
+            MockPolicy(act_dim=7, random=True), NoopAlgo(),
+            RunConfig(num_envs=2, total_env_steps=24, segment_len=6, seed=0,
+                      sim=SimConfig(backend=backend, num_workers=2), faults={"build_timeout_s": 120})))
+        assert res.env_steps == 24 and res.accounting_ok()
+
+
 def test_passes_gymnasiums_env_checker(state_env):
     from gymnasium.utils.env_checker import check_env
     import warnings

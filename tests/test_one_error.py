@@ -51,7 +51,8 @@ def release():
 
 
 def _rehang_trainer(backend, steps=10**6, max_failures=2):
-    sim = {"backend": backend, "num_threads": 4} if backend == "thread" else {"backend": backend, "num_workers": 2}
+    # start_method fork: BUILDS is shared with the workers through the fork
+    sim = {"backend": backend, "num_threads": 4, "num_workers": 2, "start_method": "fork"}
     cfg = ebrl.RunConfig(num_envs=8, segment_len=16, total_env_steps=steps, sim=sim, resources={"adapt": False},
                          faults={"step_timeout_s": 0.5, "max_env_failures": max_failures})
     return ebrl.Trainer(Rehangs, MockPolicy(act_dim=3), NoopAlgo(), cfg)

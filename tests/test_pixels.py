@@ -232,3 +232,23 @@ def test_robotics_envs_render_pixels_next_to_their_flat_state_and_keep_is_succes
     _, _, _, _, info = env.step(env.action_space.sample())
     assert "is_success" in info
     env.close()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("backend", ["auto", "process"])
+def test_runs_that_render_in_children_after_this_process_rendered_never_hang(envs, backend, no_leaks):
+    """The hang of a forked child rendering in a process that had rendered (its EGL state and
+    llvmpipe threads do not survive a fork): the probe and the workers come from a fork server
+    instead, twice in a row."""
+    from ebrl.runtime.children import fork_hazard
+    from ebrl.testing import MockPolicy, NoopAlgo
+
+    here = _make(envs, TASK, pixels=16)
+    here.reset(seed=0)  # rendered in this process: Mesa's EGL is loaded and set up
+    assert fork_hazard() is not None
+    for _ in range(2):
+        res = ebrl.run_sync(ebrl.Trainer(
+            lambda i: make(TASK, pixels=16), MockPolicy(act_dim=1, random=True), NoopAlgo(),
+            ebrl.RunConfig(num_envs=2, segment_len=8, total_env_steps=64,
+                           sim={"backend": backend, "num_workers": 2}, faults={"build_timeout_s": 60})))
+        assert res.env_steps == 64 and res.accounting_ok()

@@ -47,7 +47,10 @@ async def test_cancel_from_outside_leaves_no_thread_task_or_process(no_leaks):
 
 async def test_cancel_with_worker_processes_reaps_them(no_leaks):
     task = asyncio.create_task(ebrl.run(make_trainer("process", total=10**9, mode="spin")))
-    await asyncio.sleep(1.0)
+    for _ in range(200):  # a fork server's first child (a pytest process that rendered before) takes seconds
+        await asyncio.sleep(0.05)
+        if any(p.name.startswith("ebrl-sim-worker") for p in multiprocessing.active_children()):
+            break
     assert any(p.name.startswith("ebrl-sim-worker") for p in multiprocessing.active_children())
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -73,7 +76,8 @@ async def test_env_failure_in_a_worker_process_is_rebuilt(no_leaks):
         return MockEnv(fail_at_step=10 if first_of_env0 else None)
 
     tr = ebrl.Trainer(env_fn, MockPolicy(act_dim=4), NoopAlgo(),
-                      ebrl.RunConfig(num_envs=2, segment_len=8, total_env_steps=200, sim={"backend": "process"}))
+                      ebrl.RunConfig(num_envs=2, segment_len=8, total_env_steps=200,
+                                     sim={"backend": "process", "start_method": "fork"}))  # built: shared by the fork
     res = await ebrl.run(tr)
     assert res.env_failures == 1 and res.env_steps == 200 and res.accounting_ok()
 
@@ -326,7 +330,8 @@ def test_auto_backend_probe_runs_off_the_event_loop():
         return MockEnv(dim=3)
 
     trainer = ebrl.Trainer(env_fn, MockPolicy(act_dim=3), NoopAlgo(),
-                           ebrl.RunConfig(num_envs=2, segment_len=16, total_env_steps=64))
+                           ebrl.RunConfig(num_envs=2, segment_len=16, total_env_steps=64,
+                                          sim={"start_method": "fork"}))  # a child, also where fork is not clean
 
     async def main():
         async def tick():

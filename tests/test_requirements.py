@@ -105,13 +105,16 @@ def test_an_explicit_async_schedule_stays_and_ppo_may_cut_at_episodes():
 ], ids=["act_dim", "discrete-vs-box", "obs-shape", "chunks", "mock"])
 @pytest.mark.parametrize("backend", ["thread", "auto"])
 def test_a_policy_built_for_other_spaces_fails_before_any_env_steps(policy, env_fn, says, backend):
-    cfg = RunConfig(num_envs=4, segment_len=8, total_env_steps=400, sim={"backend": backend}, learner="process")
+    # start_method fork: the probe is a child also where this pytest process rendered before
+    cfg = RunConfig(num_envs=4, segment_len=8, total_env_steps=400, sim={"backend": backend, "start_method": "fork"},
+                    learner="process")
     with pytest.raises(ConfigError) as err:
         ebrl.run_sync(ebrl.Trainer(env_fn, policy, PPO(), cfg))
     assert err.value.field == "policy" and all(s in str(err.value) for s in says), str(err.value)
-    # env 0 was built in the probe's child, to read its spaces; no env stepped anywhere, the AUTO
-    # probe's timing steps included (the check comes between its reset and its steps)
-    assert TimedEnv.built == [] and STEPPED.value == 0
+    # env 0 was built once to read its spaces (thread: here; auto: in the probe's child); no env
+    # stepped anywhere, the AUTO probe's timing steps included (the check comes between its
+    # reset and its steps)
+    assert TimedEnv.built == ([0] if backend == "thread" else []) and STEPPED.value == 0
 
 
 def test_virtual_time_checks_inline_before_any_step():
@@ -170,14 +173,14 @@ def test_probe_carries_env_0s_facts_on_every_backend():
     from ebrl.runtime.probe import EnvProbe
 
     async def probe(backend):
-        async with EnvProbe(TimedEnv, SimConfig(backend=backend), FaultConfig()) as p:
+        async with EnvProbe(TimedEnv, SimConfig(backend=backend, start_method="fork"), FaultConfig()) as p:
             return await p.facts(), await p.step_profile()
 
     for backend in ("auto", "thread"):
         facts, step = asyncio.run(probe(backend))
         assert (step is not None) == (backend == "auto")  # only AUTO measures a step
         assert facts.max_episode_steps == EPISODE and facts.action_space.shape == (3,)
-    assert TimedEnv.built == []  # built in the probe's child, never in this process
+    assert TimedEnv.built == [0]  # thread: built here, once; auto: in the probe's child
 
 
 def test_the_cli_runs_grpo_with_what_it_needs_and_refuses_a_contradiction(tmp_path, capsys):

@@ -21,6 +21,7 @@ from types import ModuleType
 from ebrl.benchmark.figures import summarize_rows
 from ebrl.benchmark.report import REPO, machine_stamp, print_report, results_markdown
 from ebrl.config import ConfigError
+from ebrl.runtime.children import send_by_value
 from ebrl.envs import did_you_mean
 
 REPO_BENCH = REPO / "bench" / "suites"
@@ -46,6 +47,7 @@ def load_suite(name: str, suites_dir: str | Path | None = None) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses (and pickling) look a class's module up there
     spec.loader.exec_module(module)
+    send_by_value(module)  # its env_fns, to children that are not forked
     return module
 
 

@@ -47,6 +47,7 @@ import ebrl
 from ebrl.benchmark.figures import Target, check_targets, suite_ratios, summarize_rows
 from ebrl.benchmark.limits import physical_limit
 from ebrl.policies.base import state_nbytes
+from ebrl.runtime.children import send_by_value
 from ebrl.runtime.sim_types import single_spaces
 
 PEERS_DIR = Path(__file__).resolve().parent.parent.parent / "bench" / "peers"
@@ -188,6 +189,7 @@ def load_peer_module(stem: str):
     spec = importlib.util.spec_from_file_location(f"ebrl_bench_peers_{stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    send_by_value(module)  # what it defines, to children that are not forked
     return module
 
 

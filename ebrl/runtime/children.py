@@ -15,9 +15,9 @@ ebrl's child code and torch imported, which forks each child from its own clean 
   while one is present).
 
 A child that does not come from a fork gets its arguments pickled: functions, lambdas and
-classes defined in a script are sent by value (:func:`portable`, through cloudpickle). It also
-imports the user's ``__main__`` module again, as every non-fork start method does: a script
-that starts a run must do so under ``if __name__ == "__main__":``.
+classes defined in a script are sent by value (:func:`portable`, through cloudpickle), so the
+child need not import the user's ``__main__`` module again, and does not (:func:`start`): a
+script's top-level code runs once, in the script's own process.
 
 A fork server started for a run is stopped when that run ends (:func:`fork_server_scope`), so
 no process outlives ``run()``.
@@ -34,7 +34,10 @@ import multiprocessing as mp
 import sys
 from collections.abc import Iterator
 from multiprocessing import forkserver
+from importlib.machinery import ModuleSpec
 from multiprocessing.context import BaseContext
+from multiprocessing.process import BaseProcess
+from types import ModuleType
 from typing import Any
 
 from ebrl.telemetry.logging import get_logger
@@ -45,7 +48,7 @@ log = get_logger("ebrl.children")
 DRIVER_LIBRARIES = ("libEGL", "libGLX", "libGL.so", "libOSMesa", "libgallium", "libvulkan", "libcuda.so",
                     "libnvidia-glcore", "libnvidia-eglcore")
 # what the fork server imports once, so that its children start in milliseconds
-PRELOAD = ["ebrl.runtime.child_mains"]
+PRELOAD = ["ebrl.runtime.probe", "ebrl.runtime.sim_worker_process", "ebrl.runtime.learner_process"]
 
 _scopes = 0  # fork_server_scope()s open now
 _started_here = False  # a scope started the fork server (it is stopped when the last scope closes)
@@ -107,6 +110,34 @@ def fork_server_scope() -> Iterator[None]:
             _started_here = False
             with contextlib.suppress(Exception):
                 forkserver._forkserver._stop()  # noqa: SLF001 (the stdlib's own way to end it)
+
+
+def start(proc: BaseProcess, ctx: BaseContext) -> None:
+    """``proc.start()`` (``proc`` made by ``ctx``); a child that is not forked does not run the
+    caller's ``__main__`` again. Multiprocessing would re-import it in the child (a script's
+    top-level code, building envs or rendering, run once more in every worker); the child needs
+    none of it, since :func:`portable` sends what it runs by value. Multiprocessing skips that
+    import for a main module named ``*.__main__``, so the main module is given such a name for
+    the time of the start."""
+    main = sys.modules.get("__main__")
+    if ctx.get_start_method() == "fork" or main is None:
+        proc.start()
+        return
+    spec = getattr(main, "__spec__", None)
+    main.__spec__ = ModuleSpec("ebrl.children.__main__", None)
+    try:
+        proc.start()
+    finally:
+        main.__spec__ = spec
+
+
+def send_by_value(module: ModuleType) -> None:
+    """Have what ``module`` defines travel to children by value: for a module loaded from a file
+    by path (``ebrl train --import x.py``, a benchmark suite), which a child that is not forked
+    could not import by its name."""
+    import cloudpickle
+
+    cloudpickle.register_pickle_by_value(module)
 
 
 def portable(obj: Any, ctx: BaseContext) -> Any:

@@ -76,8 +76,12 @@ class Learner:
                  state: RunState, *, pause_generation: bool, remote: LearnerProcess | None = None,
                  timeline: Timeline | None = None, checkpoint: Checkpointing | None = None,
                  metrics: MetricsLog | None = None, streams: GpuStreams | None = None,
-                 nonfinite: NonFinite = NonFinite.RAISE, dp: DataParallel | None = None):
+                 nonfinite: NonFinite = NonFinite.RAISE, dp: DataParallel | None = None,
+                 update_timeout_s: float | None = None):
         self.policy = policy
+        # faults.update_timeout_s: an update in the learner's thread past it ends the run (the
+        # learner process applies its own, killing the process)
+        self.update_timeout_s = update_timeout_s
         self.algo = algo
         self.nonfinite = nonfinite  # faults.nonfinite: a NaN/inf loss or weights raise, or skip the update
         self._published = snapshot(published_state(policy))  # what an update that went NaN is undone to
@@ -180,8 +184,14 @@ class Learner:
                 taken.clear()
             return update(batch)
 
+        limit = None if virtual or self.remote is not None else self.update_timeout_s
         try:
-            metrics, state, lags = await self.stage.call(work, thread=not virtual, size=n)
+            try:
+                async with asyncio.timeout(limit):
+                    metrics, state, lags = await self.stage.call(work, thread=not virtual, size=n)
+            except TimeoutError:
+                raise LearnerError(f"an update ran past faults.update_timeout_s={limit:g} s; the learner's "
+                                   "thread is left to finish it") from None
         except LearnerError:
             if self.checkpoint is not None:  # what the generator acts with: the last published weights
                 await self._write_checkpoint(self._published, algo=False)

@@ -10,11 +10,10 @@ and PPO: see the README's design section.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import pickle
 import signal
-import sys
 import time
+from typing import NoReturn
 import traceback
 
 import torch
@@ -22,6 +21,8 @@ import torch
 from ebrl.algos.batch import Batch
 from ebrl.checkpoint import algo_state
 from ebrl.policies.base import load_published, published_state, state_nbytes
+from ebrl.runtime.children import child_context, portable
+from ebrl.runtime.children import start as start_child
 from ebrl.runtime.errors import LearnerError
 from ebrl.runtime.threads import ignore_stop_signals
 from ebrl.telemetry.logging import get_logger
@@ -78,6 +79,7 @@ def _learner_main(conn, policy, algo, torch_threads: int | None) -> None:
     if torch_threads is not None:
         torch.set_num_threads(torch_threads)
     try:
+        _send(conn, ("ready",))  # the parent times the start-up until here
         while True:
             msg = _recv(conn)
             if msg[0] == "update":
@@ -101,46 +103,76 @@ def _learner_main(conn, policy, algo, torch_threads: int | None) -> None:
 
 
 class LearnerProcess:
-    """The policy's and algorithm's training copies, in a child process."""
+    """The policy's and algorithm's training copies, in a child process started fork-safely
+    (:func:`~ebrl.runtime.children.child_context`). Its start-up (until it says it is ready) has
+    ``start_timeout_s``; each update has ``update_timeout_s`` (``faults.update_timeout_s``, None:
+    none). Past either, the process is killed and the update fails with a :class:`LearnerError`."""
 
-    def __init__(self, policy, algo, torch_threads: int | None, start_method: str | None = None):
-        if start_method is None:
-            start_method = "fork" if sys.platform.startswith("linux") else "spawn"
-        ctx = mp.get_context(start_method)
+    def __init__(self, policy, algo, torch_threads: int | None, start_method: str | None = None,
+                 start_timeout_s: float | None = None, update_timeout_s: float | None = None):
+        ctx, _ = child_context(start_method)
+        self.start_timeout_s, self.update_timeout_s = start_timeout_s, update_timeout_s
+        self.ready = False
         self.conn, child = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(target=_learner_main, args=(child, policy, algo, torch_threads),
-                                   name="ebrl-learner-process", daemon=True)
-        self.process.start()
+        self.process = ctx.Process(target=_learner_main, name="ebrl-learner-process", daemon=True,
+                                   args=(child, portable(policy, ctx), portable(algo, ctx), torch_threads))
+        start_child(self.process, ctx)
         child.close()
 
     def update(self, batch: Batch, threads: int | None = None):
         """Blocking: called from the learner's thread, which waits in the pipe without the GIL.
         ``threads``: torch's intra-op threads in the learner process from this update on."""
-        _send(self.conn, ("update", batch, threads))
+        self._ask(("update", batch, threads))
+        self._wait("update", self.update_timeout_s, "update_timeout_s")
         msg = self._recv()
         if msg[0] == "error":
             raise LearnerError("algo.update failed in the learner process:\n" + msg[1])
         _, metrics, state, lags = msg
         return metrics, state, lags
 
+    def _start_up(self) -> None:
+        """Wait for the process's start-up message (once), under ``start_timeout_s``."""
+        if not self.ready:
+            self._wait("start-up", self.start_timeout_s, "build_timeout_s")
+            self._recv()  # ("ready",)
+            self.ready = True
+
+    def _wait(self, what: str, timeout_s: float | None, setting: str) -> None:
+        """Wait ``timeout_s`` at most for the process's answer; past it, kill it and raise."""
+        if timeout_s is not None and not self.conn.poll(timeout_s):
+            self.process.kill()
+            raise LearnerError(f"the learner process's {what} ran past faults.{setting}={timeout_s:g} s; "
+                               "the process was killed")
+
     def restore(self, state: dict) -> None:
         """Blocking, like :meth:`update`: :func:`restore` in the learner process."""
-        _send(self.conn, ("restore", state))
+        self._ask(("restore", state))
         self._recv()
 
     def algo_state(self) -> dict | None:
         """Blocking, like :meth:`update`: the algorithm's state, for a checkpoint."""
-        _send(self.conn, ("algo_state",))
+        self._ask(("algo_state",))
         return self._recv()[1]
+
+    def _ask(self, msg) -> None:
+        """Send ``msg`` once the process has started; a dead process raises :class:`LearnerError`."""
+        self._start_up()
+        try:
+            _send(self.conn, msg)
+        except OSError:  # a broken pipe: it died
+            self._died()
 
     def _recv(self):
         try:
             return _recv(self.conn)
         except (EOFError, OSError):
-            self.process.join(1.0)
-            code = self.process.exitcode
-            how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
-            raise LearnerError(f"the learner process died ({how})") from None
+            self._died()
+
+    def _died(self) -> NoReturn:
+        self.process.join(1.0)
+        code = self.process.exitcode
+        how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+        raise LearnerError(f"the learner process died ({how})") from None
 
     def close(self, policy, algo) -> None:
         """Load the trained state into the caller's ``policy`` and ``algo``; end the process
@@ -148,6 +180,8 @@ class LearnerProcess:
         try:
             if self.process.is_alive():
                 _send(self.conn, ("close",))
+                if not self.ready and self.conn.poll(ANSWER_WAIT_S):
+                    self._recv()  # its start-up message ("ready",)
                 if not self.conn.poll(ANSWER_WAIT_S):
                     log.warning("learner_process_unanswered", wait_s=ANSWER_WAIT_S)
                     return

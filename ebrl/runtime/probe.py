@@ -1,27 +1,32 @@
-"""The start-up probe: env 0 built in a child process, its facts read, and under ``sim.backend="auto"``
-its step timed, every phase under a deadline.
+"""The start-up probe: env 0 built, its facts read, and under ``sim.backend="auto"`` its step
+timed, every phase under a deadline.
 
 ``run()`` needs env 0's spaces and time limit before it starts anything (the policy is checked
 against them), and AUTO needs a measured step to choose the backend. Both come from one env,
-built in a child process (:mod:`ebrl.runtime.children` picks a fork-safe start), in phases:
+in phases:
 
 1. build ``env_fn(0)`` (deadline ``faults.build_timeout_s``), then under AUTO reset it (the same);
 2. send its :class:`~ebrl.runtime.env_facts.EnvFacts`, and wait: the parent checks the trainer
    against them, so a policy that does not fit the env fails before any env is stepped;
 3. under AUTO, on the parent's word, time its steps (each under ``faults.step_timeout_s``).
 
-A phase past its deadline kills the child and ends ``run()`` with one
-:class:`~ebrl.runtime.errors.EnvStepError` naming env 0, the phase and the setting. The child is
-killed and reaped whatever happens, cancellation included. A vector env (``sim.vector_size > 1``,
-typically a GPU simulator that belongs in this process) is built in a thread instead, under the
-same build deadline, and never stepped.
+Where envs may live in child processes (``auto``, ``process``, ``mixed``), the probe runs in a
+child forked from this still clean process (:mod:`ebrl.runtime.children`): a build that holds
+the GIL does not stall the caller's loop, the child's CPU clock is the probe's own, and no
+renderer's driver is loaded here before the workers fork. Elsewhere (``inline``, ``thread``, a
+vector env: the envs live here anyway), and where this process is no longer clean to fork (a
+fork server's child would not see what this process set up: a registered env, a patched
+module), it runs in a thread of this process. A phase past its deadline ends ``run()`` with one
+:class:`~ebrl.runtime.errors.EnvStepError` naming env 0, the phase and the setting; the child
+is killed and reaped whatever happens, cancellation included (a thread stuck in the env is left
+to it, never joined on the loop).
 
     >>> import asyncio
     >>> from ebrl.config import FaultConfig, SimConfig
     >>> from ebrl.testing import MockEnv
     >>> async def demo():
     ...     async with EnvProbe(lambda i: MockEnv(dim=3), SimConfig(backend="auto"), FaultConfig()) as probe:
-    ...         facts = await probe.facts()      # built and reset in the child; nothing stepped yet
+    ...         facts = await probe.facts()      # built and reset; nothing stepped yet
     ...         step = await probe.step_profile()
     ...     return facts.action_space.shape, step.wall_s > 0
     >>> asyncio.run(demo())
@@ -31,12 +36,16 @@ same build deadline, and never stepped.
 from __future__ import annotations
 
 import asyncio
+import os
+import queue
 import time
 from dataclasses import dataclass
+from multiprocessing.context import BaseContext
 
 from ebrl.config import FaultConfig, SimBackend, SimConfig
 from ebrl.runtime.children import child_context, portable
-from ebrl.runtime.env_facts import EnvFacts, inspect_env
+from ebrl.runtime.children import start as start_child
+from ebrl.runtime.env_facts import EnvFacts
 from ebrl.runtime.errors import EnvStepError, TimedOut
 from ebrl.runtime.sim_types import EnvFn, describe
 from ebrl.runtime.threads import ignore_stop_signals, in_thread
@@ -72,51 +81,61 @@ class StepProfile:
 
 
 class EnvProbe:
-    """Env 0 in a child process (see the module docstring); an async context manager."""
+    """Env 0 in a child process, or in a thread of this one (see the module docstring); an async
+    context manager."""
 
     def __init__(self, env_fn: EnvFn, sim: SimConfig, faults: FaultConfig):
         self.env_fn, self.sim, self.faults = env_fn, sim, faults
         self.measure = sim.backend is SimBackend.AUTO and sim.vector_size == 1
-        self.in_child = sim.vector_size == 1
-        self.proc = self.conn = self.beat = None
-        self._facts: EnvFacts | None = None
+        self.proc = self.conn = self.thread = None
+        self.beat = [BUILD, 0.0]  # a shared array for a child
+
+    def _child_start(self) -> BaseContext | None:
+        """The context to start the probe's child with, or None for a thread: a child where envs
+        may live in children (``auto``, ``process``, ``mixed``) and one can start clean (fork
+        from a clean process, or a start method the user set); else a thread, where the envs
+        live here anyway or a fork server's child would not see this process's state (an env
+        registered, a module patched) that a fork would carry."""
+        if self.sim.vector_size > 1 or self.sim.backend in (SimBackend.INLINE, SimBackend.THREAD):
+            return None
+        ctx, why = child_context(self.sim.start_method)
+        if ctx.get_start_method() != "fork" and self.sim.start_method is None:
+            log.info("sim_probe_in_thread", why=why)
+            return None
+        return ctx
 
     async def __aenter__(self) -> EnvProbe:
-        if self.in_child:
-            ctx, why = child_context(self.sim.start_method)
-            self.beat = ctx.RawArray("d", 2)
-            self.conn, child = ctx.Pipe(duplex=True)
-            self.proc = ctx.Process(target=_probe_main, name="ebrl-sim-probe", daemon=True,
-                                    args=(child, portable(self.env_fn, ctx), self.measure, self.beat))
-            log.debug("sim_probe_start", start_method=ctx.get_start_method(), why=why)
-            proc, conn = self.proc, self.conn
+        ctx = self._child_start()
+        if ctx is None:
+            self.conn = _ThreadConn(asyncio.get_running_loop())
+            self.thread = asyncio.ensure_future(in_thread(
+                _probe_main, self.conn.far_end(), self.env_fn, self.measure, self.beat, False,
+                name="ebrl-sim-probe", may_hang=True))
+            return self
+        self.beat = ctx.RawArray("d", 2)
+        parent, child = ctx.Pipe(duplex=True)
+        self.conn = _PipeConn(parent)
+        self.proc = ctx.Process(target=_probe_main, name="ebrl-sim-probe", daemon=True,
+                                args=(child, portable(self.env_fn, ctx), self.measure, self.beat))
+        proc, conn = self.proc, self.conn
 
-            def start() -> None:
-                proc.start()
-                child.close()
+        def start() -> None:
+            start_child(proc, ctx)
+            child.close()
 
-            # off the loop: a fork copies this process's page tables, and a fork server's first child
-            # waits for the server to start. Cancelled meanwhile, the thread still finishes the start
-            # and ends what it started
-            starting = asyncio.ensure_future(in_thread(start, name="ebrl-sim-probe-start"))
-            try:
-                await asyncio.shield(starting)
-            except BaseException:
-                starting.add_done_callback(lambda _: _end(proc, conn, 0.0))
-                raise
+        # off the loop: a fork copies this process's page tables. Cancelled meanwhile, the thread
+        # still finishes the start, and ends what it started
+        starting = asyncio.ensure_future(in_thread(start, name="ebrl-sim-probe-start"))
+        try:
+            await asyncio.shield(starting)
+        except BaseException:
+            starting.add_done_callback(lambda _: _end(proc, conn, 0.0))
+            raise
         return self
 
     async def facts(self) -> EnvFacts:
-        """Env 0's facts: built (and under AUTO reset) in the child, never stepped."""
-        if not self.in_child:
-            try:
-                self._facts = await in_thread(inspect_env, self.env_fn, name="ebrl-env-inspect",
-                                              timeout_s=self.faults.build_timeout_s)
-            except TimeoutError:
-                raise self._timed_out(BUILD) from None
-            return self._facts
-        self._facts = (await self._next())[1]
-        return self._facts
+        """Env 0's facts: built (and under AUTO reset), never stepped."""
+        return (await self._next())[1]
 
     async def step_profile(self) -> StepProfile | None:
         """Under AUTO for plain envs, env 0's measured step (after :meth:`facts`); else None."""
@@ -129,7 +148,12 @@ class EnvProbe:
         return step
 
     async def __aexit__(self, *exc) -> None:
-        if self.proc is None:
+        if self.thread is not None:  # told to stop, it closes env 0; one stuck in the env is left to it
+            self.conn.send("stop")
+            if exc[0] is None:
+                await asyncio.wait([self.thread], timeout=_REAP_S)
+            if not self.thread.done():
+                self.thread.cancel()
             return
         proc, conn = self.proc, self.conn
         if exc[0] is None:  # it is exiting by itself: reaped off the loop
@@ -138,40 +162,113 @@ class EnvProbe:
             _end(proc, conn, 0.0)
 
     async def _next(self) -> tuple:
-        """The child's next message, waiting under the current phase's deadline."""
-        loop = asyncio.get_running_loop()
+        """The probe's next message, waiting under the current phase's deadline."""
         while True:
-            if self.conn.poll():
-                try:
-                    msg = self.conn.recv()
-                except EOFError:
-                    msg = None
-                if msg is not None and msg[0] == "error":
+            msg = self.conn.take()
+            if msg is not None:
+                if msg[0] == "error":
                     raise EnvStepError(0, msg[1], msg[2])
-                if msg is not None:
-                    return msg
+                return msg
             phase, started = self.beat[0], self.beat[1]
-            if not self.proc.is_alive():
+            op = _PHASES.get(phase, ("probe",))[0]
+            if self.proc is not None and not self.proc.is_alive():
                 self.proc.join(_REAP_S)
-                op = _PHASES.get(phase, ("probe",))[0]
                 raise EnvStepError(0, op, f"the sim probe's process exited (exit code {self.proc.exitcode})")
+            if self.thread is not None and self.thread.done():
+                self.thread.result()  # raises what ended it
+                raise EnvStepError(0, op, "the sim probe's thread ended without an answer")
             limit = getattr(self.faults, _PHASES[phase][1]) if phase in _PHASES else None
             if limit is not None and started and time.monotonic() - started > limit:
-                self.proc.kill()
+                if self.proc is not None:
+                    self.proc.kill()
                 raise self._timed_out(phase)
-            readable = loop.create_future()
-            loop.add_reader(self.conn.fileno(), lambda: readable.done() or readable.set_result(None))
-            try:
-                await asyncio.wait({readable}, timeout=_POLL_S)
-            finally:
-                loop.remove_reader(self.conn.fileno())
+            await self.conn.wait(_POLL_S)
 
     def _timed_out(self, phase: float) -> EnvStepError:
         op, setting = _PHASES[phase]
-        where = "in the sim probe's child process, which was killed" if self.in_child else "(its thread was left)"
+        where = "its process was killed" if self.proc is not None else "its thread was left"
         what = {"env_fn": "build", "reset": "reset", "step": "step"}[op]
-        return EnvStepError(0, op, TimedOut(f"its {what} ran past faults.{setting}="
-                                            f"{getattr(self.faults, setting):g} s {where}"))
+        return EnvStepError(0, op, TimedOut(f"its {what} in the sim probe ran past faults.{setting}="
+                                            f"{getattr(self.faults, setting):g} s; {where}"))
+
+
+class _PipeConn:
+    """The loop's end of the probe child's pipe (send, take, wait)."""
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def send(self, msg) -> None:
+        self.conn.send(msg)
+
+    def take(self):
+        if not self.conn.poll():
+            return None
+        try:
+            return self.conn.recv()
+        except EOFError:  # the child is gone: _next sees it exit
+            return None
+
+    async def wait(self, timeout: float) -> None:
+        loop, fd = asyncio.get_running_loop(), self.conn.fileno()
+        readable = loop.create_future()
+        loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
+        try:
+            await asyncio.wait({readable}, timeout=timeout)
+        finally:
+            loop.remove_reader(fd)
+            # add_reader made the socket non-blocking: a message larger than its buffer would then
+            # fail half-way in recv (a message has started: the rest comes at once)
+            os.set_blocking(fd, True)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class _ThreadConn:
+    """The probe's messages between the loop and a thread of this process, shaped as the child's
+    pipe is (send, and on the loop's side take and wait)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def send(self, msg) -> None:  # the loop's side
+        self.outbox.put(msg)
+
+    def take(self):
+        return None if self.inbox.empty() else self.inbox.get_nowait()
+
+    async def wait(self, timeout: float) -> None:
+        getter = asyncio.ensure_future(self.inbox.get())
+        done, _ = await asyncio.wait([getter], timeout=timeout)
+        if getter in done:
+            self.inbox.put_nowait(getter.result())  # back, for take()
+        else:
+            getter.cancel()
+
+    def far_end(self) -> _ThreadEnd:
+        return _ThreadEnd(self)
+
+
+class _ThreadEnd:
+    """The probe thread's side of a :class:`_ThreadConn`."""
+
+    def __init__(self, conn: _ThreadConn):
+        self.conn = conn
+
+    def send(self, msg) -> None:
+        try:
+            self.conn.loop.call_soon_threadsafe(self.conn.inbox.put_nowait, msg)
+        except RuntimeError:  # the loop closed: nobody listens
+            pass
+
+    def recv(self):
+        return self.conn.outbox.get()
+
+    def close(self) -> None:
+        pass
 
 
 def _end(proc, conn, wait_s: float) -> None:
@@ -188,9 +285,11 @@ def _end(proc, conn, wait_s: float) -> None:
     conn.close()
 
 
-def _probe_main(conn, env_fn: EnvFn, measure: bool, beat) -> None:
-    """The child: the phases of the module docstring, each written to ``beat`` as it starts."""
-    ignore_stop_signals()
+def _probe_main(conn, env_fn: EnvFn, measure: bool, beat, child: bool = True) -> None:
+    """The probe (a child process, or a thread): the phases of the module docstring, each
+    written to ``beat`` as it starts."""
+    if child:
+        ignore_stop_signals()
     op, env = "env_fn", None
 
     def phase(code: float) -> None:

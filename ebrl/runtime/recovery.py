@@ -41,7 +41,8 @@ class Recovery:
         # failures charged to faults.max_env_failures in the window: (loop time, unit, reason)
         self.failure_times: deque[tuple[float, int, str]] = deque()
         self._gave_up = False  # TooManyEnvFailures raised: the run is stopping on it
-        self.timeouts = 0  # steps, resets and rebuilds abandoned past faults.step_timeout_s
+        # steps abandoned past faults.step_timeout_s, builds and resets past faults.build_timeout_s
+        self.timeouts = 0
 
     def unit_ids(self, unit: int) -> np.ndarray:
         return np.arange(unit * self.V, unit * self.V + self.V)
@@ -141,9 +142,9 @@ class Recovery:
 
     async def first_reset(self, unit: int) -> None:
         """The run's first reset of a unit. A NaN/inf observation (``nonfinite='drop'``), a hung
-        reset (past ``faults.step_timeout_s``) or a dead worker is recovered like a failed reset
-        later on; any other failure here stops the run (an env that cannot start is a setup
-        error, not a fault to retry)."""
+        build or reset (past ``faults.build_timeout_s``) or a dead worker is recovered like a
+        failed reset later on; any other failure here stops the run (an env that cannot start is
+        a setup error, not a fault to retry)."""
         try:
             await self.reset_unit(unit)
         except EnvStepError as exc:
@@ -163,11 +164,12 @@ class Recovery:
                 log.warning("step_timed_out", unit=unit, limit_s=limit)
 
     async def _timed(self, unit: int, op: str, call):
-        """Await a unit's reset or rebuild; once it has *run* past ``faults.step_timeout_s``
-        (waits for a lane or for worker-mates do not count) the pool gives it up (a lane
-        replaced, a worker killed) and it fails as ``timeout``, recovered as any failed reset:
-        the unit rebuilt from ``env_fn``."""
-        limit = self.cfg.faults.step_timeout_s
+        """Await a unit's build (``env_fn``) or reset; once it has *run* past
+        ``faults.build_timeout_s`` (waits for a lane or for worker-mates do not count) the pool
+        gives it up (a lane replaced, a worker killed) and it fails as ``timeout``, recovered as
+        any failed reset: the unit rebuilt from ``env_fn``. A pool that times the call itself
+        (the inline pool's builds) fails it the same way."""
+        limit = self.cfg.faults.build_timeout_s
         if limit is None:
             return await call
         fut = asyncio.ensure_future(call)
@@ -178,11 +180,18 @@ class Recovery:
                 except TimeoutError:
                     if self.pool.abandon(unit, limit):
                         break
+                except EnvStepError as exc:
+                    if exc.reason == "timeout":
+                        self._timed_out(unit, op, limit)
+                    raise
         finally:
             fut.cancel()
+        self._timed_out(unit, op, limit)
+        raise EnvStepError(unit, op, TimedOut(f"the {op} ran past faults.build_timeout_s={limit:g} s and was abandoned"))
+
+    def _timed_out(self, unit: int, op: str, limit: float) -> None:
         self.timeouts += 1
-        log.warning("reset_timed_out", unit=unit, op=op, limit_s=limit)
-        raise EnvStepError(unit, op, TimedOut(f"the {op} ran past faults.step_timeout_s and was abandoned"))
+        log.warning("reset_timed_out" if op == "reset" else "build_timed_out", unit=unit, op=op, limit_s=limit)
 
     # ---------------------------------------------------------------- resets
 

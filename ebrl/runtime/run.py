@@ -124,7 +124,8 @@ async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop
     state = RunState(budget=cfg.total_env_steps, active=cfg.num_envs)
     # AUTO's choice is a start: the controller may move envs between lanes and workers
     movable = cfg.sim.backend is SimBackend.AUTO and cfg.resources.adapt and not virtual
-    pool = make_sim_pool(trainer.env_fn, cfg.num_envs, cfg.sim, backend, chosen.get("lanes"), movable=movable)
+    pool = make_sim_pool(trainer.env_fn, cfg.num_envs, cfg.sim, backend, chosen.get("lanes"), movable=movable,
+                         spaces=(facts.observation_space, facts.action_space), build_timeout_s=cfg.faults.build_timeout_s)
     lockstep, lag = is_lockstep(cfg.schedule), effective_lag(cfg)
     rollout = RolloutQueue(cfg.num_envs, cfg.segment_len, cfg.segments_per_batch, lag, stats,
                            transition_fields(facts.observation_space, facts.action_space), lockstep,
@@ -147,7 +148,8 @@ async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop
                          if cfg.wandb else None)
     learner = Learner(trainer.policy, trainer.algo, rollout, generator, stats, state,
                       pause_generation=lockstep or lag == 0, timeline=timeline, checkpoint=checkpoint,
-                      metrics=metrics, streams=streams, nonfinite=cfg.faults.nonfinite, dp=dp)
+                      metrics=metrics, streams=streams, nonfinite=cfg.faults.nonfinite, dp=dp,
+                      update_timeout_s=cfg.faults.update_timeout_s)
     driver = Driver(cfg, pool, generator, rollout, stats, state, timeline)
     manager: ResourceManager | None = None
     log.info("run_start", schedule=cfg.schedule.value, num_envs=cfg.num_envs, sim_backend=pool.backend.value,
@@ -157,7 +159,9 @@ async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop
     try:
         if mode is LearnerMode.PROCESS:
             def start_learner() -> None:  # set by the thread: a cancel while it forks still closes it
-                learner.remote = LearnerProcess(trainer.policy, trainer.algo, learner_threads, cfg.sim.start_method)
+                learner.remote = LearnerProcess(trainer.policy, trainer.algo, learner_threads, cfg.sim.start_method,
+                                                start_timeout_s=cfg.faults.build_timeout_s,
+                                                update_timeout_s=cfg.faults.update_timeout_s)
 
             # forking copies this process's page tables (~8 ms with torch loaded): off the loop
             await in_thread(start_learner, name="ebrl-learner-start")

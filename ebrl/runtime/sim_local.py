@@ -19,7 +19,7 @@ import gymnasium as gym
 import numpy as np
 
 from ebrl.config import SimBackend
-from ebrl.runtime.errors import EnvStepError
+from ebrl.runtime.errors import EnvStepError, TimedOut
 from ebrl.runtime.sim_types import (
     EnvFn,
     SimPool,
@@ -42,33 +42,50 @@ CLOSE_WAIT_S = 1.0  # close() waits this long for lanes in a step (with the work
 class LocalEnvs(SimPool):
     """Units (envs, or vector envs of ``vector_size``) living in this process, and their rows."""
 
-    def __init__(self, env_fn: EnvFn, num_envs: int, vector_size: int = 1):
+    def __init__(self, env_fn: EnvFn, num_envs: int, vector_size: int = 1,
+                 spaces: tuple[gym.Space, gym.Space] | None = None, build_timeout_s: float | None = None):
         super().__init__(env_fn, num_envs)
         self.vector_size = vector_size
         self.num_units = num_envs // vector_size
         self.rows: StepRows | None = None
         self.envs: list[gym.Env | None] = []  # None: hosted elsewhere (a mixed pool's other part)
         self.virtual = False  # under virtual time a step's cost is the one it declares
-        # which units to build at start (None: all), and the spaces when it builds none
+        # which units to build at start (None: all), and one env's spaces (the probe's; else the
+        # first unit built gives them)
         self.hosted: set[int] | None = None
-        self.spaces: tuple[gym.Space, gym.Space] | None = None
+        self.spaces = spaces
+        self.build_timeout_s = build_timeout_s
+        self.unbuilt: dict[int, TimedOut] = {}  # units whose build timed out, until rebuilt
 
     async def _build_all(self) -> None:
-        """Build every unit off the event loop (a private thread, joined here): 64 MuJoCo envs
-        take a few hundred ms to build, which would stall the caller's loop. Inline under virtual
-        time, where threads are not allowed."""
+        """Build every unit off the event loop, each in a private thread under ``build_timeout_s``
+        (64 MuJoCo envs take a few hundred ms to build, which would stall the caller's loop). A
+        unit past its deadline is left to its thread and recorded in ``unbuilt``: its first reset
+        fails as ``timeout`` and the driver rebuilds it. Inline under virtual time, where threads
+        are not allowed."""
         if is_virtual(asyncio.get_running_loop()):
             self.virtual = True
-            self._build_units()
-            return
-        await in_thread(self._build_units, name="ebrl-sim-build")
-
-    def _build_units(self) -> None:
-        hosted = self.hosted
-        self.envs = [self._build(u) if hosted is None or u in hosted else None for u in range(self.num_units)]
+            self.envs = [self._build(u) if self._hosts(u) else None for u in range(self.num_units)]
+        else:
+            self.envs = [None] * self.num_units
+            for u in filter(self._hosts, range(self.num_units)):
+                try:
+                    self.envs[u] = await in_thread(self._build, u, name="ebrl-sim-build",
+                                                   timeout_s=self.build_timeout_s, may_hang=True)
+                except TimeoutError:
+                    self.unbuilt[u] = self._build_timed_out()
+                    log.warning("env_build_timed_out", unit=u, limit_s=self.build_timeout_s)
         first = next((env for env in self.envs if env is not None), None)
-        self.observation_space, self.action_space = self.spaces if first is None else single_spaces(first)
+        if self.spaces is None and first is None:
+            raise EnvStepError(min(self.unbuilt, default=0), "env_fn", self._build_timed_out())
+        self.observation_space, self.action_space = self.spaces or single_spaces(first)
         self.rows = StepRows(self.num_envs, self.observation_space, self.action_space)
+
+    def _hosts(self, unit: int) -> bool:
+        return self.hosted is None or unit in self.hosted
+
+    def _build_timed_out(self) -> TimedOut:
+        return TimedOut(f"its build ran past faults.build_timeout_s={self.build_timeout_s:g} s (its thread was left)")
 
     def _build(self, unit: int) -> gym.Env:
         try:
@@ -121,6 +138,8 @@ class LocalEnvs(SimPool):
         write(*args)
 
     def _reset_unit(self, unit: int, seed: Any) -> tuple[Any, Any]:
+        if unit in self.unbuilt:  # never built: the driver rebuilds it
+            raise EnvStepError(unit, "env_fn", self.unbuilt[unit])
         return self._reset_with(self.envs[unit], seed)
 
     def _rebuild_unit(self, unit: int) -> None:
@@ -132,6 +151,7 @@ class LocalEnvs(SimPool):
     def _keep(self, unit: int, env: gym.Env) -> None:
         """Make ``env`` unit ``unit``'s (the thread pool checks, first, that the call was not abandoned)."""
         self.envs[unit] = env
+        self.unbuilt.pop(unit, None)
 
     def _errors(self, unit: int, exc: BaseException) -> list[tuple[int, str]]:
         return [(i, describe(exc)) for i in self._ids(unit).tolist()]
@@ -171,8 +191,9 @@ class InlineSimPool(LocalEnvs):
     backend = SimBackend.INLINE
     resizable = True
 
-    def __init__(self, env_fn: EnvFn, num_envs: int, num_lanes: int = 1, vector_size: int = 1):
-        super().__init__(env_fn, num_envs, vector_size)
+    def __init__(self, env_fn: EnvFn, num_envs: int, num_lanes: int = 1, vector_size: int = 1,
+                 spaces: tuple[gym.Space, gym.Space] | None = None, build_timeout_s: float | None = None):
+        super().__init__(env_fn, num_envs, vector_size, spaces, build_timeout_s)
         self._lanes = num_lanes
         self._lane_sem: asyncio.Semaphore | None = None
         self._pending: list[np.ndarray] = []
@@ -247,11 +268,25 @@ class InlineSimPool(LocalEnvs):
     async def reset(self, unit: int, seed: Any = None) -> tuple[Any, Any]:
         try:
             return self._reset_unit(unit, seed)
+        except EnvStepError:
+            raise
         except Exception as exc:
             raise EnvStepError(unit, "reset", describe(exc)) from exc
 
     async def rebuild(self, unit: int) -> None:
-        self._rebuild_unit(unit)
+        """Build the unit anew: off the loop, under ``build_timeout_s`` (inline under virtual time)."""
+        if self.virtual:
+            self._rebuild_unit(unit)
+            return
+        old, self.envs[unit] = self.envs[unit], None
+        if old is not None:
+            close_quietly(old)
+        try:
+            env = await in_thread(self._build, unit, name="ebrl-sim-build", timeout_s=self.build_timeout_s, may_hang=True)
+        except TimeoutError:
+            self.unbuilt[unit] = self._build_timed_out()
+            raise EnvStepError(unit, "env_fn", self.unbuilt[unit]) from None
+        self._keep(unit, env)
 
     def close(self) -> None:
         for task in self._tasks:

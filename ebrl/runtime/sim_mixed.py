@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import gymnasium as gym
 import numpy as np
 
 from ebrl.config import SimBackend
@@ -54,11 +55,13 @@ class MixedSimPool(ElasticPool):
     mixed = True
 
     def __init__(self, env_fn: EnvFn, num_envs: int, lanes: int, workers: int, start: SimBackend = SimBackend.THREAD,
-                 start_method: str | None = None, reply_hold_s: float = 0.002):
+                 start_method: str | None = None, reply_hold_s: float = 0.002,
+                 spaces: tuple[gym.Space, gym.Space] | None = None, build_timeout_s: float | None = None):
         if start not in (SimBackend.THREAD, SimBackend.PROCESS):
             raise ValueError(f"a mixed pool starts its envs on threads or processes, not {start.value!r}")
-        self.threads = ThreadSimPool(env_fn, num_envs, lanes)
-        self.processes = ProcessSimPool(env_fn, num_envs, workers, start_method, reply_hold_s=reply_hold_s)
+        self.threads = ThreadSimPool(env_fn, num_envs, lanes, spaces=spaces, build_timeout_s=build_timeout_s)
+        self.processes = ProcessSimPool(env_fn, num_envs, workers, start_method, reply_hold_s=reply_hold_s,
+                                        spaces=spaces, build_timeout_s=build_timeout_s)
         self._start = start
         self._local = np.full(num_envs, start is SimBackend.THREAD)  # env -> on the lanes
         self._moved_out = 0  # envs moved from a worker to the lanes
@@ -109,8 +112,8 @@ class MixedSimPool(ElasticPool):
         else:
             try:
                 await self.processes.start()
-                self.threads.hosted, self.threads.spaces = set(), (self.processes.observation_space,
-                                                                   self.processes.action_space)
+                self.threads.hosted = set()
+                self.threads.spaces = (self.processes.observation_space, self.processes.action_space)
                 await self.threads.start()
             except BaseException:
                 self.close()

@@ -40,6 +40,8 @@ of the next episode and ``final_obs`` the last one of the episode that ended.
 
 from __future__ import annotations
 
+import gymnasium as gym
+
 from ebrl.config import ConfigError, SimBackend, SimConfig
 from ebrl.runtime.sim_local import InlineSimPool
 from ebrl.runtime.sim_threads import ThreadSimPool
@@ -54,12 +56,15 @@ __all__ = ["make_sim_pool"]
 
 
 def make_sim_pool(env_fn: EnvFn, num_envs: int, cfg: SimConfig, backend: SimBackend | None = None,
-                  lanes: int | None = None, movable: bool = False) -> SimPool:
+                  lanes: int | None = None, movable: bool = False,
+                  spaces: tuple[gym.Space, gym.Space] | None = None, build_timeout_s: float | None = None) -> SimPool:
     """A pool for ``num_envs`` envs: ``num_envs // cfg.vector_size`` vector envs when that is > 1.
     Thread lanes: ``lanes`` (the controller's start decision), else ``cfg.num_threads``, else 2. With ``movable``
     (AUTO chose ``backend`` and the controller may move envs), thread or process envs go in a
     :class:`~ebrl.runtime.sim_mixed.MixedSimPool`, starting on ``backend``: envs can then move
-    between lanes and workers. ``sim.backend="mixed"`` asks for that pool, starting on lanes."""
+    between lanes and workers. ``sim.backend="mixed"`` asks for that pool, starting on lanes.
+    ``spaces``: env 0's (the start-up probe's), so the pool need not build an env to learn them;
+    ``build_timeout_s``: the deadline of each env's build (``faults.build_timeout_s``)."""
     backend = backend or cfg.backend
     lanes = lanes or cfg.num_threads or DEFAULT_LANES
     size = cfg.vector_size
@@ -80,10 +85,12 @@ def make_sim_pool(env_fn: EnvFn, num_envs: int, cfg: SimConfig, backend: SimBack
                               "process: use 'thread', 'inline' or 'auto'")
         start = SimBackend.PROCESS if backend is SimBackend.PROCESS else SimBackend.THREAD
         return MixedSimPool(env_fn, num_envs, lanes, cfg.num_workers or usable_cpus(), start,
-                            cfg.start_method, reply_hold_s=cfg.reply_hold_s)
+                            cfg.start_method, reply_hold_s=cfg.reply_hold_s, spaces=spaces,
+                            build_timeout_s=build_timeout_s)
     if backend is SimBackend.INLINE:
-        return InlineSimPool(env_fn, num_envs, num_lanes=lanes, vector_size=size)
+        return InlineSimPool(env_fn, num_envs, num_lanes=lanes, vector_size=size, spaces=spaces,
+                             build_timeout_s=build_timeout_s)
     if backend is SimBackend.THREAD:
-        return ThreadSimPool(env_fn, num_envs, lanes, vector_size=size)
+        return ThreadSimPool(env_fn, num_envs, lanes, vector_size=size, spaces=spaces, build_timeout_s=build_timeout_s)
     return ProcessSimPool(env_fn, num_envs, cfg.num_workers or usable_cpus(), cfg.start_method,
-                          reply_hold_s=cfg.reply_hold_s)
+                          reply_hold_s=cfg.reply_hold_s, spaces=spaces, build_timeout_s=build_timeout_s)

@@ -34,6 +34,7 @@ from ebrl.config import SimBackend
 from ebrl.runtime.errors import EnvStepError, TimedOut
 from ebrl.runtime.sim_local import CLOSE_WAIT_S, LocalEnvs
 from ebrl.runtime.sim_types import EnvFn, close_quietly, describe
+from ebrl.runtime.threads import in_thread, settle
 from ebrl.telemetry.logging import get_logger
 
 log = get_logger("ebrl.sim")
@@ -45,8 +46,9 @@ class ThreadSimPool(LocalEnvs):
     backend = SimBackend.THREAD
     resizable = True
 
-    def __init__(self, env_fn: EnvFn, num_envs: int, num_threads: int, vector_size: int = 1):
-        super().__init__(env_fn, num_envs, vector_size)
+    def __init__(self, env_fn: EnvFn, num_envs: int, num_threads: int, vector_size: int = 1,
+                 spaces: tuple[gym.Space, gym.Space] | None = None, build_timeout_s: float | None = None):
+        super().__init__(env_fn, num_envs, vector_size, spaces, build_timeout_s)
         self._target = num_threads
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
@@ -67,13 +69,10 @@ class ThreadSimPool(LocalEnvs):
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         await self._build_all()
-        if not self._threads:  # the build thread starts the lanes unless under virtual time
+        if self.virtual:
             self.resize(self._target)
-
-    def _build_units(self) -> None:
-        super()._build_units()
-        if not self.virtual:  # off the loop: starting 64 threads takes the loop ~20 ms
-            self.resize(self._target)
+        else:  # off the loop: starting 64 threads takes the loop ~20 ms
+            await in_thread(self.resize, self._target, name="ebrl-sim-lanes")
 
     @property
     def size(self) -> int:
@@ -150,6 +149,7 @@ class ThreadSimPool(LocalEnvs):
                 close_quietly(env)
                 raise _Abandoned
             self.envs[unit] = env
+            self.unbuilt.pop(unit, None)
 
     def _commit(self, unit: int, write, *args) -> None:
         with self._lock:
@@ -235,7 +235,7 @@ class ThreadSimPool(LocalEnvs):
         except BaseException as e:  # handed to the awaiting coroutine
             result, exc = None, e
         try:
-            self._loop.call_soon_threadsafe(_resolve, fut, result, exc)
+            self._loop.call_soon_threadsafe(settle, fut, result, exc)
         except RuntimeError:  # loop closed during shutdown
             pass
 
@@ -291,12 +291,3 @@ def _given_up(unit: int) -> None:
 
 class _Abandoned(Exception):
     """Raised in a lane whose step was abandoned, before it could touch the rows."""
-
-
-def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
-    if fut.done():
-        return
-    if exc is None:
-        fut.set_result(result)
-    else:
-        fut.set_exception(exc)

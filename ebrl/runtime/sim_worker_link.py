@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from ebrl.runtime.children import child_context, portable
+from ebrl.runtime.children import start as start_child
 from ebrl.runtime.sim_types import EnvFn
 from ebrl.runtime.sim_worker_process import PICKLED, QUIT, READ_BYTES, STEP, worker_main
 
@@ -35,17 +37,20 @@ class WorkerLink:
         self.dead: str | None = None  # why it is gone
         self.killed = False  # killed for a hung step (its death is on the way)
         self.inbox = b""  # the start of a reply not yet whole (see read_replies)
+        self.spawned_at = time.perf_counter()
+        self.heard = False  # it has sent something (its READY first): it started (see ProcessSimPool.abandon)
 
     @classmethod
-    def spawn(cls, ctx, loop: asyncio.AbstractEventLoop | None, index: int, env_fn: EnvFn, env_ids: list[int],
-              num_envs: int, reply_hold_s: float, attach: tuple | None = None) -> WorkerLink:
-        """Start worker ``index`` (multiprocessing context ``ctx``) building ``env_ids``; with
-        ``attach`` it maps the shared memory at once (a worker added after start)."""
+    def spawn(cls, start_method: str | None, loop: asyncio.AbstractEventLoop | None, index: int, env_fn: EnvFn,
+              num_envs: int, reply_hold_s: float, attach: tuple) -> WorkerLink:
+        """Start worker ``index`` (fork-safely: :func:`~ebrl.runtime.children.child_context`), hosting
+        no env yet and mapping the shared memory named in ``attach`` at once."""
+        ctx, _ = child_context(start_method)
         parent, child = ctx.Pipe(duplex=True)
         proc = ctx.Process(
             target=worker_main, name=f"ebrl-sim-worker-{index}", daemon=True,
-            args=(child, env_fn, env_ids, num_envs, reply_hold_s, attach))
-        proc.start()
+            args=(child, portable(env_fn, ctx), num_envs, reply_hold_s, attach))
+        start_child(proc, ctx)
         child.close()
         return cls(index, proc, parent, loop)
 
@@ -61,20 +66,6 @@ class WorkerLink:
     def unwatch(self) -> None:
         with contextlib.suppress(Exception):
             self.loop.remove_reader(self.conn.fileno())
-
-    async def first_message(self):
-        """The worker's first (pickled) message: its spaces, or the error that stopped its start."""
-        ready = self.loop.create_future()
-        self.watch(lambda: ready.done() or ready.set_result(None))
-        try:
-            await ready
-        finally:
-            self.loop.remove_reader(self.conn.fileno())
-        try:
-            return pickle.loads(self.conn.recv_bytes())
-        except (EOFError, OSError):
-            self.process.join(1.0)
-            return ("error", self.index, f"worker exited during start (exit code {self.process.exitcode})")
 
     def request(self, op: str, env_id: int, arg: Any) -> asyncio.Future:
         """Queue request ``op`` (sent, pickled, by the next :meth:`flush`); the future gets its reply."""
@@ -113,6 +104,7 @@ class WorkerLink:
             data = b""
         if not data:
             return None
+        self.heard = True
         if self.inbox:
             data, self.inbox = self.inbox + data, b""
         replies = []

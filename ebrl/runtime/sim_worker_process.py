@@ -18,9 +18,9 @@ from ebrl.runtime.sim_types import STEPS, WALL, EnvFn, StepRows, close_quietly, 
 from ebrl.runtime.threads import ignore_stop_signals
 from ebrl.spaces import index, tree_map
 
-# message tags. Parent to worker: step ids, pickled requests, quit. Worker to parent: step ids,
-# pickled (step ids, errors), pickled request replies.
-STEP, ERRORS, PICKLED, QUIT = b"S", b"E", b"P", b"Q"
+# message tags. Parent to worker: step ids, pickled requests, quit. Worker to parent: ready (once,
+# serving), step ids, pickled (step ids, errors), pickled request replies.
+STEP, ERRORS, PICKLED, QUIT, READY = b"S", b"E", b"P", b"Q", b"R"
 _ALPHA = 0.1  # EWMA weight of the latest step time (low: a step preempted by another process is noise)
 READ_BYTES = 1 << 20  # the most one read of a worker's pipe takes (more waits for the next)
 _STRAGGLER = 3.0  # an env expected to take this many times its message-mates' mean is a straggler
@@ -60,35 +60,17 @@ def release_shared(rows: StepRows | None, blocks: list[shared_memory.SharedMemor
     blocks.clear()
 
 
-def worker_main(conn, env_fn: EnvFn, env_ids: list[int], num_envs: int, hold_s: float,
-                 attach: tuple | None = None) -> None:
-    """A worker process: hosts its envs and answers requests until told to quit.
-
-    At start it builds ``env_ids``, sends ``("ready", obs_space, act_space)`` (or ``("error",
-    env_id, detail)``) and waits for ``attach``: the shared-memory block names and the spaces. A
-    worker added later (:meth:`ProcessSimPool.resize`) hosts no env yet and gets ``attach`` as
-    an argument instead: it sends nothing before its first reply.
-    """
+def worker_main(conn, env_fn: EnvFn, num_envs: int, hold_s: float, attach: tuple) -> None:
+    """A worker process: maps the shared memory (``attach``: the block names and the spaces),
+    then hosts the envs it is asked to build and answers requests until told to quit."""
     ignore_stop_signals()  # the parent decides when we stop
     envs: dict[int, gym.Env] = {}
     blocks: list[shared_memory.SharedMemory] = []
     rows = None
     try:
-        if attach is None:
-            for i in env_ids:
-                try:
-                    envs[i] = env_fn(i)
-                except Exception as exc:
-                    conn.send_bytes(pickle.dumps(("error", i, describe(exc))))
-                    return
-            first = envs[env_ids[0]]
-            conn.send_bytes(pickle.dumps(("ready", first.observation_space, first.action_space)))
-            raw = conn.recv_bytes()
-            if raw == QUIT:
-                return
-            attach = pickle.loads(raw)
         names, obs_space, act_space = attach
         rows = StepRows(num_envs, obs_space, act_space, alloc=shm_alloc(blocks, names))
+        conn.send_bytes(READY)  # started: the parent's start-up deadline ends here
         # EWMA of each env's step wall time, by env id (any env may be adopted later)
         cost: list[float | None] = [None] * num_envs
         while True:
@@ -156,7 +138,7 @@ def _serve(envs: dict[int, gym.Env], env_fn: EnvFn, requests: list[tuple[str, in
     each; a failure's payload is its description, or ``(op, description)`` naming the part of
     the request that failed (``adopt``: ``env_fn`` or ``reset``).
 
-    ``reset`` (arg: seed) -> (obs, info); ``rebuild`` -> None; ``adopt`` (arg: seed) builds the
+    ``reset`` (arg: seed) -> (obs, info); ``rebuild`` (also an env's first build) -> None; ``adopt`` (arg: seed) builds the
     env from ``env_fn`` and resets it -> (obs, info), keeping nothing if either fails; ``drop``
     closes the env and forgets it -> None.
     """
@@ -180,7 +162,8 @@ def _serve(envs: dict[int, gym.Env], env_fn: EnvFn, requests: list[tuple[str, in
                     close_quietly(old)
                 envs[i] = env_fn(i)
             if op == "reset" and i not in envs:
-                raise LookupError(f"env {i} is not built in this worker (it was respawned): rebuild the env")
+                raise LookupError(f"env {i} is not built in this worker (its build failed, or the worker was "
+                                  "respawned): rebuild the env")
             replies.append((i, True, reset_env(envs[i], seed=arg) if op == "reset" else None))
         except _AdoptError as exc:
             replies.append((i, False, (exc.op, exc.detail)))

@@ -40,20 +40,20 @@ block: too fine a stream spends the CPU that CPU-bound simulators need).
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
 import pickle
-import sys
 import time
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
+import gymnasium as gym
 import numpy as np
 
-from ebrl.config import SimBackend
-from ebrl.runtime.errors import EnvStepError, TimedOut, WorkerDied
+from ebrl.config import FaultConfig, SimBackend, SimConfig
+from ebrl.runtime.errors import EnvStepError, Fault, TimedOut, WorkerDied
+from ebrl.runtime.probe import EnvProbe
 from ebrl.runtime.sim_types import ElasticPool, EnvFn, StepRows
 from ebrl.runtime.sim_worker_link import WorkerLink
-from ebrl.runtime.sim_worker_process import ERRORS, PICKLED, release_shared, shm_alloc
+from ebrl.runtime.sim_worker_process import ERRORS, PICKLED, READY, release_shared, shm_alloc
 from ebrl.runtime.sim_workers_elastic import ElasticWorkers
 from ebrl.runtime.threads import in_thread
 from ebrl.spaces import index
@@ -72,11 +72,15 @@ class ProcessSimPool(ElasticWorkers, ElasticPool):
     backend = SimBackend.PROCESS
 
     def __init__(self, env_fn: EnvFn, num_envs: int, num_workers: int, start_method: str | None = None,
-                 reply_hold_s: float = 0.002):
+                 reply_hold_s: float = 0.002, spaces: tuple[gym.Space, gym.Space] | None = None,
+                 build_timeout_s: float | None = None):
         super().__init__(env_fn, num_envs)
         self._num_workers = max(1, min(num_workers, num_envs))
-        self._ctx = mp.get_context(start_method or ("fork" if sys.platform.startswith("linux") else "spawn"))
+        self.start_method = start_method  # None: fork-safe choice per start (ebrl.runtime.children)
         self.reply_hold_s = reply_hold_s
+        self.build_timeout_s = build_timeout_s
+        if spaces is not None:  # env 0's, from the start-up probe: start() then builds nothing here
+            self.observation_space, self.action_space = spaces
         self._workers: list[WorkerLink] = []
         self._retired: list[WorkerLink] = []  # told to quit by resize, joined at close
         self._starting: list[WorkerLink] = []  # forked by grow(), not yet serving
@@ -91,7 +95,9 @@ class ProcessSimPool(ElasticWorkers, ElasticPool):
         self._stale_starts = 0
         self._placement = np.arange(num_envs, dtype=np.int64) % self._num_workers  # env -> worker
         self._moving: dict[int, int] = {}  # envs being migrated -> their target worker
-        self._lost: set[int] = set()  # envs whose worker died while they were idle, not yet rebuilt
+        # envs not built where they are placed (their worker died while they were idle, or their
+        # build timed out or died), not yet rebuilt: why, as their next step or reset fails
+        self._lost: dict[int, Fault] = {}
         self._timed_out: set[int] = set()  # envs whose worker was killed for their hung step
         self.respawns = 0  # workers replaced after dying
         self.migrations = 0  # completed migrations
@@ -116,46 +122,74 @@ class ProcessSimPool(ElasticWorkers, ElasticPool):
         rows = self._rows
         return None if rows is None or rows.cost is None else rows.cost.copy()
 
-    def _spawn(self, w: int, env_ids: list[int], attach: tuple | None = None) -> WorkerLink:
-        return WorkerLink.spawn(self._ctx, self._loop, w, self.env_fn, env_ids, self.num_envs,
-                                self.reply_hold_s, attach)
+    def _spawn(self, w: int) -> WorkerLink:
+        return WorkerLink.spawn(self.start_method, self._loop, w, self.env_fn, self.num_envs, self.reply_hold_s,
+                                self._attach)
 
     def worker_pids(self) -> list[int]:
         """The live workers' process ids (CPU affinity is set per process)."""
         return [w.process.pid for w in self._workers if w.dead is None and w.process.pid is not None]
 
     async def start(self) -> None:
+        """Start the workers and build every env in its worker, each build under
+        ``build_timeout_s``. A build that raises (or whose worker dies in it) fails the start
+        with that env's :class:`EnvStepError`; one past its deadline kills its worker (respawned
+        empty): that env and its worker-mates are then lost, and their first reset fails at once
+        (``timeout``, ``worker_died``) for the driver to rebuild them."""
         self._loop = asyncio.get_running_loop()
-        # one resource tracker for parent and workers: a worker forked before the parent's
-        # tracker exists starts its own, which unlinks the shared memory when the worker exits.
-        # Starting it forks: off the loop
-        await in_thread(resource_tracker.ensure_running, name="ebrl-sim-tracker")
-
-        def spawn(w: int) -> None:
-            self._workers.append(self._spawn(w, np.flatnonzero(self._placement == w).tolist()))
-
         try:
+            if self.observation_space is None:  # no spaces given: env 0 is built once, in a probe's child, to read them
+                sim = SimConfig(backend=SimBackend.PROCESS, start_method=self.start_method)
+                async with EnvProbe(self.env_fn, sim, FaultConfig(build_timeout_s=self.build_timeout_s)) as probe:
+                    facts = await probe.facts()
+                self.observation_space, self.action_space = facts.observation_space, facts.action_space
+            # the shared memory first (its resource tracker is then the workers' too: a worker
+            # starting its own would unlink the blocks when it exits). Starting the tracker forks
+            await in_thread(self._make_rows, name="ebrl-sim-shm")
+
+            def spawn(w: int) -> None:
+                self._starting.append(self._spawn(w))  # close() finds it there, whatever happens to the caller
+
             # a fork copies this process's page tables holding the GIL (~6 ms with torch loaded):
             # one at a time, off the loop, so the caller's tasks run between them
             for w in range(self._num_workers):
                 await in_thread(spawn, w, name="ebrl-sim-spawn")
-            for worker in self._workers:  # they build their envs in parallel
-                msg = await worker.first_message()
-                if msg[0] == "error":
-                    raise EnvStepError(msg[1], "env_fn", f"in worker {worker.index}: {msg[2]}")
-                if self.observation_space is None:
-                    self.observation_space, self.action_space = msg[1], msg[2]
-            self._make_rows()
-            attach = pickle.dumps(self._attach)
+            self._workers, self._starting = self._starting, []
             for worker in self._workers:
-                worker.conn.send_bytes(attach)
                 worker.watch(self._on_readable, worker)
+            # every worker builds its envs in order, the workers in parallel
+            await self._build({i: self._request("rebuild", i, None) for i in range(self.num_envs)})
         except BaseException:
             self.close()
             raise
 
+    async def _build(self, builds: dict[int, asyncio.Future]) -> None:
+        """Await the start's builds; a build running past ``build_timeout_s`` (or a worker that
+        never started serving) gets its worker killed. See :meth:`start`."""
+        limit, pending = self.build_timeout_s, dict(builds)
+        while pending:
+            await asyncio.wait(pending.values(), timeout=0.25 if limit is None else min(0.25, limit / 4),
+                               return_when=asyncio.FIRST_COMPLETED)
+            for env_id, fut in list(pending.items()):
+                if not fut.done():
+                    if limit is not None and self.abandon(env_id, limit):
+                        log.warning("env_build_timed_out", env=env_id, limit_s=limit)
+                    continue
+                del pending[env_id]
+                exc = fut.exception()
+                if exc is None:
+                    continue
+                if isinstance(exc, EnvStepError) and exc.reason in ("timeout", "worker_died"):
+                    self._lost[env_id] = exc.detail  # rebuilt by the driver, like a hung or dead worker's env
+                    continue
+                for other in pending.values():
+                    other.add_done_callback(_retrieve)
+                if isinstance(exc, EnvStepError):  # a build that raised, or whose worker died in it
+                    raise EnvStepError(env_id, "env_fn", f"in worker {self._placement[env_id]}: {exc.detail}") from None
+                raise exc
+
     def _make_rows(self) -> None:
-        resource_tracker.ensure_running()  # before the first worker's fork (see start()); a no-op once running
+        resource_tracker.ensure_running()  # before the first worker starts (see start()); a no-op once running
         self._rows = StepRows(self.num_envs, self.observation_space, self.action_space,
                               alloc=shm_alloc(self._blocks))
         self._attach = ([b.name for b in self._blocks], self.observation_space, self.action_space)
@@ -176,7 +210,7 @@ class ProcessSimPool(ElasticWorkers, ElasticPool):
             raise ValueError(f"envs {ids[self._busy[ids]].tolist()} are still stepping")
         if self._moving and not self._moving.keys().isdisjoint(ids.tolist()):
             raise ValueError(f"envs {sorted(self._moving.keys() & set(ids.tolist()))} are migrating")
-        if self._lost:  # envs whose worker died: their step fails at once, like the others'
+        if self._lost:  # envs not built where they are: their step fails at once
             lost = np.isin(ids, np.fromiter(self._lost, np.int64, len(self._lost)))
             if lost.any():
                 self._loop.call_soon(self._report_lost, ids[lost].tolist())
@@ -221,6 +255,8 @@ class ProcessSimPool(ElasticWorkers, ElasticPool):
 
     def _on_reply(self, worker: WorkerLink, raw: bytes) -> None:
         kind, body = raw[:1], raw[1:]
+        if kind == READY:  # it is serving (WorkerLink.read_replies marked it heard)
+            return
         if kind == PICKLED:
             for env_id, ok, payload in pickle.loads(body):
                 _, op, fut = worker.waiting.popleft()
@@ -246,29 +282,42 @@ class ProcessSimPool(ElasticWorkers, ElasticPool):
     def _fault(self, env_id: int, why: str):
         if env_id in self._timed_out:
             self._timed_out.discard(env_id)
-            return TimedOut(f"the step ran past faults.step_timeout_s; {why} (killed for it) and was respawned")
+            return TimedOut(f"it ran past its deadline (faults.step_timeout_s for a step, build_timeout_s for a build or "
+                            f"reset); {why} (killed for it) and was respawned")
         return WorkerDied(why + (" and was respawned" if not self._closed else ""))
 
     def _fail_worker(self, worker: WorkerLink) -> None:
-        """A worker's pipe closed: it died (a signal, OOM) or was killed for a hung step. Its
+        """A worker's pipe closed: it died (a signal, OOM) or was killed for a hung call. Its
         requests fail, its steps in flight come back as errors (``worker_died``, or ``timeout``
         for the hung one), and a new worker takes its place, hosting no env: each env is built
         there again when the driver rebuilds it. The envs it hosted that were not stepping fail
-        their next step the same way."""
+        their next step or reset the same way. An env whose build, reset or move was running when
+        the worker died on its own is blamed for it (an ``env_error``: a simulator that crashes
+        its process is charged to the failure budget, not respawned for ever); so are the
+        requests of a worker that died before it said it was ready (it cannot start at all)."""
         if worker.dead is not None:
             return
         worker.mark_dead()
+        running = set()
         if self._rows is not None:  # its starts are stale: a rebuild queued in the new worker is not late
+            running = {e for e, _, _ in worker.waiting if self._rows.started[e] > 0}
             self._rows.started[np.flatnonzero(self._placement == worker.index)] = 0.0
             self._rows.started[[e for e, _, _ in worker.waiting]] = 0.0  # an adopt (migration) too
         for env_id, op, fut in worker.waiting:
+            fault = self._fault(env_id, worker.dead)
+            if env_id in running and not worker.killed:
+                doing = "resetting" if op == "reset" else "building"
+                fault = Fault(f"{worker.dead} while {doing} it")
+            elif not worker.heard and not worker.killed:  # a worker that cannot start: charged, not respawned for ever
+                fault = Fault(f"{worker.dead} before it started (its stderr says why)")
             if not fut.done():
-                fut.set_exception(EnvStepError(env_id, op, WorkerDied(worker.dead)))
+                fut.set_exception(EnvStepError(env_id, op, fault))
         worker.waiting.clear()  # sent or not: every request's future is in waiting
         worker.requests = []
         hosted = self._placement == worker.index
         in_flight = np.flatnonzero(self._busy & hosted)
-        self._lost.update(np.flatnonzero(~self._busy & hosted).tolist())
+        for env_id in np.flatnonzero(~self._busy & hosted).tolist():
+            self._lost.setdefault(env_id, WorkerDied(f"{worker.dead}; the env was not rebuilt yet"))
         if not self._closed and self._workers[worker.index] is worker:
             self._respawn(worker)
         if len(in_flight):
@@ -276,7 +325,7 @@ class ProcessSimPool(ElasticWorkers, ElasticPool):
 
     def _respawn(self, dead: WorkerLink) -> None:
         # forked on the loop (a few ms): a fault's path, not a step's
-        new = self._spawn(dead.index, [], self._attach)
+        new = self._spawn(dead.index)
         self._workers[dead.index] = new
         new.watch(self._on_readable, new)
         self._retired.append(dead)  # joined at close
@@ -284,8 +333,7 @@ class ProcessSimPool(ElasticWorkers, ElasticPool):
         log.warning("sim_worker_respawned", worker=dead.index, reason=dead.dead)
 
     def _report_lost(self, ids: list[int]) -> None:
-        self.outbox.put(self._rows.block(np.zeros(0, np.int64),
-                                         [(i, WorkerDied("the env's worker died; it was not rebuilt yet")) for i in ids]))
+        self.outbox.put(self._rows.block(np.zeros(0, np.int64), [(i, self._lost[i]) for i in ids]))
 
     def abandon_late(self, limit_s: float) -> list[int]:
         """Kill (SIGKILL) each worker whose running step started over ``limit_s`` ago; it is
@@ -314,16 +362,21 @@ class ProcessSimPool(ElasticWorkers, ElasticPool):
         return out
 
     def abandon(self, env_id: int, limit_s: float) -> bool:
-        """Give up env ``env_id``'s reset or rebuild if it has run over ``limit_s`` (timed from
-        its start in the worker): the worker is SIGKILLed and respawned (its other steps in
-        flight come back as ``worker_died``, its other envs are rebuilt), and the driver
-        rebuilds this env in the new worker."""
+        """Give up env ``env_id``'s build or reset if it has run over ``limit_s`` (timed from
+        its start in the worker), or if its worker has not started serving ``limit_s`` after it
+        was started: the worker is SIGKILLed and respawned (its other steps in flight come back
+        as ``worker_died``, its other envs are rebuilt), the call fails as ``timeout``, and the
+        driver rebuilds the env in the new worker."""
         if self._rows is None or env_id in self._moving or self._busy[env_id]:
             return False
         started = self._rows.started[env_id]
         worker = self._workers[self._placement[env_id]]
-        if worker.dead is not None or worker.killed or not started or time.perf_counter() - started <= limit_s:
+        if worker.dead is not None or worker.killed:
             return False
+        now = time.perf_counter()
+        if not (started and now - started > limit_s) and (worker.heard or now - worker.spawned_at <= limit_s):
+            return False
+        self._timed_out.add(env_id)
         worker.kill()  # its pipe closes: _on_readable sees it and respawns the worker
         return True
 
@@ -339,11 +392,13 @@ class ProcessSimPool(ElasticWorkers, ElasticPool):
         return fut
 
     async def reset(self, env_id: int, seed: int | None = None) -> tuple[Any, dict]:
+        if env_id in self._lost:  # not built where it is: the driver rebuilds it
+            raise EnvStepError(env_id, "env_fn", self._lost[env_id])
         return await self._request("reset", env_id, seed)
 
     async def rebuild(self, env_id: int) -> None:
         await self._request("rebuild", env_id, None)
-        self._lost.discard(int(env_id))  # built anew in its (perhaps respawned) worker
+        self._lost.pop(int(env_id), None)  # built anew in its (perhaps respawned) worker
 
     def close(self) -> None:
         if self._closed:
@@ -356,3 +411,8 @@ class ProcessSimPool(ElasticWorkers, ElasticPool):
         release_shared(self._rows, self._blocks, unlink=True)
         self._rows = None
         self.outbox.close()
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()  # the start failed on another env: this build's outcome no longer matters

@@ -92,7 +92,7 @@ class ElasticWorkers:
         finally:
             del self._moving[env_id]
         self._placement[env_id] = worker
-        self._lost.discard(env_id)
+        self._lost.pop(env_id, None)
         self.migrations += 1
         if source is not None and source.dead is None:
             self._request_to(source, "drop", env_id, None).add_done_callback(_ignore)
@@ -123,7 +123,7 @@ class ElasticWorkers:
                 self._retire(worker)
             del self._workers[n:]
         for w in range(W, n):
-            worker = self._spawn(w, [], self._attach)
+            worker = self._spawn(w)
             self._workers.append(worker)
             worker.watch(self._on_readable, worker)
         self._num_workers = n
@@ -137,7 +137,7 @@ class ElasticWorkers:
         self._check_open()
 
         def spawn(w: int) -> WorkerLink:
-            worker = self._spawn(w, [], self._attach)
+            worker = self._spawn(w)
             self._starting.append(worker)  # close() finds it there, whatever happens to the caller
             return worker
 

@@ -103,7 +103,7 @@ class RunResult:
     decisions: list[dict[str, Any]] = field(default_factory=list)
     migrations: int = 0
     skipped_updates: int = 0  # undone for a NaN/inf loss or weights; their steps are dropped (nonfinite_update)
-    timeouts: int = 0  # steps abandoned past faults.step_timeout_s
+    timeouts: int = 0  # steps abandoned past faults.step_timeout_s, builds and resets past build_timeout_s
     respawns: int = 0  # sim worker processes replaced after dying (or being killed for a hung step)
     # a data-parallel job (ebrl.distributed): every counter above is the job's (summed over
     # ranks); the SHA-256 of each rank's final weights, each rank's own figures, and how many

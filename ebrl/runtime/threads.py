@@ -2,9 +2,10 @@
 
 ``run()`` shares the caller's loop, so anything that blocks for milliseconds (building envs,
 forking processes, joining them) runs here instead. The thread is joined when its work returns.
-With ``timeout_s``, or when the awaiting task is cancelled, the call returns at once: a thread
-still inside the work (an env constructor hung in C code) cannot be stopped, so it is never
-joined on the loop; it is a daemon, named in ``left_running()``, and logged. Work that may hang
+Work that may hang (``may_hang``: a user's env constructor) returns at once when the awaiting
+task is cancelled, or past ``timeout_s``: a thread still inside it (a constructor hung in C
+code) cannot be stopped, so it is never joined on the loop; it is a daemon, named in
+``left_running()``, and logged. Work that may hang
 for good belongs in a child process, which can be killed (:mod:`ebrl.runtime.children`).
 
     >>> import asyncio, threading
@@ -15,6 +16,7 @@ for good belongs in a child process, which can be killed (:mod:`ebrl.runtime.chi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -30,10 +32,13 @@ T = TypeVar("T")
 log = get_logger("ebrl.threads")
 
 
-async def in_thread(fn: Callable[..., T], *args: Any, name: str = "ebrl-offloop",
+async def in_thread(fn: Callable[..., T], *args: Any, name: str = "ebrl-offloop", may_hang: bool = False,
                     timeout_s: float | None = None) -> T:
-    """``fn(*args)`` in a private daemon thread; ``TimeoutError`` past ``timeout_s`` (the thread
-    is then left to finish alone: see the module docstring)."""
+    """``fn(*args)`` in a private daemon thread. Bounded work (a fork, a join: ``may_hang``
+    False) is awaited to its end even when the caller is cancelled, so what it started is there
+    to close. Work that may hang (a user's env constructor: ``may_hang``) is given up on at once
+    when the caller is cancelled, or with ``TimeoutError`` past ``timeout_s``: see the module
+    docstring."""
     loop = asyncio.get_running_loop()
     done = loop.create_future()
 
@@ -43,15 +48,20 @@ async def in_thread(fn: Callable[..., T], *args: Any, name: str = "ebrl-offloop"
         except BaseException as e:  # handed to the awaiting coroutine
             result, exc = None, e
         try:
-            loop.call_soon_threadsafe(_settle, done, result, exc)
+            loop.call_soon_threadsafe(settle, done, result, exc)
         except RuntimeError:  # the loop closed meanwhile: nobody waits for it
             pass
 
     thread = threading.Thread(target=work, name=name, daemon=True)
     thread.start()
     try:
-        async with asyncio.timeout(timeout_s):
+        async with asyncio.timeout(timeout_s if may_hang else None):
             return await asyncio.shield(done)
+    except asyncio.CancelledError:
+        if not may_hang and not done.done():  # milliseconds more: then the caller's cleanup sees it all
+            with contextlib.suppress(BaseException):
+                await asyncio.shield(done)
+        raise
     finally:
         if done.done():
             thread.join()  # it has handed its result over: it is returning
@@ -70,7 +80,8 @@ def left_running() -> list[threading.Thread]:
     return [t for t in _left if t.is_alive()]
 
 
-def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+def settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    """Give ``fut`` its result or exception, unless it is done (called on the loop, from a thread)."""
     if fut.done():
         return
     if exc is None:
@@ -107,9 +118,18 @@ def ignore_stop_signals() -> None:
     pipe alone would not tell it, since forked siblings hold copies of the parent's ends."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    # the parent's pid as recorded before the fork: a parent killed before this line runs has
-    # already handed us to init (getppid() would then name init and we would wait for ever)
     known = multiprocessing.parent_process()
+    if known is not None and known.pid is not None and known.pid != os.getppid():
+        # started by a fork server (our OS parent is the server), or forked from a parent that is
+        # already dead: the pipe multiprocessing keeps to the parent closes when it dies
+        def watch() -> None:
+            known.join()
+            os._exit(1)
+
+        threading.Thread(target=watch, name="ebrl-parent-watch", daemon=True).start()
+        return
+    # forked: the parent's pid as recorded before the fork (a parent killed before this line runs
+    # has already handed us to init: getppid() would then name init and we would wait for ever)
     exit_with_parent(known.pid if known is not None and known.pid is not None else os.getppid())
 
 
