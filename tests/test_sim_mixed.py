@@ -49,7 +49,9 @@ async def test_envs_move_from_the_lanes_to_workers_and_back_and_step_where_they_
 
 
 async def test_a_pool_that_starts_in_workers_moves_envs_to_lanes_it_builds_none_on_at_start(tmp_path, no_leaks):
-    pool = MixedSimPool(PidEnvs(tmp_path), num_envs=3, lanes=2, workers=2, start=SimBackend.PROCESS)
+    # start_method fork: env 0's spaces are read in the probe's child also where this process rendered before
+    pool = MixedSimPool(PidEnvs(tmp_path), num_envs=3, lanes=2, workers=2, start=SimBackend.PROCESS,
+                        start_method="fork")
     col = await started(pool)
     try:
         assert pool.backend is SimBackend.PROCESS and pool.placement.tolist() == [0, 1, 0]

@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -188,6 +189,7 @@ def load_peer_module(stem: str):
     path = PEERS_DIR / f"{stem}.py"
     spec = importlib.util.spec_from_file_location(f"ebrl_bench_peers_{stem}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # pickling looks a class's module up there
     spec.loader.exec_module(module)
     send_by_value(module)  # what it defines, to children that are not forked
     return module
