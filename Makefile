@@ -37,7 +37,7 @@ TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0 -m "not slow"
 
-# the tests marked slow; none yet is a pass (pytest exits 5 when no test is selected)
+# the tests marked slow (the LIBERO camera regression); none selected is a pass (pytest exits 5)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow || [ $$? = 5 ]
 
