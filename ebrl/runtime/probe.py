@@ -47,7 +47,7 @@ from ebrl.runtime.children import child_context, portable
 from ebrl.runtime.children import start as start_child
 from ebrl.runtime.env_facts import EnvFacts
 from ebrl.runtime.errors import EnvStepError, TimedOut
-from ebrl.runtime.sim_types import EnvFn, describe
+from ebrl.runtime.sim_types import EnvFn, close_quietly, describe
 from ebrl.runtime.threads import ignore_stop_signals, in_thread
 from ebrl.telemetry.logging import get_logger
 
@@ -319,10 +319,7 @@ def _probe_main(conn, env_fn: EnvFn, measure: bool, beat, child: bool = True) ->
             pass
     finally:
         if env is not None:
-            try:
-                env.close()
-            except Exception:
-                pass
+            close_quietly(env)
         conn.close()
 
 

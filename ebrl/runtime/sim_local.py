@@ -69,12 +69,7 @@ class LocalEnvs(SimPool):
         else:
             self.envs = [None] * self.num_units
             for u in filter(self._hosts, range(self.num_units)):
-                try:
-                    self.envs[u] = await in_thread(self._build, u, name="ebrl-sim-build",
-                                                   timeout_s=self.build_timeout_s, may_hang=True)
-                except TimeoutError:
-                    self.unbuilt[u] = self._build_timed_out()
-                    log.warning("env_build_timed_out", unit=u, limit_s=self.build_timeout_s)
+                self.envs[u] = await self._build_off_loop(u)
         first = next((env for env in self.envs if env is not None), None)
         if self.spaces is None and first is None:
             raise EnvStepError(min(self.unbuilt, default=0), "env_fn", self._build_timed_out())
@@ -83,6 +78,17 @@ class LocalEnvs(SimPool):
 
     def _hosts(self, unit: int) -> bool:
         return self.hosted is None or unit in self.hosted
+
+    async def _build_off_loop(self, unit: int) -> gym.Env | None:
+        """``env_fn(unit)`` in a thread of its own under ``build_timeout_s``; None past it (the
+        thread is left, and the unit recorded in ``unbuilt``)."""
+        try:
+            return await in_thread(self._build, unit, name="ebrl-sim-build", timeout_s=self.build_timeout_s,
+                                   may_hang=True)
+        except TimeoutError:
+            self.unbuilt[unit] = self._build_timed_out()
+            log.warning("env_build_timed_out", unit=unit, limit_s=self.build_timeout_s)
+            return None
 
     def _build_timed_out(self) -> TimedOut:
         return TimedOut(f"its build ran past faults.build_timeout_s={self.build_timeout_s:g} s (its thread was left)")
@@ -281,11 +287,9 @@ class InlineSimPool(LocalEnvs):
         old, self.envs[unit] = self.envs[unit], None
         if old is not None:
             close_quietly(old)
-        try:
-            env = await in_thread(self._build, unit, name="ebrl-sim-build", timeout_s=self.build_timeout_s, may_hang=True)
-        except TimeoutError:
-            self.unbuilt[unit] = self._build_timed_out()
-            raise EnvStepError(unit, "env_fn", self.unbuilt[unit]) from None
+        env = await self._build_off_loop(unit)
+        if env is None:
+            raise EnvStepError(unit, "env_fn", self.unbuilt[unit])
         self._keep(unit, env)
 
     def close(self) -> None:

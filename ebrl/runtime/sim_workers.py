@@ -55,7 +55,7 @@ from ebrl.runtime.sim_types import ElasticPool, EnvFn, StepRows
 from ebrl.runtime.sim_worker_link import WorkerLink
 from ebrl.runtime.sim_worker_process import ERRORS, PICKLED, READY, release_shared, shm_alloc
 from ebrl.runtime.sim_workers_elastic import ElasticWorkers
-from ebrl.runtime.threads import in_thread
+from ebrl.runtime.threads import forget, in_thread
 from ebrl.spaces import index
 from ebrl.telemetry.logging import get_logger
 
@@ -183,7 +183,7 @@ class ProcessSimPool(ElasticWorkers, ElasticPool):
                     self._lost[env_id] = exc.detail  # rebuilt by the driver, like a hung or dead worker's env
                     continue
                 for other in pending.values():
-                    other.add_done_callback(_retrieve)
+                    other.add_done_callback(forget)  # the start failed on another env
                 if isinstance(exc, EnvStepError):  # a build that raised, or whose worker died in it
                     raise EnvStepError(env_id, "env_fn", f"in worker {self._placement[env_id]}: {exc.detail}") from None
                 raise exc
@@ -411,8 +411,3 @@ class ProcessSimPool(ElasticWorkers, ElasticPool):
         release_shared(self._rows, self._blocks, unlink=True)
         self._rows = None
         self.outbox.close()
-
-
-def _retrieve(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()  # the start failed on another env: this build's outcome no longer matters

@@ -16,14 +16,9 @@ import numpy as np
 
 from ebrl.runtime.errors import EnvStepError
 from ebrl.runtime.sim_worker_link import WorkerLink
-from ebrl.runtime.threads import in_thread
+from ebrl.runtime.threads import forget, in_thread
 
 NOWHERE = -1  # the placement of an env this pool does not host (a mixed pool's env on thread lanes)
-
-
-def _ignore(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()  # retrieved: a fire-and-forget request's failure no longer matters
 
 
 class ElasticWorkers:
@@ -87,7 +82,7 @@ class ElasticWorkers:
             raise EnvStepError(env_id, exc.op, f"in worker {worker}: {exc.detail}") from None
         except asyncio.CancelledError:
             if target.dead is None and not self._closed:  # it may have built the env: it must not keep it
-                self._request_to(target, "drop", env_id, None).add_done_callback(_ignore)
+                self._request_to(target, "drop", env_id, None).add_done_callback(forget)
             raise
         finally:
             del self._moving[env_id]
@@ -95,7 +90,7 @@ class ElasticWorkers:
         self._lost.pop(env_id, None)
         self.migrations += 1
         if source is not None and source.dead is None:
-            self._request_to(source, "drop", env_id, None).add_done_callback(_ignore)
+            self._request_to(source, "drop", env_id, None).add_done_callback(forget)
         return out
 
     @property

@@ -66,7 +66,7 @@ async def in_thread(fn: Callable[..., T], *args: Any, name: str = "ebrl-offloop"
         if done.done():
             thread.join()  # it has handed its result over: it is returning
         else:
-            done.add_done_callback(_retrieve)
+            done.add_done_callback(forget)  # the work failed after it was given up on
             _left.add(thread)
             log.warning("thread_left_running", thread=name, timeout_s=timeout_s,
                         hint="a call that never returned (an env constructor hung in C code?); the thread is a daemon")
@@ -90,9 +90,11 @@ def settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
         fut.set_exception(exc)
 
 
-def _retrieve(fut: asyncio.Future) -> None:
+def forget(fut: asyncio.Future) -> None:
+    """A done callback for a future whose outcome no longer matters: its exception is retrieved,
+    so asyncio does not log it as never retrieved."""
     if not fut.cancelled():
-        fut.exception()  # the work failed after it was given up on: that no longer matters
+        fut.exception()
 
 
 def usable_cpus() -> int:
