@@ -88,8 +88,10 @@ ALGO_KINDS = ("ppo", "dppo", "vtrace", "grpo")
 def build_policy(observation_space, action_space, options: dict[str, Any]):
     """``policy.kind``: ``mlp`` (vectors), ``cnn`` (observations with images), ``token`` (action
     tokens, :class:`~ebrl.policies.TokenPolicy`), ``flow`` (flow-matching chunks,
-    :class:`~ebrl.policies.FlowPolicy`), ``hf-token`` (a Hugging Face model from the local
-    directory ``policy.path``), ``hf-flow`` (a flow-matching action expert on one), a kind
+    :class:`~ebrl.policies.FlowPolicy`), ``hf`` (the Hugging Face checkpoint in the local directory
+    ``policy.path``, by its ``model_type``: π0 / π0.5 as they are, an LM with action tokens,
+    :func:`ebrl.policies.from_pretrained`), ``hf-token`` (action tokens on a Hugging Face model
+    from ``policy.path``), ``hf-flow`` (a flow-matching action expert on one), a kind
     registered with :func:`ebrl.policies.register_policy`, or ``auto`` (the CNN whenever the observation has an image entry, else the MLP); the other
     ``[policy]`` keys go to the kind's builder."""
     from gymnasium import spaces
@@ -247,10 +249,10 @@ def policy_options(options: dict[str, Any]) -> tuple[dict[str, Any], str | None]
 
 
 def with_env_instructions(options: dict[str, Any], env) -> dict[str, Any]:
-    """A language-conditioned policy (``hf-token``, ``hf-flow``) without ``policy.instruction``
+    """A language-conditioned policy (``hf``, ``hf-token``, ``hf-flow``) without ``policy.instruction``
     reads the env's own words: ``env.instructions()`` (LIBERO, ``mock/reach``), one per value of its Discrete
     ``instruction`` entry, or a single string when it has one task."""
-    if options.get("kind") not in ("hf-token", "hf-flow") or "instruction" in options:
+    if options.get("kind") not in ("hf", "hf-token", "hf-flow") or "instruction" in options:
         return options
     try:
         said = list(env.get_wrapper_attr("instructions")())

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from ebrl.envs.chunks import for_policy
 from ebrl.spaces import batch_of_one
 
 EVAL_SEED = 1 << 30  # evaluation episode i starts from this seed + i
@@ -166,6 +167,7 @@ def evaluate(policy, env, *, episodes: int = 10, seed: int = EVAL_SEED, determin
     """
     if episodes < 1:
         raise ValueError(f"episodes={episodes!r}: must be at least 1")
+    env = for_policy(env, policy)  # a chunking policy's K actions run per decision
     frame = frame_source(env) if video is not None else None
     if video is not None and frame is None:  # said before any episode runs
         raise ValueError("--video: the env renders no frames (make it with render_mode='rgb_array' or pixels=)")

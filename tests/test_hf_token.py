@@ -378,3 +378,25 @@ def test_grpo_trains_it_without_a_value_head(llama_dir):
     assert frozen and all(ref[n] is dict(policy.named_parameters())[n] for n in frozen)
     assert set(algo.state_dict()["reference"]) == set(policy.trainable_state_dict())
     assert any(not torch.equal(v, before[k]) for k, v in policy.trainable_state_dict().items() if "lora_B" in k)
+
+
+def test_from_pretrained_picks_the_token_policy_by_model_type(llama_dir, llava_dir, tmp_path):
+    """``ebrl.policies.from_pretrained`` / ``policy.kind=hf``: a causal LM or an image-text model
+    gives HFTokenPolicy; a folder without config.json, or of a kind EBRL cannot act with, is one
+    error naming it."""
+    import json
+
+    from ebrl.policies import HFTokenPolicy as Exported
+    from ebrl.policies import build_policy, from_pretrained
+
+    assert Exported is HFTokenPolicy
+    for path in (llama_dir, llava_dir):
+        assert isinstance(from_pretrained(path, dict_space(), ACTIONS, instruction=TASKS), HFTokenPolicy)
+    assert isinstance(build_policy("hf", dict_space(), ACTIONS, path=str(llama_dir), instruction=TASKS), HFTokenPolicy)
+    with pytest.raises(ValueError, match="policy.kind=hf needs policy.path"):
+        build_policy("hf", dict_space(), ACTIONS)
+    with pytest.raises(FileNotFoundError, match="config.json' does not exist"):
+        from_pretrained(tmp_path, dict_space(), ACTIONS)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "resnet"}))
+    with pytest.raises(ValueError, match="holds a .resnet. model"):
+        from_pretrained(tmp_path, dict_space(), ACTIONS)

@@ -24,7 +24,7 @@ from typing import Any
 PolicyBuilder = Callable[..., Any]
 
 _BUILDERS: dict[str, PolicyBuilder] = {}
-BUILTIN_KINDS = ("mlp", "cnn", "token", "flow", "hf-token", "hf-flow")
+BUILTIN_KINDS = ("mlp", "cnn", "token", "flow", "hf", "hf-token", "hf-flow")
 
 
 def register_policy(kind: str, builder: PolicyBuilder, *, replace: bool = False) -> None:
@@ -59,6 +59,8 @@ def policy_kinds() -> tuple[str, ...]:
 
 def _builtin(kind: str) -> PolicyBuilder:
     # imported here: hf-token and hf-flow pull in transformers, which a user of the MLP never needs
+    if kind == "hf":
+        return _hf
     if kind == "hf-token":
         return _hf_token
     if kind == "hf-flow":
@@ -66,6 +68,66 @@ def _builtin(kind: str) -> PolicyBuilder:
     from ebrl.policies import CNNPolicy, FlowPolicy, MLPPolicy, TokenPolicy
 
     return {"mlp": MLPPolicy, "cnn": CNNPolicy, "token": TokenPolicy, "flow": FlowPolicy}[kind].from_spaces
+
+
+PI0_MODEL_TYPES = ("pi0", "pi05")
+
+
+def from_pretrained(path, observation_space, action_space, **options):
+    """The policy for a Hugging Face checkpoint in the local directory ``path``, chosen by its
+    ``config.json``'s ``model_type``: ``pi0`` / ``pi05`` give
+    :class:`~ebrl.policies.pi0.PI0Policy` on the checkpoint's own model (action expert included);
+    a causal LM or an image-text model gives :class:`~ebrl.policies.hf_token.HFTokenPolicy`.
+    ``options`` go to that class's ``from_pretrained``. Local files only: a missing directory or
+    ``config.json`` is one ``FileNotFoundError`` naming it. ``policy.kind=hf`` with
+    ``policy.path=DIR`` calls this.
+
+        >>> import gymnasium as gym
+        >>> from ebrl.policies import from_pretrained
+        >>> from_pretrained("/models/not-there", gym.spaces.Box(-1, 1, (3,)), gym.spaces.Box(-1, 1, (2,)))
+        Traceback (most recent call last):
+        ...
+        FileNotFoundError: from_pretrained: model directory '/models/not-there' does not exist (EBRL loads local ...
+    """
+    import json
+    from pathlib import Path
+
+    from ebrl.policies.hf_backbone import NEVER_DOWNLOADS
+
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise FileNotFoundError(f"from_pretrained: model directory {str(root)!r} does not exist ({NEVER_DOWNLOADS})")
+    config = root / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"from_pretrained: {str(config)!r} does not exist ({NEVER_DOWNLOADS})")
+    model_type = json.loads(config.read_text()).get("model_type")
+    if model_type in PI0_MODEL_TYPES:
+        from ebrl.policies.pi0 import PI0Policy
+
+        return PI0Policy.from_pretrained(root, observation_space, action_space, **options)
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from ebrl.policies.hf_backbone import is_image_text
+
+    try:
+        hf_config = AutoConfig.from_pretrained(str(root), local_files_only=True)
+    except (ValueError, KeyError) as exc:
+        raise ValueError(f"from_pretrained: {str(config)!r} has model_type {model_type!r}, which this transformers "
+                         f"does not know ({exc})") from None
+    if is_image_text(hf_config) or type(hf_config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        from ebrl.policies.hf_token import HFTokenPolicy
+
+        return HFTokenPolicy.from_pretrained(root, observation_space, action_space, **options)
+    raise ValueError(f"from_pretrained: {str(root)!r} holds a {model_type!r} model; EBRL loads π0 / π0.5 "
+                     f"({', '.join(PI0_MODEL_TYPES)}), causal LMs and image-text models")
+
+
+def _hf(observation_space, action_space, path=None, **options):
+    if path is None:
+        raise ValueError("policy.kind=hf needs policy.path: the local directory of a Hugging Face checkpoint "
+                         "(π0 / π0.5, a causal LM or an image-text model)")
+    return from_pretrained(path, observation_space, action_space, **options)
 
 
 def _hf_token(observation_space, action_space, path=None, **options):

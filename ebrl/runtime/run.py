@@ -12,6 +12,7 @@ TensorBoard event file, written after every update (:mod:`ebrl.telemetry.metrics
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from ebrl.algos.needs import resolve_run_config
 from ebrl.algos.minibatch import MinibatchAlgo
 from ebrl.config import DEFAULT_MAX_WAIT_S, ConfigError, LearnerMode, RunConfig, SegmentCut, SimBackend
 from ebrl.distributed import DataParallel, combine_results, rank_config, reseed_sampling, weight_hash
+from ebrl.envs.chunks import chunked_env_fn
 from ebrl.policies.base import acting_copy
 from ebrl.policies.expects import check_policy_spaces
 from ebrl.runtime.children import fork_server_scope
@@ -97,6 +99,10 @@ async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop
                stop: asyncio.Event | None, progress: Progress | None, timeline: "Timeline | None") -> RunResult:
     # the algorithm's needs fill the config's auto fields; a contradiction raises before any env is built
     cfg = resolve_run_config(cfg, trainer.algo)
+    # a policy acting in chunks of K on envs that take one action: each env runs the chunk itself
+    env_fn = chunked_env_fn(trainer.env_fn, trainer.policy)
+    if env_fn is not trainer.env_fn:
+        trainer = dataclasses.replace(trainer, env_fn=env_fn)
     # env 0 once, for its spaces and time limit, built in the probe's child process (virtual time:
     # inline). The trainer is checked against them before any env steps anywhere, the probe's
     # own timing steps (AUTO) included: one error naming both spaces
