@@ -19,7 +19,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e '.[dev,embodied,ray,vla,demos,wandb]'
+	$(PY) -m pip install -q -e '.[dev,embodied,ray,vla,demos,lerobot,wandb]'
+	# LeRobot's dataset code, for tests/test_lerobot_interop.py; --no-deps: [lerobot] has what it imports,
+	# and its own pins would take transformers, huggingface-hub and numpy back (pyproject.toml says which)
+	$(PY) -m pip install -q --no-deps lerobot-dataset==0.4.4
 	touch $(STAMP)
 
 demo: $(STAMP)

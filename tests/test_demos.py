@@ -112,6 +112,19 @@ def test_collect_writes_the_experts_episodes_with_their_instructions(tmp_path):
     assert np.array_equal(read_lerobot(tmp_path / "again").frames["action"], demos.frames["action"])
 
 
+def test_ebrls_older_tasks_layout_still_reads(tmp_path):
+    # LeRobot's meta/tasks.parquet keeps each task string as the pandas index (__index_level_0__);
+    # EBRL wrote a `task` column beside `task_index` before: both read
+    collect("mock/reach", tmp_path / "reach", episodes=3)
+    tasks = read_lerobot(tmp_path / "reach").tasks
+    table = pq.read_table(tmp_path / "reach/meta/tasks.parquet")
+    assert table.column_names == ["task_index", "__index_level_0__"]
+    assert json.loads(table.schema.metadata[b"pandas"])["index_columns"] == ["__index_level_0__"]
+    pq.write_table(pa.table({"task_index": list(range(len(tasks))), "task": tasks}),
+                   tmp_path / "reach/meta/tasks.parquet")
+    assert read_lerobot(tmp_path / "reach").tasks == tasks
+
+
 def test_sft_makes_a_policy_that_beats_a_random_one(tmp_path):
     from ebrl.evaluation import evaluate
     from ebrl.policies import MLPPolicy

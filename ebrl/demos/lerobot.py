@@ -4,15 +4,28 @@ The format robot-learning tools read today (LeRobot's ``LeRobotDataset``): frame
 files, cameras as MP4 videos (or images inside the parquet, or PNG files next to it), and
 ``meta/info.json`` naming every feature with its dtype and shape. EBRL writes codebase version
 ``v3.0`` (many episodes per file; ``meta/episodes/`` says where each one starts) and reads
-``v3.0`` and ``v2.x`` (one parquet and one video per episode). The ``lerobot`` package itself
-pins ``torch<2.11``, so the files are written and read here with pyarrow and imageio.
+``v3.0`` and ``v2.x`` (one parquet and one video per episode). The files are written and read
+here with pyarrow and imageio (the ``lerobot`` package pins ``torch<2.11``); what EBRL writes
+opens in LeRobot's own ``LeRobotDataset`` (checked with ``lerobot-dataset`` 0.4.4 in
+``tests/test_lerobot_interop.py``): each frame's ``task`` is its episode's instruction,
+cameras decode, and ``meta/stats.json`` holds the statistics LeRobot computes.
 
 Features EBRL writes, per frame: ``observation.<entry>`` for each vector entry of the env's
 observation (``observation.state`` for a plain Box; nested dicts join their keys with dots),
 ``observation.images.<entry>`` for each camera (video), ``action``, ``next.reward``,
 ``next.done``, ``next.success`` (the step's ``is_success``/``success``), and LeRobot's own
 ``timestamp``, ``frame_index``, ``episode_index``, ``index`` and ``task_index`` (the episode's
-instruction, in ``meta/tasks.parquet``).
+instruction, in ``meta/tasks.parquet``: LeRobot's layout, the task string as the table's pandas
+index beside a ``task_index`` column).
+
+Statistics (``meta/stats.json``, and each episode's under ``stats/`` in ``meta/episodes/``) are
+LeRobot's: per feature ``min``, ``max``, ``mean``, ``std``, ``count`` and the quantiles ``q01``,
+``q10``, ``q50``, ``q90``, ``q99`` (from a 5000-bin histogram), per episode and then aggregated
+over episodes weighted by their counts (quantiles too); a vector's over its last axis, a
+camera's per channel in ``[0, 1]`` with shape ``[C, 1, 1]`` over a sample of each episode's
+frames (LeRobot's: all of an episode under 100 frames; sides of 300 pixels or more strided to
+about 150). One difference: LeRobot 0.4.4 squares the ``uint8`` pixels without widening them,
+so its camera ``std`` comes out near 0; EBRL writes the true one.
 
     >>> import tempfile, numpy as np
     >>> from ebrl.demos.lerobot import LeRobotWriter, read_lerobot
@@ -99,6 +112,9 @@ class Demos:
 
 # ---------------------------------------------------------------------------------------- writing
 
+QUANTILES = (0.01, 0.10, 0.50, 0.90, 0.99)  # LeRobot's: stats keys q01, q10, q50, q90, q99
+QUANTILE_BINS = 5000
+
 
 class LeRobotWriter:
     """Episodes frame by frame into a ``v3.0`` dataset at ``root`` (created; must be empty).
@@ -117,7 +133,8 @@ class LeRobotWriter:
         for name, (shape, dtype) in features.items():
             if dtype in ("video", "image") and (len(shape) != 3 or shape[-1] not in (1, 3)):
                 raise ValueError(f"feature {name!r}: a camera is uint8 [H, W, 3] (or [H, W, 1]), not {tuple(shape)}")
-        self.fps = float(fps)
+        # LeRobot writes an int; a whole rate stays one so its readers see the same
+        self.fps = int(fps) if float(fps).is_integer() else float(fps)
         self.features = {**{k: (tuple(s), d) for k, (s, d) in features.items()}, **STEP_FEATURES}
         self.robot_type = robot_type
         self.extra = extra or {}  # written under info.json's "ebrl" key (e.g. the env it came from)
@@ -125,9 +142,13 @@ class LeRobotWriter:
         self._columns: dict[str, list] = {k: [] for k in self.features}
         self._index: dict[str, list] = {k: [] for k in INDEX_FEATURES}
         self._episodes: list[dict[str, Any]] = []
+        self._stats: list[dict[str, dict[str, np.ndarray]]] = []  # each episode's
         self._frames_in_episode = 0
-        self._task: int | None = None
+        self._episode_tasks: list[str] = []
         self._videos = {k: None for k, (_, d) in self.features.items() if d == "video"}
+        # this episode's frames of each camera, [C, H, W] as LeRobot's statistics read them
+        self._camera_frames: dict[str, list[np.ndarray]] = {
+            k: [] for k, (_, d) in self.features.items() if d in ("video", "image")}
 
     @property
     def frames(self) -> int:
@@ -139,15 +160,18 @@ class LeRobotWriter:
         if missing:
             raise KeyError(f"frame without {missing}; features: {list(self.features)}")
         task_index = self.tasks.setdefault(task, len(self.tasks))
-        if self._task is None:
-            self._task = task_index
+        if task not in self._episode_tasks:
+            self._episode_tasks.append(task)
         t = self._frames_in_episode
         for k, (shape, dtype) in self.features.items():
             v = values.get(k, 0)
-            if dtype == "video":
-                self._video(k, shape).append_data(_hwc3(np.asarray(v, np.uint8)))
-            elif dtype == "image":
-                self._columns[k].append({"bytes": _png(np.asarray(v, np.uint8)), "path": None})
+            if dtype in ("video", "image"):
+                img = np.asarray(v, np.uint8)
+                if dtype == "video":
+                    self._video(k, shape).append_data(_hwc3(img))
+                else:
+                    self._columns[k].append({"bytes": _png(img), "path": None})
+                self._camera_frames[k].append(_stats_view(img))
             else:
                 self._columns[k].append(np.asarray(v, dtype).reshape(shape))
         for k, v in (("timestamp", t / self.fps), ("frame_index", t), ("episode_index", len(self._episodes)),
@@ -161,14 +185,18 @@ class LeRobotWriter:
             raise ValueError("end_episode() with no frames since the last one")
         start = self.frames - n
         video_start = start / self.fps
-        ep = {"episode_index": len(self._episodes), "tasks": [self._task_name(self._task)], "length": n,
-              "data/chunk_index": 0, "data/file_index": 0, "dataset_from_index": start, "dataset_to_index": start + n,
-              "meta/episodes/chunk_index": 0, "meta/episodes/file_index": 0}
+        ep = {"episode_index": len(self._episodes), "tasks": list(self._episode_tasks), "length": n,
+              "data/chunk_index": 0, "data/file_index": 0, "dataset_from_index": start, "dataset_to_index": start + n}
         for k in self._videos:
             ep.update({f"videos/{k}/chunk_index": 0, f"videos/{k}/file_index": 0,
                        f"videos/{k}/from_timestamp": video_start, f"videos/{k}/to_timestamp": video_start + n / self.fps})
+        stats = self._episode_stats(start, n)
+        for k, feature in stats.items():
+            ep.update({f"stats/{k}/{name}": value.tolist() for name, value in feature.items()})
+        ep.update({"meta/episodes/chunk_index": 0, "meta/episodes/file_index": 0})
         self._episodes.append(ep)
-        self._frames_in_episode, self._task = 0, None
+        self._stats.append(stats)
+        self._frames_in_episode, self._episode_tasks = 0, []
 
     def close(self) -> Path:
         """Write the parquet files and metadata; returns the root."""
@@ -194,17 +222,14 @@ class LeRobotWriter:
         episodes = self.root / EPISODES_PATH
         episodes.parent.mkdir(parents=True, exist_ok=True)
         pq.write_table(pa.Table.from_pylist(self._episodes), episodes)
-        tasks = sorted(self.tasks.items(), key=lambda kv: kv[1])
-        pq.write_table(pa.table({"task_index": [i for _, i in tasks], "task": [t for t, _ in tasks]}),
-                       self.root / "meta" / "tasks.parquet")
-        (self.root / "meta" / "stats.json").write_text(json.dumps(self._stats(), indent=2))
+        _write_tasks(pa, pq, [t for t, _ in sorted(self.tasks.items(), key=lambda kv: kv[1])],
+                     self.root / "meta" / "tasks.parquet")
+        stats = {k: {name: v.tolist() for name, v in feature.items()} for k, feature in _aggregate_stats(self._stats).items()}
+        (self.root / "meta" / "stats.json").write_text(json.dumps(stats, indent=2))
         (self.root / "meta" / "info.json").write_text(json.dumps(self._info(), indent=2))
         return self.root
 
     # ---- helpers
-
-    def _task_name(self, index: int | None) -> str:
-        return next((t for t, i in self.tasks.items() if i == index), "")
 
     def _video(self, key: str, shape: tuple[int, ...]):
         if self._videos[key] is None:
@@ -212,10 +237,31 @@ class LeRobotWriter:
 
             path = self.root / VIDEO_PATH.format(video_key=key, chunk_index=0, file_index=0)
             path.parent.mkdir(parents=True, exist_ok=True)
-            # macro_block_size 1: frames keep their size (yuv420p needs even sides: checked by ffmpeg)
+            # macro_block_size 1: frames keep their size (yuv420p needs even sides: checked by ffmpeg);
+            # a key frame every 2 frames, as LeRobot encodes, so that reading one frame decodes at most two
             self._videos[key] = imageio.get_writer(path, fps=self.fps, codec="libx264", quality=9,
-                                                   pixelformat="yuv420p", macro_block_size=1)
+                                                   pixelformat="yuv420p", macro_block_size=1,
+                                                   ffmpeg_params=["-g", "2"])
         return self._videos[key]
+
+    def _episode_stats(self, start: int, n: int) -> dict[str, dict[str, np.ndarray]]:
+        """LeRobot's statistics of the episode's frames ``[start, start + n)`` (``compute_episode_stats``)."""
+        out = {}
+        for k, (shape, dtype) in self.features.items():
+            if dtype in ("video", "image"):
+                frames = self._camera_frames[k]
+                picked = np.stack([frames[i] for i in _sample_indices(len(frames))])
+                c = picked.shape[1]
+                stats = _feature_stats(picked.transpose(0, 2, 3, 1).reshape(-1, c), len(picked))
+                out[k] = {name: v if name == "count" else v.reshape(c, 1, 1) / 255.0 for name, v in stats.items()}
+                frames.clear()
+            elif dtype != "string":
+                x = np.asarray(self._columns[k][start:start + n], dtype)
+                out[k] = _feature_stats(x.reshape(-1, shape[-1] if shape else 1), n)
+        for k, (_, dtype) in INDEX_FEATURES.items():  # LeRobot's timestamps are float64 until the parquet
+            values = np.asarray(self._index[k][start:start + n], np.float64 if k == "timestamp" else dtype)
+            out[k] = _feature_stats(values.reshape(-1, 1), n)
+        return out
 
     def _features_info(self) -> dict[str, Any]:
         out = {}
@@ -233,29 +279,120 @@ class LeRobotWriter:
     def _info(self) -> dict[str, Any]:
         return {"codebase_version": CODEBASE_VERSION, "robot_type": self.robot_type,
                 "total_episodes": len(self._episodes), "total_frames": self.frames, "total_tasks": len(self.tasks),
-                "chunks_size": 1000, "data_files_size_in_mb": 100, "video_files_size_in_mb": 500, "fps": self.fps,
+                "chunks_size": 1000, "data_files_size_in_mb": 100, "video_files_size_in_mb": 200, "fps": self.fps,
                 "splits": {"train": f"0:{len(self._episodes)}"}, "data_path": DATA_PATH,
                 "video_path": VIDEO_PATH if self._videos else None, "features": self._features_info(),
                 "ebrl": self.extra}
 
-    def _stats(self) -> dict[str, Any]:
-        out = {}
-        for k, (shape, dtype) in self.features.items():
-            if dtype in ("video", "image") or not self._columns[k]:
+
+def _write_tasks(pa, pq, tasks: list[str], path: Path) -> None:
+    """``meta/tasks.parquet`` as LeRobot writes it (``pandas.DataFrame({"task_index": ...},
+    index=tasks).to_parquet``): the task string is the pandas index, so LeRobot's
+    ``tasks.iloc[task_index].name`` is the instruction. Written without pandas."""
+    pandas_meta = {"index_columns": ["__index_level_0__"],
+                   "column_indexes": [{"name": None, "field_name": None, "pandas_type": "unicode",
+                                       "numpy_type": "object", "metadata": {"encoding": "UTF-8"}}],
+                   "columns": [{"name": "task_index", "field_name": "task_index", "pandas_type": "int64",
+                                "numpy_type": "int64", "metadata": None},
+                               {"name": None, "field_name": "__index_level_0__", "pandas_type": "unicode",
+                                "numpy_type": "object", "metadata": None}],
+                   "attributes": {}, "creator": {"library": "pyarrow", "version": pa.__version__},
+                   "pandas_version": "2.2.0"}
+    table = pa.table({"task_index": pa.array(range(len(tasks)), pa.int64()),
+                      "__index_level_0__": pa.array(tasks, pa.string())})
+    pq.write_table(table.replace_schema_metadata({"pandas": json.dumps(pandas_meta)}), path)
+
+
+def _sample_indices(n: int) -> list[int]:
+    """The frames of an ``n``-frame episode LeRobot's image statistics read (``sample_indices``)."""
+    samples = max(min(n, 100), min(int(n ** 0.75), 10_000))
+    return np.round(np.linspace(0, n - 1, samples)).astype(int).tolist()
+
+
+def _stats_view(img: np.ndarray) -> np.ndarray:
+    """A camera frame as LeRobot's statistics see it: RGB, ``[C, H, W]``, sides of 300 pixels or
+    more strided to about 150 (``auto_downsample_height_width``)."""
+    chw = np.moveaxis(_hwc3(img), -1, 0)
+    h, w = chw.shape[1:]
+    if max(h, w) >= 300:
+        step = int(w / 150) if w > h else int(h / 150)
+        chw = chw[:, ::step, ::step]
+    return np.ascontiguousarray(chw)
+
+
+def _feature_stats(x: np.ndarray, count: int) -> dict[str, np.ndarray]:
+    """LeRobot's ``get_feature_stats`` of ``x [rows, d]`` (``count`` frames), over the rows:
+    min and max in ``x``'s dtype, the rest float64; quantiles from a histogram of
+    ``QUANTILE_BINS`` bins from min to max, interpolated inside a bin."""
+    keys = [f"q{int(q * 100):02d}" for q in QUANTILES]
+    rows = len(x)
+    if x.dtype == np.uint8 and rows >= 2:  # pixels: everything from each channel's 256 value counts (faster)
+        counts = np.stack([np.bincount(x[:, j], minlength=256) for j in range(x.shape[1])]).astype(np.float64)
+        values = np.arange(256.0)
+        lo = np.array([np.flatnonzero(c)[0] for c in counts], np.uint8)
+        hi = np.array([np.flatnonzero(c)[-1] for c in counts], np.uint8)
+        mean, squares = counts @ values / rows, counts @ values ** 2 / rows
+
+        def histogram(j: int, edges: np.ndarray) -> np.ndarray:
+            return np.histogram(values, bins=edges, weights=counts[j])[0]
+    else:
+        f = x.astype(np.float64)
+        lo, hi, mean = x.min(0), x.max(0), f.mean(0)
+        if rows < 2:
+            return {"min": lo, "max": hi, "mean": mean, "std": f.std(0), "count": np.array([count]),
+                    **{k: mean.copy() for k in keys}}
+        squares = (f ** 2).mean(0)
+
+        def histogram(j: int, edges: np.ndarray) -> np.ndarray:
+            return np.histogram(f[:, j], bins=edges)[0]
+    stats = {"min": lo, "max": hi, "mean": mean, "std": np.sqrt(np.maximum(0.0, squares - mean ** 2)),
+             "count": np.array([count])}
+    quantiles = np.empty((len(QUANTILES), len(mean)))
+    for j in range(len(mean)):
+        edges = np.linspace(float(lo[j]) - 1e-10, float(hi[j]) + 1e-10, QUANTILE_BINS + 1)
+        cum = np.cumsum(histogram(j, edges))
+        for i, q in enumerate(QUANTILES):
+            target = q * rows
+            b = int(np.searchsorted(cum, target))
+            if b == 0 or b >= len(cum):
+                quantiles[i, j] = edges[0] if b == 0 else edges[-1]
                 continue
-            x = np.asarray(self._columns[k], np.float64).reshape(self.frames, -1)
-            out[k] = {"mean": x.mean(0).tolist(), "std": x.std(0).tolist(), "min": x.min(0).tolist(),
-                      "max": x.max(0).tolist(), "count": [self.frames]}
-        return out
+            inside = cum[b] - cum[b - 1]
+            frac = (target - cum[b - 1]) / inside if inside else 0.0
+            quantiles[i, j] = edges[b] + frac * (edges[b + 1] - edges[b])
+    stats.update(zip(keys, quantiles))
+    return stats
+
+
+def _aggregate_stats(episodes: list[dict[str, dict[str, np.ndarray]]]) -> dict[str, dict[str, np.ndarray]]:
+    """LeRobot's ``aggregate_stats``: means, variances and quantiles weighted by each episode's count."""
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for key in dict.fromkeys(k for ep in episodes for k in ep):
+        parts = [ep[key] for ep in episodes if key in ep]
+        counts = np.stack([p["count"] for p in parts]).astype(np.float64)
+        total = counts.sum(0)
+        means = np.stack([p["mean"] for p in parts])
+        w = counts.reshape(-1, *[1] * (means.ndim - 1))
+        mean = (means * w).sum(0) / total
+        var = ((np.stack([p["std"] for p in parts]) ** 2 + (means - mean) ** 2) * w).sum(0) / total
+        agg = {"min": np.min(np.stack([p["min"] for p in parts]), 0), "max": np.max(np.stack([p["max"] for p in parts]), 0),
+               "mean": mean, "std": np.sqrt(var), "count": total.astype(np.int64)}
+        for q in (k for k in parts[0] if k[0] == "q" and k[1:].isdigit()):
+            agg[q] = (np.stack([p[q] for p in parts]) * w).sum(0) / total
+        out[key] = agg
+    return out
 
 
 def _arrow_column(pa, x: np.ndarray, shape: tuple[int, ...]):
-    """A scalar feature as a plain column, a vector (or a flattened array) as a list column."""
+    """A scalar feature as a plain column, a vector as a list column, an array of more axes as
+    nested lists (how LeRobot stores one: the storage of ``datasets``' ``Array2D`` and up)."""
     if tuple(shape) in ((), (1,)):
         return pa.array(x.reshape(-1))
-    flat = x.reshape(len(x), -1)
-    offsets = np.arange(0, flat.size + 1, flat.shape[1], dtype=np.int32)
-    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat.reshape(-1)))
+    column = pa.array(x.reshape(-1))
+    for size in reversed((len(x), *shape)[1:]):
+        rows = len(column) // size
+        column = pa.ListArray.from_arrays(pa.array(np.arange(0, rows * size + 1, size, dtype=np.int32)), column)
+    return column
 
 
 def _hwc3(img: np.ndarray) -> np.ndarray:
@@ -324,8 +461,13 @@ def read_lerobot(root: str | Path) -> Demos:
 
 def _numpy_column(col, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     np_dtype = {"bool": np.bool_}.get(dtype, dtype)
-    if hasattr(col.type, "value_type"):  # a list column: one vector per frame
-        values = col.flatten().to_numpy(zero_copy_only=False)
+    if hasattr(col.type, "storage_type"):  # an extension type (datasets' Array2D... as LeRobot writes them)
+        col = col.storage
+    if hasattr(col.type, "value_type"):  # a list column: one vector (or nested lists: one array) per frame
+        values = col
+        while hasattr(values.type, "value_type"):
+            values = values.flatten()
+        values = values.to_numpy(zero_copy_only=False)
         return values.astype(np_dtype).reshape(len(col), *[s for s in shape if s is not None])
     x = col.to_numpy(zero_copy_only=False).astype(np_dtype)
     return x if tuple(shape) in ((), (1,)) else x.reshape(len(col), *shape)
@@ -351,9 +493,17 @@ def _decode_image(value: Any, root: Path) -> np.ndarray:
 def _read_tasks(root: Path, pq) -> list[str]:
     meta = root / "meta"
     if (meta / "tasks.parquet").is_file():
-        t = pq.read_table(meta / "tasks.parquet").to_pylist()
-        named = [(int(r["task_index"]), r.get("task", r.get("__index_level_0__"))) for r in t]
-        return [str(name) for _, name in sorted(named)]
+        # LeRobot's layout keeps the task string as the pandas index (``__index_level_0__``, or
+        # the index's name) beside ``task_index``; EBRL's older datasets have a ``task`` column
+        table = pq.read_table(meta / "tasks.parquet")
+        pandas_meta = json.loads((table.schema.metadata or {}).get(b"pandas", b"{}"))
+        names = [c for c in pandas_meta.get("index_columns", []) if isinstance(c, str)] + ["task"]
+        name = next((c for c in names if c in table.column_names),
+                    next((c for c in table.column_names if c != "task_index"), None))
+        if name is None:
+            raise ValueError(f"{meta / 'tasks.parquet'} holds no task strings (columns {table.column_names})")
+        named = zip(table.column("task_index").to_pylist(), table.column(name).to_pylist())
+        return [str(task) for _, task in sorted(named)]
     if (meta / "tasks.jsonl").is_file():
         rows = [json.loads(line) for line in (meta / "tasks.jsonl").read_text().splitlines() if line.strip()]
         return [str(r["task"]) for r in sorted(rows, key=lambda r: r["task_index"])]
