@@ -48,6 +48,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ebrl.envs.chunks import policy_chunk
 from ebrl.demos.features import ObsFeatures
 from ebrl.demos.lerobot import Demos
 from ebrl.spaces import tree_map
@@ -111,6 +112,16 @@ def demo_actions(demos: Demos, action_shape: tuple[int, ...]) -> np.ndarray:
                      "make the env as the demonstrations were (env_kwargs, chunk=)")
 
 
+def demo_shape(policy, action_space) -> tuple[int, ...]:
+    """What the policy learns from each frame: the env's action, or the next ``K`` actions for a
+    policy acting in chunks of ``K`` on a per-step env, or ``demo_chunk_len`` of them for a policy
+    that predicts longer chunks than it executes (π0's whole chunk, :class:`~ebrl.policies.pi0.PI0Policy`)."""
+    chunk = policy_chunk(policy)
+    one = chunk[1] if chunk else tuple(action_space.shape)
+    k = getattr(policy, "demo_chunk_len", None) or (chunk[0] if chunk else None)
+    return one if k is None else (int(k), *one)
+
+
 def demo_batch(obs_all: Any, actions_all: np.ndarray, rows: np.ndarray, device) -> tuple[Any, Tensor]:
     """Frames ``rows`` of the demonstrations (observations as :class:`ObsFeatures` gives them,
     actions as :func:`demo_actions` shapes them) as tensors on ``device``."""
@@ -165,7 +176,7 @@ def sft(policy, demos: Demos, observation_space, action_space, config: SFTConfig
     gen = torch.Generator().manual_seed(c.seed)
     feats = ObsFeatures(observation_space)
     obs_all = feats.observations(demos.frames)
-    actions_all = demo_actions(demos, tuple(action_space.shape))
+    actions_all = demo_actions(demos, demo_shape(policy, action_space))
     train_eps, val_eps = _split(demos, c.val_fraction, c.seed)
     rows_of = demos.episode_of()
     train_rows = np.flatnonzero(np.isin(rows_of, train_eps))

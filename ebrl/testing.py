@@ -401,3 +401,113 @@ def save_random_hf_model(path, *, kind: str = "llama", hidden: int = 32, layers:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return model
+
+
+PI0_SENTENCES = ("pick up the red block", "open the drawer and reach the target", "reach the goal",
+                 *(f"reach the {c} target" for c in REACH_COLOURS))
+
+
+def pil_pi0_image_processor(**settings: Any):
+    """transformers' ``PI0ImageProcessor`` (resize to fit, rescale, normalise, pad) on the PIL
+    backend: the image processor's own definition, which runs without torchvision (its torchvision
+    backend does not import here). ``settings`` override its defaults (``size``, ``pad_size``,
+    ``image_seq_length``, ...). For tests and :func:`save_random_pi0`; needs PIL."""
+    from transformers.image_processing_backends import PilBackend
+    from transformers.models.pi0.image_processing_pi0 import PI0ImageProcessor
+
+    # the class attributes are PI0ImageProcessor's; the name saves as "PI0ImageProcessor" (PilBackend drops "Pil")
+    attrs = {k: getattr(PI0ImageProcessor, k) for k in (
+        "resample", "image_mean", "image_std", "size", "default_to_square", "do_resize", "do_rescale",
+        "do_normalize", "do_convert_rgb", "image_seq_length", "pad_size", "do_pad")}
+    cls = type("PI0ImageProcessorPil", (PilBackend,), attrs)
+    return cls(**settings)
+
+
+def save_random_pi0(path, *, kind: str = "pi0", state_dim: int = 4, action_dim: int = 3, chunk_size: int = 4,
+                    cameras: int = 1, image_size: int = 16, patch_size: int = 8, max_dim: int = 8,
+                    hidden: int = 32, expert_hidden: int = 24, layers: int = 2, heads: int = 2, head_dim: int = 16,
+                    num_steps: int = 3, sentences: tuple[str, ...] = PI0_SENTENCES, state_mean: Any = 0.0,
+                    state_std: Any = 1.0, action_mean: Any = 0.0, action_std: Any = 0.5, quantile_stats: bool = False,
+                    initializer_range: float = 0.02, seed: int = 0):
+    """Write a tiny random π0 (``kind="pi0"``) or π0.5 (``"pi05"``) to ``path`` as transformers
+    saves one, built from configs (nothing is downloaded): ``config.json`` and the weights of a
+    ``PI0ForConditionalGeneration`` / ``PI05ForConditionalGeneration`` with a Gemma language model
+    of ``layers`` layers and width ``hidden``, a SigLIP vision tower of one layer reading
+    ``image_size`` pixels square in patches of ``patch_size`` (``(image_size / patch_size)**2``
+    tokens per camera), and a Gemma action expert of width ``expert_hidden`` sharing the
+    attention layout; a word-level tokenizer trained on the prompts the processor builds from
+    ``sentences`` (π0.5's state bins 0..255 included); and the processor's
+    ``processor_config.json`` (``PI0Processor`` / ``PI05Processor.save_pretrained``): state and
+    action statistics of ``state_dim`` / ``action_dim`` entries (``*_mean``/``*_std``, scalars
+    broadcast; π0.5 with ``quantile_stats`` writes ``*_q01``/``*_q99`` = mean -/+ 2 std instead),
+    ``max_dim`` (``max_state_dim``), ``chunk_size``, and the image processor's settings (resize to
+    fit ``image_size``, pad to it). ``cameras`` is only checked: π0 reads any number of cameras,
+    which nothing in the directory records. Build and one sample take well under a second.
+    Returns the model. Needs transformers and PIL."""
+    from pathlib import Path
+
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if kind not in ("pi0", "pi05"):
+        raise ValueError(f"save_random_pi0 kind={kind!r}: must be 'pi0' or 'pi05'")
+    if not (1 <= state_dim <= max_dim and 1 <= action_dim <= max_dim and chunk_size >= 1 and cameras >= 1):
+        raise ValueError(f"save_random_pi0: need 1 <= state_dim, action_dim <= max_dim={max_dim}, chunk_size >= 1 "
+                         f"and cameras >= 1, got {state_dim}, {action_dim}, {chunk_size}, {cameras}")
+    if image_size % patch_size:
+        raise ValueError(f"save_random_pi0: image_size={image_size} must be a multiple of patch_size={patch_size}")
+    path = Path(path)
+    words = [f"Task: {s}, State: ;\nAction: " for s in sentences] + [" ".join(str(i) for i in range(256))]
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(words, trainers.WordLevelTrainer(special_tokens=["<pad>", "<eos>", "<bos>", "<unk>"]))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<bos>", eos_token="<eos>",
+                                        pad_token="<pad>")
+
+    def stats(value: Any, n: int) -> list[float]:
+        return np.broadcast_to(np.asarray(value, np.float64), (n,)).astype(float).tolist()
+
+    statistics: dict[str, list[float]] = {}
+    for name, mean, std, n in (("state", state_mean, state_std, state_dim), ("actions", action_mean, action_std,
+                                                                             action_dim)):
+        m, s = np.asarray(stats(mean, n)), np.asarray(stats(std, n))
+        if kind == "pi05" and quantile_stats:
+            statistics.update({f"{name}_q01": (m - 2 * s).tolist(), f"{name}_q99": (m + 2 * s).tolist()})
+        else:
+            statistics.update({f"{name}_mean": m.tolist(), f"{name}_std": s.tolist()})
+    tokens = (image_size // patch_size) ** 2
+    images = pil_pi0_image_processor(size={"max_height": image_size, "max_width": image_size},
+                                     pad_size={"height": image_size, "width": image_size}, image_seq_length=tokens)
+    prefix = "PI0" if kind == "pi0" else "PI05"
+    Config, Model, Processor = (getattr(transformers, prefix + name) for name in (
+        "Config", "ForConditionalGeneration", "Processor"))
+    # the processor adds its image token (and PaliGemma's <loc>/<seg> tokens) to the tokenizer: build it first
+    processor = Processor(image_processor=images, tokenizer=tokenizer, max_state_dim=max_dim, chunk_size=chunk_size,
+                          **statistics)
+    vocab = len(processor.tokenizer)
+    text = {"model_type": "gemma", "hidden_size": hidden, "intermediate_size": 2 * hidden, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "num_key_value_heads": 1, "head_dim": head_dim, "vocab_size": vocab,
+            "initializer_range": initializer_range}
+    vision = {"model_type": "siglip_vision_model", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "image_size": image_size, "patch_size": patch_size, "vision_use_head": False}
+    vlm = {"model_type": "paligemma", "text_config": text, "vision_config": vision, "projection_dim": hidden,
+           "image_token_id": processor.image_token_id, "vocab_size": vocab}
+    # the expert shares the language model's attention (its keys and values): same layers, heads, head_dim
+    expert = {"model_type": "gemma", "hidden_size": expert_hidden, "intermediate_size": 2 * expert_hidden,
+              "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": 1, "head_dim": head_dim,
+              "initializer_range": initializer_range}
+    extra = {"max_state_dim": max_dim} if kind == "pi0" else {}
+    config = Config(vlm_config=vlm, dit_config=expert, chunk_size=chunk_size, max_action_dim=max_dim,
+                    num_inference_steps=num_steps, **extra)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Model(config)
+        if kind == "pi05":  # π0.5 zero-initialises its expert's adaptive norms: every gate shut, the prefix unread
+            for module in model.modules():
+                if type(module).__name__ == "PI05AdaptiveRMSNorm":
+                    torch.nn.init.normal_(module.dense.weight, 0.0, 0.3)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return model

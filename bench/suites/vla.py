@@ -1,5 +1,6 @@
-"""Bring your own VLA: an ``HFTokenPolicy`` with LoRA on a Hugging Face backbone, trained by PPO
-through each schedule, each run a fresh process.
+"""Bring your own VLA: an ``HFTokenPolicy`` with LoRA on a Hugging Face backbone, and a user's π0
+and π0.5 checkpoints (``PI0Policy``) with LoRA, trained by PPO through each schedule, each run a
+fresh process.
 
 The backbone is a Llama causal LM of about 23M parameters (hidden 512, 6 layers, vocabulary
 4,096), randomly initialised from its config and saved once with ``save_pretrained`` to a local
@@ -10,12 +11,21 @@ instruction says which, read through the model's tokenizer in OpenVLA's prompt; 
 a lognormal 10 ms (sigma 0.5), a simulator's cost that releases the GIL. 8 envs. ``--quick`` (a smoke test) uses a tiny
 backbone of the same family instead.
 
+The π0 and π0.5 cases (``pi0-lora``, ``pi05-lora``) load tiny random checkpoints
+(:func:`ebrl.testing.save_random_pi0`: a 2-layer Gemma of width 64, a SigLIP tower reading
+32-pixel images in 16 patches, an expert of width 48, chunks of 8 actions, 4 denoising steps)
+written once to the same folder, with LoRA rank 8, πRL's Flow-Noise, and 4 actions of each chunk
+executed per decision (``execute=4``: ``ebrl.run`` executes the chunk on the per-step env). The
+env is the same reach with two cameras of different sizes (``top`` 32x32, ``wrist`` 24x40: the
+point drawn where it is), so the model reads two images, its state and the instruction.
+
 Runners: EBRL ``async``, ``pipelined`` and ``sync``, 3 alternating rounds. Reported per run:
 end-to-end env steps/s, generation batch sizes (histogram), and weight publication: bytes per
 publication (LoRA's trainable tensors) against the whole state dict (what publishing full
 weights would move), and seconds per publication. After the rounds, in this process: the
 seconds to snapshot and load one publication, LoRA's against the full state dict's (median of
-5 of each, alternating).
+5 of each, alternating), and each π0-family policy's milliseconds per ``act`` call at batch sizes
+1, 4 and 16 (median of 5 calls after a warm-up).
 """
 
 from __future__ import annotations
@@ -25,6 +35,9 @@ import os
 import tempfile
 import time
 from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
 
 from ebrl.algos import PPO
 from ebrl.benchmark import Suite
@@ -36,21 +49,23 @@ BACKBONE = dict(kind="llama", hidden=512, layers=6, heads=8, kv_heads=4, interme
 QUICK_BACKBONE = dict(kind="llama", hidden=32, layers=1, heads=4, kv_heads=2, intermediate=64, vocab=512)
 QUICK_ENV = "EBRL_BENCH_VLA_QUICK"  # set by run(quick=True): --quick is a smoke test, on a tiny backbone
 LORA_RANK = 8
+PI0_KINDS = {"pi0-lora": "pi0", "pi05-lora": "pi05"}
+PI0_MODEL = dict(state_dim=4, action_dim=2, chunk_size=8, image_size=32, patch_size=8, hidden=64, expert_hidden=48,
+                 layers=2, heads=2, head_dim=32, num_steps=4, max_dim=8)
+EXECUTE = 4  # actions of each 8-action chunk executed per decision (πRL's replanning)
+CALL_BATCHES = (1, 4, 16)
 
 
-def model_dir() -> Path:
-    """The backbone's directory, written once (atomically: fresh processes may race for it)."""
-    backbone = QUICK_BACKBONE if os.environ.get(QUICK_ENV) == "1" else BACKBONE
-    key = hashlib.sha1(repr(sorted(backbone.items())).encode()).hexdigest()[:10]
+def _written_once(name: str, settings: dict, write) -> Path:
+    """A model directory ``write(path)`` fills, written once per settings (atomically: fresh
+    processes may race for it)."""
+    key = hashlib.sha1(repr(sorted(settings.items())).encode()).hexdigest()[:10]
     root = Path(os.environ.get("EBRL_BENCH_VLA_DIR", Path(tempfile.gettempdir()) / "ebrl-bench-vla"))
-    path = root / f"llama-{key}"
+    path = root / f"{name}-{key}"
     if not (path / "config.json").is_file():
-        from ebrl.testing import save_random_hf_model
-
         root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=root, prefix=".writing-"))
-        sentences = tuple(InstructedReach(tasks=TASKS).instructions())
-        save_random_hf_model(tmp, sentences=sentences, **backbone)
+        write(tmp)
         try:
             tmp.rename(path)
         except OSError:  # another process finished first: theirs is the same model
@@ -58,6 +73,57 @@ def model_dir() -> Path:
 
             shutil.rmtree(tmp, ignore_errors=True)
     return path
+
+
+def model_dir() -> Path:
+    """The token policy's backbone."""
+    from ebrl.testing import save_random_hf_model
+
+    backbone = QUICK_BACKBONE if os.environ.get(QUICK_ENV) == "1" else BACKBONE
+    sentences = tuple(InstructedReach(tasks=TASKS).instructions())
+    return _written_once("llama", backbone, lambda p: save_random_hf_model(p, sentences=sentences, **backbone))
+
+
+def pi0_dir(kind: str) -> Path:
+    """A tiny random π0 (``kind="pi0"``) or π0.5 (``"pi05"``) checkpoint."""
+    from ebrl.testing import save_random_pi0
+
+    settings = dict(PI0_MODEL, kind=kind)
+    return _written_once(kind, settings, lambda p: save_random_pi0(p, **settings))
+
+
+class TwoCameras(gym.ObservationWrapper):
+    """The reach seen by two cameras of different sizes: a white dot where the point is."""
+
+    SIZES = {"top": (32, 32), "wrist": (24, 40)}
+
+    def __init__(self, env: InstructedReach):
+        super().__init__(env)
+        cams = {k: gym.spaces.Box(0, 255, (h, w, 3), np.uint8) for k, (h, w) in self.SIZES.items()}
+        self.observation_space = gym.spaces.Dict({**env.observation_space.spaces, **cams})
+
+    def observation(self, obs: dict) -> dict:
+        x, y = np.clip(obs["state"][:2], -1.0, 1.0)
+        out = dict(obs)
+        for key, (h, w) in self.SIZES.items():
+            img = np.zeros((h, w, 3), np.uint8)
+            img[int((y + 1) / 2 * (h - 1)), int((x + 1) / 2 * (w - 1))] = 255
+            out[key] = img
+        return out
+
+
+def camera_reach_env(i: int):
+    return TwoCameras(InstructedReach(tasks=TASKS, latency=Latency.lognormal(0.010, 0.5)))
+
+
+def pi0_policy_fn(kind: str):
+    def build(obs_space, act_space, seed):
+        from ebrl.policies.pi0 import PI0Policy
+
+        words = InstructedReach(tasks=TASKS).instructions()
+        return PI0Policy.from_pretrained(pi0_dir(kind), obs_space, act_space, lora_rank=LORA_RANK, execute=EXECUTE,
+                                         instruction=words, seed=seed)
+    return build
 
 
 def reach_env(i: int):
@@ -73,10 +139,12 @@ def policy_fn(obs_space, act_space, seed):
 
 
 SUITE = Suite(
-    description="HFTokenPolicy + LoRA on a 23M-parameter Llama from a local directory, instructed reach (8 envs): "
-                "async vs pipelined vs sync, generation batches, publication bytes vs full weights",
-    cases={"hf-token-lora": reach_env},
+    description="HFTokenPolicy + LoRA on a 23M-parameter Llama, and tiny π0 / π0.5 checkpoints + LoRA with two "
+                "cameras, from local directories, instructed reach (8 envs): async vs pipelined vs sync, generation "
+                "batches, publication bytes vs full weights, ms per policy call against batch size",
+    cases={"hf-token-lora": reach_env, **{case: camera_reach_env for case in PI0_KINDS}},
     policy_fn=policy_fn,
+    case_policies={case: pi0_policy_fn(kind) for case, kind in PI0_KINDS.items()},
     algo_fn=lambda seed: PPO(seed=seed, minibatch_size=64),
     num_envs=8,
     steps=1_024,
@@ -110,17 +178,39 @@ def publication_seconds(reps: int = 5) -> dict:
     return {k: spread(v) for k, v in times.items()}
 
 
+def call_ms(case: str, reps: int = 5) -> dict[str, dict]:
+    """Milliseconds per ``act`` call of a π0-family case's policy, per batch size (median of
+    ``reps`` calls after one warm-up call)."""
+    env = camera_reach_env(0)
+    policy = SUITE.for_case(case).policy_fn(env.observation_space, env.action_space, 0)
+    obs, _ = env.reset(seed=0)
+    out = {}
+    for batch in CALL_BATCHES:
+        rows = {k: np.repeat(np.asarray(v)[None], batch, axis=0) for k, v in obs.items()}
+        policy.act(rows)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            policy.act(rows)
+            times.append((time.perf_counter() - t0) * 1e3)
+        out[str(batch)] = spread(times)
+    return out
+
+
 def run(quick: bool, in_process: bool = False) -> dict:
     from ebrl.benchmark.suite import run_suite_rounds
 
     os.environ[QUICK_ENV] = "1" if quick else "0"  # fresh processes inherit it
     report = run_suite_rounds(SUITE, quick, source=("vla", None), in_process=in_process)
-    rows = [r for r in report["rows"] if r.get("publications")]
-    figures = {"hf-token-lora: publication bytes full/lora": spread(r["state_bytes"] / r["publish_bytes"] for r in rows)}
+    figures = {}
+    for case in SUITE.cases:
+        rows = [r for r in report["rows"] if r["case"] == case and r.get("publications")]
+        figures[f"{case}: publication bytes full/lora"] = spread(r["state_bytes"] / r["publish_bytes"] for r in rows)
     seconds = publication_seconds(2 if quick else 5)
     figures["hf-token-lora: publication seconds full/lora"] = spread(
         [seconds["full"]["median"] / seconds["lora"]["median"]])
     report["ratios"].update(figures)
-    report["targets"] += check_targets(figures, {"publication bytes full/lora": Target(20.0)})
+    report["targets"] += check_targets(figures, {"hf-token-lora: publication bytes full/lora": Target(20.0)})
     report["publication_seconds"] = seconds
+    report["call_ms"] = {case: call_ms(case, 2 if quick else 5) for case in PI0_KINDS}
     return report

@@ -260,6 +260,12 @@ def vla_table(rep: dict) -> str:
         lines += ["", f"One publication snapshotted and loaded in one process: LoRA's trainable tensors "
                       f"{seconds['lora']['median'] * 1e3:.1f} ms, the whole state "
                       f"{seconds['full']['median'] * 1e3:.1f} ms (median of {seconds['lora']['n']} each)."]
+    calls = rep.get("call_ms", {})
+    if calls:
+        batches = list(next(iter(calls.values())))
+        lines += ["", "| ms per `act` call, batch size | " + " | ".join(batches) + " |",
+                  "|---|" + "---:|" * len(batches)]
+        lines += [f"| {case} | " + " | ".join(fmt_spread(by[b]) for b in batches) + " |" for case, by in calls.items()]
     lines += ["", f"Median (min-max) over {meta.get('rounds')} alternating rounds, every run a fresh process; "
               f"{meta.get('segment_len')}-step segments and PPO minibatches of 64 (an update sized for a 23M "
               f"backbone on this CPU), every other knob at its default; {meta['date'][:10]}, commit "

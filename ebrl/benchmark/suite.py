@@ -81,12 +81,17 @@ class Suite:
     # per-case (num_envs, steps) where the cases' envs differ in cost by orders of magnitude (a
     # LIBERO env with a camera steps 50x slower than ManiSkill's); the others take the suite's
     case_sizes: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # per-case policy_fn where the cases train different models (the vla suite's token, π0 and π0.5)
+    case_policies: dict[str, Callable[[Any, Any, int], Any]] = field(default_factory=dict)
 
     def for_case(self, case: str) -> "Suite":
-        if case not in self.case_sizes:
-            return self
-        num_envs, steps = self.case_sizes[case]
-        return replace(self, num_envs=num_envs, steps=steps)
+        suite = self
+        if case in self.case_sizes:
+            num_envs, steps = self.case_sizes[case]
+            suite = replace(suite, num_envs=num_envs, steps=steps)
+        if case in self.case_policies:
+            suite = replace(suite, policy_fn=self.case_policies[case])
+        return suite
 
     def sized(self, quick: bool) -> "Suite":
         if not quick:

@@ -150,7 +150,28 @@ class CameraPatches(nn.Module):
         return self.proj(self.pool(x * 2.0 - 1.0)).flatten(2).transpose(1, 2)
 
 
-class HFBackbonePolicy(ReadsObservations, nn.Module):
+class FrozenModes(nn.Module):
+    """What a policy around a pretrained model (``self.backbone``) shares: the model stays in
+    eval mode whatever ``train()`` says (no dropout, so the acting and the training pass compute
+    the same function, which the PPO ratio needs), and a sampling generator seeded by
+    ``self.seed`` that follows the policy to its device."""
+
+    backbone: nn.Module
+    seed: int
+    _gen: torch.Generator
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.backbone.eval()
+        return self
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if self._gen.device != device:  # moved to another device: restart the stream there
+            self._gen = torch.Generator(device).manual_seed(self.seed)
+        return self._gen
+
+
+class HFBackbonePolicy(ReadsObservations, FrozenModes):
     """The Hugging Face backbone, its prefix, LoRA and weights (see the module's docstring).
 
     ``model`` is a causal LM or image-text model, ``tokenizer`` its tokenizer, ``image_processor``
@@ -321,18 +342,6 @@ class HFBackbonePolicy(ReadsObservations, nn.Module):
         if self.instruction_classes is not None:
             inputs.append({"key": INSTRUCTION_KEY, "as": "instruction index", "classes": [self.instruction_classes[0]]})
         return inputs
-
-    def train(self, mode: bool = True):
-        """As ``nn.Module.train``, but the backbone stays in eval mode: no dropout, so the acting
-        and the training pass compute the same function (the PPO ratio needs that)."""
-        super().train(mode)
-        self.backbone.eval()
-        return self
-
-    def _generator(self, device: torch.device) -> torch.Generator:
-        if self._gen.device != device:  # moved to another device: restart the stream there
-            self._gen = torch.Generator(device).manual_seed(self.seed)
-        return self._gen
 
     # ---- the prefix --------------------------------------------------------------------------
 

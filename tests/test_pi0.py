@@ -1,0 +1,396 @@
+"""PI0Policy: a user's π0 / π0.5 checkpoint (transformers' own model) as an EBRL policy.
+
+Every checkpoint here is a tiny random PI0/PI05ForConditionalGeneration that
+:func:`ebrl.testing.save_random_pi0` builds from configs and saves with a word-level tokenizer and
+the processor's ``processor_config.json``: nothing is downloaded, and every test runs with
+sockets refused and ``HF_HUB_OFFLINE=1``. The reference for what the model is fed is
+transformers' own ``PI0Processor`` / ``PI05Processor``, with the image processor on its PIL
+backend (its torchvision backend cannot import here).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+pytest.importorskip("PIL")
+
+from ebrl.algos import GRPO, PPO, Batch
+from ebrl.policies.base import acting_copy
+from ebrl.policies.pi0 import ImageSettings, PI0Policy, preprocess_images
+from ebrl.testing import pil_pi0_image_processor, save_random_pi0
+
+pytestmark = pytest.mark.usefixtures("hf_offline")  # conftest: sockets refused, the hub offline
+torch.set_num_threads(1)
+
+TASKS = ["pick up the red block", "open the drawer and reach the target"]
+ACTIONS = gym.spaces.Box(-10.0, 10.0, (2, 3), np.float32)  # execute 2 of the chunk of 4, 3 of 8 dims
+SMALL = {"noise_hidden": (16,), "value_hidden": (16,)}
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    out = {}
+    # weights at 0.3: a prefix that moves the actions visibly; π0.5 with quantile statistics
+    for kind in ("pi0", "pi05"):
+        out[kind] = tmp_path_factory.mktemp(kind)
+        save_random_pi0(out[kind], kind=kind, state_dim=4, action_dim=3, chunk_size=4, initializer_range=0.3,
+                        action_mean=[0.1, -0.2, 0.3], action_std=[0.5, 1.0, 2.0], quantile_stats=kind == "pi05")
+    return out
+
+
+def space(cameras=((16, 16),), n_tasks=2) -> gym.spaces.Dict:
+    entries = {f"cam{i}": gym.spaces.Box(0, 255, (h, w, 3), np.uint8) for i, (h, w) in enumerate(cameras)}
+    entries.update(state=gym.spaces.Box(-5.0, 5.0, (4,), np.float32), instruction=gym.spaces.Discrete(n_tasks))
+    return gym.spaces.Dict(entries)
+
+
+def observations(n, cameras=((16, 16),), seed=0) -> dict:
+    rng = np.random.default_rng(seed)
+    obs = {f"cam{i}": rng.integers(0, 256, (n, h, w, 3), dtype=np.uint8) for i, (h, w) in enumerate(cameras)}
+    obs.update(state=rng.standard_normal((n, 4)).astype(np.float32), instruction=np.arange(n) % 2)
+    return obs
+
+
+def torch_obs(obs: dict) -> dict:
+    return {k: torch.as_tensor(v) for k, v in obs.items()}
+
+
+def build(path, obs_space=None, actions=ACTIONS, **kw) -> PI0Policy:
+    return PI0Policy.from_pretrained(path, obs_space or space(), actions, instruction=TASKS, **{**SMALL, **kw})
+
+
+def processor(path):
+    """transformers' own processor for the checkpoint, its image processor on the PIL backend."""
+    from transformers import AutoTokenizer, PI0Processor, PI05Processor
+
+    config = json.loads((path / "processor_config.json").read_text())
+    images = pil_pi0_image_processor(**{k: v for k, v in config.pop("image_processor").items()
+                                        if k != "image_processor_type"})
+    cls = PI0Processor if config.pop("processor_class") == "PI0Processor" else PI05Processor
+    return cls(image_processor=images, tokenizer=AutoTokenizer.from_pretrained(path), **config)
+
+
+def processed(path, obs, cameras):
+    texts = [TASKS[i] for i in obs["instruction"]]
+    images = [[obs[f"cam{c}"][r] for c in range(len(cameras))] for r in range(len(texts))]
+    return processor(path)(images=images, text=texts, state=obs["state"])
+
+
+def unnormalised(path, chunk: np.ndarray) -> np.ndarray:
+    """The executed block of model chunks in the env's units (the inverse of the processor's ``normalize``)."""
+    config = json.loads((path / "processor_config.json").read_text())
+    if config.get("actions_q01") is not None:
+        q01, q99 = np.asarray(config["actions_q01"]), np.asarray(config["actions_q99"])
+        return (chunk[:, :2, :3] + 1) / 2 * (q99 - q01) + q01
+    return chunk[:, :2, :3] * (np.asarray(config["actions_std"]) + 1e-8) + np.asarray(config["actions_mean"])
+
+
+@pytest.mark.parametrize("kind", ["pi0", "pi05"])
+def test_ode_acts_as_sample_actions_on_what_the_processor_gives(kind, dirs):
+    """Same noise, no injected noise: EBRL's env actions are sample_actions' chunk on the
+    processor's own inputs, un-normalised and cropped (cameras the vision tower's size: no resize)."""
+    from transformers import PI0ForConditionalGeneration, PI05ForConditionalGeneration
+
+    policy = build(dirs[kind], method="ode")
+    obs = observations(4)
+    noise = torch.randn(4, 4, 8, generator=torch.Generator().manual_seed(1))
+    out = policy.act(obs, noise=noise)
+    inputs = processed(dirs[kind], obs, [0])
+    mine = policy.model_inputs(obs)
+    assert set(mine) == set(inputs)
+    for key, value in inputs.items():  # the very tensors the processor gives
+        assert torch.equal(mine[key].to(value.dtype), value), key
+    model = (PI0ForConditionalGeneration if kind == "pi0" else PI05ForConditionalGeneration).from_pretrained(
+        dirs[kind], local_files_only=True)
+    chunk = model.sample_actions(**inputs, noise=noise).numpy()
+    np.testing.assert_allclose(out.env_actions, unnormalised(dirs[kind], chunk), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(out.actions[:, -1], chunk.reshape(4, -1), atol=1e-5, rtol=0)
+    assert out.actions.shape == (4, 3 + 1, 4 * 8) and out.env_actions.shape == (4, 2, 3)
+    # the prefix matters: the other task gives other actions
+    swapped = policy.act({**obs, "instruction": 1 - obs["instruction"]}, noise=noise)
+    assert np.abs(swapped.env_actions - out.env_actions).max() > 1e-3
+
+
+def test_images_are_preprocessed_as_the_image_processor_defines():
+    """The torch resize/rescale/normalise/pad against PI0ImageProcessor on the PIL backend: at
+    most two uint8 levels apart (PIL resamples in fixed point), almost everywhere equal."""
+    rng = np.random.default_rng(0)
+    for (h, w), size in (((20, 30), 16), ((16, 16), 16), ((12, 40), 16), ((100, 80), 224), ((480, 640), 224)):
+        reference = pil_pi0_image_processor(size={"max_height": size, "max_width": size},
+                                            pad_size={"height": size, "width": size})
+        frames = rng.integers(0, 256, (3, h, w, 3), dtype=np.uint8)
+        expected = reference(list(frames), return_tensors="pt")["pixel_values"]
+        got = preprocess_images(torch.from_numpy(frames).permute(0, 3, 1, 2), ImageSettings.from_config(
+            reference.to_dict()))
+        assert got.shape == expected.shape == (3, 3, size, size)
+        levels = (got - expected).abs() * 255 / 2  # normalised with mean = std = 0.5
+        assert float(levels.max()) <= 2.0 + 1e-3, (h, w)
+        assert float((levels > 0.5).float().mean()) < 0.01, (h, w)
+        if (h, w) == (size, size):
+            assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("kind", ["pi0", "pi05"])
+def test_two_cameras_of_different_sizes_and_an_instruction_index(kind, dirs):
+    cameras = ((16, 16), (20, 12))
+    policy = build(dirs[kind], space(cameras), method="flow-noise")
+    obs = observations(3, cameras, seed=2)
+    inputs, mine = processed(dirs[kind], obs, cameras), policy.model_inputs(obs)
+    for key in ("input_ids", "attention_mask", "pixel_attention_mask", *(("state",) if kind == "pi0" else ())):
+        assert torch.equal(mine[key].to(inputs[key].dtype), inputs[key]), key
+    assert mine["pixel_values"].shape == inputs["pixel_values"].shape == (3, 2, 3, 16, 16)
+    assert float((mine["pixel_values"] - inputs["pixel_values"]).abs().max()) <= 4 / 255 + 1e-6
+    out = policy.act(obs)
+    assert out.actions.shape == (3, 4, 32) and out.env_actions.shape == (3, 2, 3)
+    assert out.logprobs.shape == out.values.shape == (3,) and np.isfinite(out.logprobs).all()
+    inputs_described = {d["key"]: d for d in policy.describe_inputs()}
+    assert set(inputs_described) == {"cam0", "cam1", "state", "instruction"}
+    assert inputs_described["instruction"]["as"] == "instruction index"
+
+
+def test_actions_are_unnormalised_cropped_and_clipped_into_the_box(dirs):
+    box = gym.spaces.Box(np.array([-0.2, -1.0, 0.0], np.float32), np.array([0.3, 1.0, 5.0], np.float32))
+    policy = build(dirs["pi0"], actions=box, method="flow-sde", noise_level=0.7)  # (A,): execute 1
+    out = policy.act(observations(16, seed=3))
+    assert out.env_actions.shape == (16, 3) and policy.expected_spaces().action.shape == (3,)
+    assert all(box.contains(a) for a in out.env_actions)
+    raw = unnormalised(dirs["pi0"], out.actions[:, -1].reshape(16, 4, 8))[:, 0]
+    np.testing.assert_allclose(out.env_actions, np.clip(raw, box.low, box.high), atol=1e-6)
+    assert (raw != out.env_actions).any()  # some were clipped
+    # execute=2 on a Box (A,): the policy acts in chunks of two, which ebrl.run executes with ActionChunk
+    chunked = build(dirs["pi0"], actions=box, execute=2)
+    assert chunked.expected_spaces().action.shape == (2, 3) and chunked.act(observations(2)).env_actions.shape == (2, 2, 3)
+
+
+@pytest.mark.parametrize("method", ["flow-noise", "flow-sde"])
+@pytest.mark.parametrize("kind", ["pi0", "pi05"])
+def test_evaluate_gives_acts_logprobs_for_the_stored_chain(kind, method, dirs):
+    policy = build(dirs[kind], method=method, denoise_steps=3, noise_level=0.5)
+    obs = observations(5, seed=4)
+    out = policy.act(obs)
+    logp, entropy, value = policy.evaluate(torch_obs(obs), torch.from_numpy(out.actions))
+    assert logp.requires_grad and bool(torch.isfinite(entropy).all())
+    np.testing.assert_allclose(logp.detach().numpy(), out.logprobs, atol=1e-4, rtol=1e-5)
+    np.testing.assert_allclose(value.detach().numpy(), out.values, atol=1e-5)
+    np.testing.assert_allclose(policy.value(torch_obs(obs)).detach().numpy(), out.values, atol=1e-5)
+    # by hand, float64, for one row: N(x_0; 0, I) and each step's Gaussian on the executed block
+    chain = torch.from_numpy(out.actions[:1]).double().reshape(1, 4, 4, 8)
+    row = {k: v[:1] for k, v in torch_obs(obs).items()}
+    ode = build(dirs[kind], method="ode", denoise_steps=3)  # the same model: its Euler step gives the velocity
+    total = torch.distributions.Normal(0.0, 1.0).log_prob(chain[0, 0, :2, :3]).sum()
+    for k in range(3):
+        with torch.no_grad():
+            mean, sigma = policy.step_params(row, chain[:, k].float().reshape(1, -1), k)
+        block = mean.double().reshape(4, 8)[:2, :3]
+        unexecuted = torch.ones(4, 8, dtype=torch.bool)
+        unexecuted[:2, :3] = False  # the rest of the chunk follows the ODE: exactly the mean
+        assert torch.allclose(chain[0, k + 1][unexecuted], mean.double().reshape(4, 8)[unexecuted], atol=1e-6)
+        if method == "flow-sde":  # sigma_t = a sqrt(t / (1 - t)), t = 1 with t_1 below; std sqrt(1/N) sigma_t
+            t, below, delta = 1 - k / 3, (2 / 3 if k == 0 else 1 - k / 3), 1 / 3
+            sigma_t = 0.5 * (t / (1 - below)) ** 0.5
+            assert torch.allclose(sigma, torch.full_like(sigma, delta ** 0.5 * sigma_t))
+            # RLinf's sample_mean_var_val: x0_pred (1 - t + delta) + x1_pred (t - delta - sigma_t^2 delta / (2 t))
+            with torch.no_grad():
+                euler = ode.step_params(row, chain[:, k].float().reshape(1, -1), k)[0].double().reshape(4, 8)
+            x = chain[0, k]
+            v = (euler - x) / -delta
+            x0_pred, x1_pred = x - v * t, x + v * (1 - t)
+            expected = x0_pred * (1 - t + delta) + x1_pred * (t - delta - sigma_t ** 2 * delta / (2 * t))
+            assert torch.allclose(block, expected[:2, :3], atol=1e-5)
+        else:
+            assert bool(((sigma >= 0.08 - 1e-6) & (sigma <= 0.16 + 1e-6)).all())
+        total = total + torch.distributions.Normal(block, sigma.double().reshape(2, 3)).log_prob(
+            chain[0, k + 1, :2, :3]).sum()
+    assert float(total) == pytest.approx(float(out.logprobs[0]), abs=1e-3)
+
+
+def _ppo_batch(policy, obs: dict, S: int = 2, T: int = 3, group: bool = False) -> Batch:
+    out = policy.act(obs)
+    shaped = {k: torch.as_tensor(v).reshape(S, T, *np.shape(v)[1:]) for k, v in obs.items()}
+    no = torch.zeros(S, T, dtype=torch.bool)
+    end = no.clone()
+    end[:, -1] = group  # GRPO: every segment a whole episode
+    return Batch(shaped, torch.from_numpy(out.actions).reshape(S, T, *out.actions.shape[1:]),
+                 torch.from_numpy(out.logprobs).reshape(S, T), torch.from_numpy(out.values).reshape(S, T),
+                 torch.randn(S, T, generator=torch.Generator().manual_seed(0)), end, no,
+                 torch.ones(S, T, dtype=torch.bool), torch.zeros(S, T, dtype=torch.long),
+                 {k: v[:, 0] for k, v in shaped.items()}, {k: v[:0, 0] for k, v in shaped.items()},
+                 torch.zeros(0, 2, dtype=torch.long), group=torch.zeros(S, dtype=torch.long) if group else None)
+
+
+@pytest.mark.parametrize("kind", ["pi0", "pi05"])
+def test_lora_ppo_and_grpo_train_the_adapters_and_heads_and_leave_the_checkpoint_bit_identical(kind, dirs):
+    policy = build(dirs[kind], lora_rank=4)
+    trainable = {k for k, p in policy.named_parameters() if p.requires_grad}
+    assert any("lora_" in k for k in trainable) and "noise_head.0.weight" in trainable
+    assert {k for k in trainable if "lora_" not in k and k.startswith("backbone.")} == {
+        k for k in trainable if ".embed_action_time." in k or ".action_out_proj." in k}
+    assert not any("vision_tower" in k for k in trainable)  # LoRA on the language model and the expert only
+    base = {k: v.clone() for k, v in policy.state_dict().items() if k not in trainable}
+    before = {k: v.clone() for k, v in policy.trainable_state_dict().items()}
+    assert set(before) == trainable
+
+    twin = acting_copy(policy)  # the generator's copy shares the frozen checkpoint
+    frozen = {k: p for k, p in policy.named_parameters() if not p.requires_grad}
+    assert all(p is frozen[k] for k, p in twin.named_parameters() if not p.requires_grad)
+
+    metrics = PPO(minibatch_size=3, update_epochs=1, lr=1e-3).update(policy, _ppo_batch(policy, observations(6)))
+    assert metrics["nonfinite_loss"] == 0.0 and np.isfinite(metrics["policy_loss"])
+    after = policy.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in base.items())  # the checkpoint: bit-identical
+    moved = {k for k, v in before.items() if not torch.equal(after[k], v)}
+    assert any("lora_B" in k for k in moved) and any(".action_out_proj." in k for k in moved)
+    assert {"noise_head.0.weight", "value_head.0.weight"} <= moved
+
+    grpo = GRPO(minibatch_size=6, update_epochs=1, lr=1e-3, kl_coef=0.1)
+    metrics = grpo.update(policy, _ppo_batch(policy, observations(6, seed=1), group=True))
+    assert metrics["nonfinite_loss"] == 0.0 and metrics["steps_used"] == 6.0 and np.isfinite(metrics["kl_ref"])
+    after = policy.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in base.items())
+    twin.load_trainable_state_dict(policy.trainable_state_dict())  # what weight publication does
+    obs = observations(2, seed=9)
+    noise = torch.randn(2, 4, 8)
+    np.testing.assert_array_equal(twin.act(obs, noise=noise).values, policy.act(obs, noise=noise).values)
+
+
+def test_without_lora_everything_trains_and_the_value_reads_the_vlm_for_pi05(dirs):
+    assert all(p.requires_grad for p in build(dirs["pi0"]).parameters())
+    policy = build(dirs["pi05"])
+    obs = torch_obs(observations(2))
+    policy.value(obs).sum().backward()  # π0.5: on the VLM's prefix, gradients into it
+    assert policy.hf_model.model.vlm.language_model.layers[0].self_attn.q_proj.weight.grad is not None
+    pi0 = build(dirs["pi0"])
+    pi0.value(obs).sum().backward()  # π0: on the action expert, detached by default (RLinf's PPO setting)
+    assert pi0.value_head[0].weight.grad is not None and pi0.hf_model.model.dit.layers[0].self_attn.q_proj.weight.grad is None
+
+
+def test_gradient_checkpointing_gives_the_same_gradients_and_bf16_runs(dirs):
+    obs = torch_obs(observations(3))
+    grads = []
+    for ckpt in (False, True):
+        policy = build(dirs["pi0"], lora_rank=4, gradient_checkpointing=ckpt, detach_value_input=False)
+        chain = torch.from_numpy(policy.act(observations(3), noise=torch.zeros(3, 4, 8)).actions)
+        logp, _, value = policy.evaluate(obs, chain)
+        (logp.sum() + value.sum()).backward()
+        # (the VLM's last layer gives the expert its keys and values only: its MLP has no gradient)
+        grads.append({k: p.grad.clone() for k, p in policy.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 20
+    for k, g in grads[0].items():
+        torch.testing.assert_close(grads[1][k], g, atol=1e-5, rtol=1e-4, msg=k)
+
+    half = build(dirs["pi05"], lora_rank=4, dtype="bfloat16")
+    assert half.hf_model.model.vlm.language_model.layers[0].mlp.up_proj.base_layer.weight.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in half.parameters() if p.requires_grad)
+    out = half.act(observations(3))
+    assert out.actions.dtype == np.float32 and np.isfinite(out.logprobs).all()
+    logp, _, _ = half.evaluate(obs, torch.from_numpy(out.actions))
+    assert logp.dtype == torch.float32
+    np.testing.assert_allclose(logp.detach().numpy(), out.logprobs, atol=1e-2)
+
+
+def test_sft_on_demonstrations_lowers_the_held_out_flow_loss(dirs, tmp_path):
+    pytest.importorskip("pyarrow")
+    from ebrl.demos import collect, read_lerobot
+    from ebrl.sft import SFTConfig, sft
+    from ebrl.testing import InstructedReach
+
+    collect("mock/reach", tmp_path / "demos", episodes=4)
+    demos = read_lerobot(tmp_path / "demos")
+    env = InstructedReach()
+    path = tmp_path / "reach"  # InstructedReach: a state of 4, actions of 2, no camera
+    save_random_pi0(path, kind="pi0", state_dim=4, action_dim=2, chunk_size=4, sentences=tuple(env.instructions()),
+                    action_std=1.0)
+    policy = PI0Policy.from_pretrained(path, env.observation_space, env.action_space, instruction=env.instructions(),
+                                       lora_rank=8, **SMALL)
+    from ebrl.demos.features import ObsFeatures
+
+    held = demos.select([3])
+    obs = {k: torch.as_tensor(v) for k, v in ObsFeatures(env.observation_space).observations(held.frames).items()}
+    actions = torch.as_tensor(held.frames["action"])
+
+    def held_out() -> float:
+        with torch.no_grad():
+            return float(policy.flow_matching_loss(obs, actions, torch.Generator().manual_seed(5)))
+
+    before = held_out()
+    out = sft(policy, demos.select([0, 1, 2]), env.observation_space, env.action_space,
+              SFTConfig(epochs=10, lr=1e-2, minibatch_size=32, val_fraction=0.0))
+    assert out["train_loss"][-1] < out["train_loss"][0]
+    assert held_out() < 0.5 * before, (before, held_out())  # measured: 1.01 -> 0.22
+
+
+def test_a_missing_file_is_one_error_naming_it(dirs, tmp_path):
+    with pytest.raises(FileNotFoundError, match="PI0Policy: model directory .* does not exist"):
+        build(tmp_path / "nowhere")
+    broken = tmp_path / "broken"
+    shutil.copytree(dirs["pi0"], broken)
+    (broken / "processor_config.json").unlink()
+    (broken / "tokenizer.json").unlink()
+    with pytest.raises(FileNotFoundError, match="has no processor_config.json.*; no tokenizer files"):
+        build(broken)
+    (broken / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="has no weights"):
+        build(broken)
+    with pytest.raises(ValueError, match="Discrete 'instruction' entry"):
+        PI0Policy.from_pretrained(dirs["pi0"], gym.spaces.Dict({"state": space()["state"]}), ACTIONS,
+                                  instruction=TASKS)
+    with pytest.raises(ValueError, match="execute"):
+        build(dirs["pi0"], actions=gym.spaces.Box(-1, 1, (5, 3)))  # chunks of 4
+    with pytest.raises(ValueError, match="state statistics have 4 entries"):
+        PI0Policy.from_pretrained(dirs["pi0"], gym.spaces.Dict({"state": gym.spaces.Box(-1, 1, (5,))}), ACTIONS,
+                                  instruction="reach the goal")
+
+
+def test_ppo_under_ebrl_run_in_chunks_of_two(tmp_path):
+    """LoRA and PPO under ``ebrl.run`` (virtual time) on the instructed reach: a π0 reading the
+    state and the instruction index (no camera), executing 2 actions of each chunk (``ebrl.run``
+    wraps the Box(2) env in ActionChunk), the generator's copy sharing the frozen checkpoint."""
+    import ebrl
+    from ebrl.testing import InstructedReach, run_virtual
+
+    env = InstructedReach(tasks=2, dim=2, episode_len=8)
+    save_random_pi0(tmp_path, kind="pi0", state_dim=4, action_dim=2, chunk_size=4,
+                    sentences=tuple(env.instructions()), action_std=1.0)
+    policy = PI0Policy.from_pretrained(tmp_path, env.observation_space, env.action_space,
+                                       instruction=env.instructions(), execute=2, lora_rank=4, method="flow-sde",
+                                       denoise_steps=2, **SMALL)
+    assert policy.expected_spaces().action.shape == (2, 2)
+    before = {k: v.clone() for k, v in policy.trainable_state_dict().items()}
+    res = run_virtual(ebrl.Trainer(lambda i: InstructedReach(tasks=2, dim=2, episode_len=8), policy,
+                                   PPO(minibatch_size=16, update_epochs=1),
+                                   ebrl.RunConfig(num_envs=4, segment_len=4, total_env_steps=96, schedule="sync")))
+    assert res.accounting_ok() and res.updates >= 1
+    after = policy.trainable_state_dict()
+    assert any(not torch.equal(before[k], v) for k, v in after.items() if "lora_B" in k)
+
+
+def test_the_cli_loads_a_checkpoint_by_its_model_type(dirs, tmp_path):
+    """``--set policy.kind=hf --set policy.path=DIR`` (and ``ebrl.policies.from_pretrained``) give
+    PI0Policy for a pi0 or pi05 config.json, with the env's instructions; the run executes its
+    chunks on the per-step env."""
+    from ebrl.cli import build_spec, build_trainer
+    from ebrl.policies import from_pretrained
+    from ebrl.testing import InstructedReach
+
+    env = InstructedReach(tasks=2, dim=2)
+    for kind, path in dirs.items():
+        assert isinstance(from_pretrained(path, space(), ACTIONS, instruction=TASKS, **SMALL), PI0Policy)
+        assert from_pretrained(path, space(), ACTIONS, instruction=TASKS).kind == kind
+    save_random_pi0(tmp_path, kind="pi0", state_dim=4, action_dim=2, chunk_size=4,
+                    sentences=tuple(env.instructions()))
+    trainer = build_trainer(build_spec(None, ["env=mock/reach", "policy.kind=hf", f"policy.path={tmp_path}",
+                                              "policy.execute=2", "policy.noise_hidden=[16]",
+                                              "policy.value_hidden=[16]"]))
+    policy = trainer.policy
+    assert isinstance(policy, PI0Policy) and policy.expected_spaces().action.shape == (2, 2)
+    built = trainer.env_fn(0)
+    assert policy.texts == built.get_wrapper_attr("instructions")()
+    built.close()
