@@ -428,7 +428,8 @@ def save_random_pi0(path, *, kind: str = "pi0", state_dim: int = 4, action_dim: 
                     hidden: int = 32, expert_hidden: int = 24, layers: int = 2, heads: int = 2, head_dim: int = 16,
                     num_steps: int = 3, sentences: tuple[str, ...] = PI0_SENTENCES, state_mean: Any = 0.0,
                     state_std: Any = 1.0, action_mean: Any = 0.0, action_std: Any = 0.5, quantile_stats: bool = False,
-                    initializer_range: float = 0.02, seed: int = 0):
+                    initializer_range: float = 0.02, seed: int = 0, full_size: bool = False,
+                    device: str = "cpu", dtype: Any = None):
     """Write a tiny random π0 (``kind="pi0"``) or π0.5 (``"pi05"``) to ``path`` as transformers
     saves one, built from configs (nothing is downloaded): ``config.json`` and the weights of a
     ``PI0ForConditionalGeneration`` / ``PI05ForConditionalGeneration`` with a Gemma language model
@@ -441,7 +442,11 @@ def save_random_pi0(path, *, kind: str = "pi0", state_dim: int = 4, action_dim: 
     action statistics of ``state_dim`` / ``action_dim`` entries (``*_mean``/``*_std``, scalars
     broadcast; π0.5 with ``quantile_stats`` writes ``*_q01``/``*_q99`` = mean -/+ 2 std instead),
     ``max_dim`` (``max_state_dim``), ``chunk_size``, and the image processor's settings (resize to
-    fit ``image_size``, pad to it). ``cameras`` is only checked: π0 reads any number of cameras,
+    fit ``image_size``, pad to it). ``full_size=True`` takes the published architecture instead of
+    the tiny one (``PI0Config()``'s defaults: PaliGemma's Gemma 2B and SigLIP So400m at 224 pixels,
+    a Gemma 300M expert, chunks of 50 actions of 32 dims, 10 steps; only the vocabulary is the
+    small tokenizer's), built on ``device`` in ``dtype``: what ``bench/gpu_pi0.py`` times on a GPU
+    when no real checkpoint is at hand. ``cameras`` is only checked: π0 reads any number of cameras,
     which nothing in the directory records. Build and one sample take well under a second.
     Returns the model. Needs transformers and PIL."""
     from pathlib import Path
@@ -477,10 +482,15 @@ def save_random_pi0(path, *, kind: str = "pi0", state_dim: int = 4, action_dim: 
             statistics.update({f"{name}_q01": (m - 2 * s).tolist(), f"{name}_q99": (m + 2 * s).tolist()})
         else:
             statistics.update({f"{name}_mean": m.tolist(), f"{name}_std": s.tolist()})
+    prefix = "PI0" if kind == "pi0" else "PI05"
+    if full_size:
+        published = getattr(transformers, prefix + "Config")()
+        vision_cfg = published.vlm_config.vision_config
+        image_size, patch_size = vision_cfg.image_size, vision_cfg.patch_size
+        chunk_size, max_dim, num_steps = published.chunk_size, published.max_action_dim, published.num_inference_steps
     tokens = (image_size // patch_size) ** 2
     images = pil_pi0_image_processor(size={"max_height": image_size, "max_width": image_size},
                                      pad_size={"height": image_size, "width": image_size}, image_seq_length=tokens)
-    prefix = "PI0" if kind == "pi0" else "PI05"
     Config, Model, Processor = (getattr(transformers, prefix + name) for name in (
         "Config", "ForConditionalGeneration", "Processor"))
     # the processor adds its image token (and PaliGemma's <loc>/<seg> tokens) to the tokenizer: build it first
@@ -498,12 +508,19 @@ def save_random_pi0(path, *, kind: str = "pi0", state_dim: int = 4, action_dim: 
     expert = {"model_type": "gemma", "hidden_size": expert_hidden, "intermediate_size": 2 * expert_hidden,
               "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": 1, "head_dim": head_dim,
               "initializer_range": initializer_range}
+    if full_size:
+        vlm = published.vlm_config.to_dict()
+        vlm.update(image_token_id=processor.image_token_id, vocab_size=vocab)
+        vlm["text_config"]["vocab_size"] = vocab
+        expert = published.dit_config.to_dict()
     extra = {"max_state_dim": max_dim} if kind == "pi0" else {}
     config = Config(vlm_config=vlm, dit_config=expert, chunk_size=chunk_size, max_action_dim=max_dim,
                     num_inference_steps=num_steps, **extra)
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
         model = Model(config)
+        if dtype is not None:
+            model = model.to(dtype)
         if kind == "pi05":  # π0.5 zero-initialises its expert's adaptive norms: every gate shut, the prefix unread
             for module in model.modules():
                 if type(module).__name__ == "PI05AdaptiveRMSNorm":

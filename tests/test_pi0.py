@@ -394,3 +394,25 @@ def test_the_cli_loads_a_checkpoint_by_its_model_type(dirs, tmp_path):
     built = trainer.env_fn(0)
     assert policy.texts == built.get_wrapper_attr("instructions")()
     built.close()
+
+
+def test_the_gpu_script_skips_without_cuda_and_runs_its_steps_on_a_tiny_model(tmp_path, capsys):
+    """bench/gpu_pi0.py, what the first GPU session runs: it says it skipped where there is no CUDA,
+    and ``--tiny --device cpu`` runs every step it would time there."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("gpu_pi0", Path(__file__).parents[1] / "bench" / "gpu_pi0.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    if not torch.cuda.is_available():
+        assert script.main(["--out", str(tmp_path / "none.json")]) == 0
+        assert "skipped: no CUDA" in capsys.readouterr().out and not (tmp_path / "none.json").exists()
+    assert script.main(["--tiny", "--device", "cpu", "--out", str(tmp_path / "tiny.json")]) == 0
+    results = json.loads((tmp_path / "tiny.json").read_text())["results"]
+    assert [Path(r["path"]).name for r in results] == ["pi0", "pi05"]
+    for r in results:
+        assert r["faithful_max_abs"] < 1e-5 and set(r["act_ms"]) == {"1", "2"}
+        assert r["update_s"] > 0 and r["update_s_checkpointing"] > 0
+        assert 0 < r["publication_mb"]["lora"] < r["publication_mb"]["whole"]
