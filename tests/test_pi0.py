@@ -416,3 +416,51 @@ def test_the_gpu_script_skips_without_cuda_and_runs_its_steps_on_a_tiny_model(tm
         assert r["faithful_max_abs"] < 1e-5 and set(r["act_ms"]) == {"1", "2"}
         assert r["update_s"] > 0 and r["update_s_checkpointing"] > 0
         assert 0 < r["publication_mb"]["lora"] < r["publication_mb"]["whole"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_rl_from_a_tiny_pi0_beats_its_untrained_copy_on_an_instructed_reach(tmp_path):
+    """PPO through Flow-SDE on a tiny random π0 (LoRA rank 4, 2 of each 4-action chunk executed)
+    on the instructed reach, under ``ebrl.run`` in virtual time (the same result whatever the
+    machine's load): within 15,000 decisions it closes at least 30% of the return gap between its
+    untrained copy and the scripted expert, with its mode and with its samples, on 32 reset seeds
+    it never trained on. From a random model the exploration is the SDE's (``noise_level=1``):
+    a random velocity field leaves the chunk near its initial unit noise, which no log-prob sees,
+    and πRL's fine-tuning noise (0.5) moves it too slowly (27% of the gap in 15k decisions)."""
+    import copy
+
+    import ebrl
+    from ebrl.demos.experts import mock_reach
+    from ebrl.evaluation import evaluate
+    from ebrl.testing import InstructedReach, run_virtual
+
+    def make(i=0):
+        return InstructedReach(tasks=2, dim=2, episode_len=16)
+
+    env = make()
+    save_random_pi0(tmp_path, kind="pi0", state_dim=4, action_dim=2, chunk_size=4,
+                    sentences=tuple(env.instructions()), action_std=1.0)
+    torch.manual_seed(0)
+    policy = PI0Policy.from_pretrained(tmp_path, env.observation_space, env.action_space,
+                                       instruction=env.instructions(), execute=2, lora_rank=4, method="flow-sde",
+                                       noise_level=1.0, denoise_steps=2, noise_hidden=(32,), value_hidden=(64,))
+    untrained = copy.deepcopy(policy)
+    res = run_virtual(ebrl.Trainer(make, policy, PPO(minibatch_size=64, update_epochs=4),
+                                   ebrl.RunConfig(num_envs=8, segment_len=16, total_env_steps=15_000)))
+    assert res.accounting_ok() and res.env_steps == 15_000
+
+    expert_env = make()
+    expert, returns = mock_reach(expert_env), []
+    for i in range(32):
+        obs, _ = expert_env.reset(seed=10_000 + i)
+        total, done = 0.0, False
+        while not done:
+            obs, reward, terminated, truncated, _ = expert_env.step(expert(obs))
+            total, done = total + reward, terminated or truncated
+        returns.append(total)
+    best = float(np.mean(returns))
+    for deterministic in (True, False):
+        before = evaluate(untrained, make(), episodes=32, seed=10_000, deterministic=deterministic).mean_return
+        after = evaluate(policy, make(), episodes=32, seed=10_000, deterministic=deterministic).mean_return
+        assert after - before >= 0.3 * (best - before), (deterministic, before, after, best)

@@ -45,6 +45,18 @@ class MinibatchAlgo:
 
     demos = None  # DemoLoss | None
     updates = 0  # updates done (the critic warm-up and the demonstrations' weight count them)
+    lr_now: float | None = None  # the learning rate, where an adaptive schedule moved it from config.lr
+
+    @property
+    def current_lr(self) -> float:
+        """The learning rate the next step takes: ``config.lr``, or where a schedule moved it."""
+        return self.config.lr if self.lr_now is None else self.lr_now
+
+    def set_lr(self, lr: float) -> None:
+        """Step with ``lr`` from now on (the optimiser's, and the one made after a reset or a restore)."""
+        self.lr_now = float(lr)
+        for group in self.optimizer.param_groups if self.optimizer is not None else ():
+            group["lr"] = self.lr_now
 
     def reset_optimizer(self) -> None:
         """A fresh optimiser at the next update (after an update undone for NaN/inf: its moments may hold them)."""
@@ -53,11 +65,13 @@ class MinibatchAlgo:
 
     def _optimizer_for(self, policy: nn.Module) -> None:
         if self.optimizer is None or policy is not self._policy:
-            self.optimizer = torch.optim.Adam(policy.parameters(), lr=self.config.lr, eps=1e-5)
+            self.optimizer = torch.optim.Adam(policy.parameters(), lr=self.current_lr, eps=1e-5)
             self._policy = policy
             if self._pending_optimizer_state is not None:
                 self.optimizer.load_state_dict(self._pending_optimizer_state)
                 self._pending_optimizer_state = None
+                for group in self.optimizer.param_groups:  # the saved groups' lr is the one restored with it
+                    group["lr"] = self.current_lr
 
     @staticmethod
     def _batch_to(batch: Batch, device: torch.device) -> Batch:

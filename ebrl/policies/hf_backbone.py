@@ -522,7 +522,10 @@ class HFBackbonePolicy(ReadsObservations, FrozenModes):
             raise ValueError(f"{path / POLICY_JSON} names no base model directory: pass base_path=")
         lora = config["lora"] or {}
         kw = dict(lora_rank=lora.get("rank"), lora_alpha=lora.get("alpha"), lora_targets=lora.get("targets"))
-        kw.update({k: config[k] for k in (*cls._SHARED_OPTIONS, *cls.SAVED_OPTIONS)})
+        # an option added after the adapters were saved takes the value that reproduces them
+        before = getattr(cls, "CONFIG_BEFORE_KEY", {})
+        kw.update({k: config[k] if k in config else before[k] for k in (*cls._SHARED_OPTIONS, *cls.SAVED_OPTIONS)
+                   if k in config or k in before})
         layout = ObsLayout.from_config(config["obs_layout"])
         classes = None if config["instruction_classes"] is None else tuple(config["instruction_classes"])
         low, high = config["action_low"], config["action_high"]

@@ -13,7 +13,27 @@ stored with the policy), and bin ``b`` is token ``vocab_size - 1 - b``, the last
 vocabulary. ``vocab_size`` is the tokenizer's base vocabulary (``tokenizer.vocab_size``, as
 OpenVLA, whose embedding is padded past it) when that has at least 256 tokens, else the
 model's embedding rows. The logits of a dimension are the language-model head's logits of those
-256 ids only, and an action's log-prob is the sum of its tokens' log-probs.
+256 ids only, plus a learned **bin head** (``bin_basis``, below), and an action's log-prob is the
+sum of its tokens' log-probs.
+
+**The bin head.** Under LoRA the language-model head and the final norm are frozen, so the
+action logits are ``w_b . h`` with fixed rows ``w_b`` and ``|h|`` fixed by the final RMSNorm: how
+far the policy can move from uniform over the bins is capped by the norms of those 256 rows,
+whatever the adapters learn. For rows that pretraining left small (a random model's; a VLA that
+never learned these ids) that cap is a nearly uniform policy: on a tiny random Llama
+(``initializer_range=0.02``, rows of norm 0.11, ``|h| = sqrt(32)``) no logit could move by more
+than 0.6, PPO's entropy stayed at ``2 * log(256)`` and ``approx_kl`` near 0 for 30 updates, and
+the return did not move. The bin head adds ``c_j(h) @ B`` to dimension ``j``'s logits: ``c_j`` a
+linear map of the RMS-normalised ``h`` (zero-initialised: the policy starts as exactly the
+model's), ``B`` the damped cosines of :class:`~ebrl.policies.token.TokenPolicy` (``bin_basis`` of
+them, 32 by default), so that a step raising a sampled bin raises its neighbours too, which RL
+needs (see :meth:`TokenPolicy.bin_logits <ebrl.policies.token.TokenPolicy.bin_logits>`). Each
+action dimension has its own map ``c_j``: the hidden state that predicts dimension ``j > 0`` sits
+on the previous action token, whose (pretrained or random) embedding it mostly carries, and one
+map shared by every dimension must also tell them apart. On a 3-D point-mass reach (three
+seeds, 15k decisions) per-dimension maps raised the share of the gap to a scripted expert that
+the sampled policy closed from 0.06-0.14 to 0.23-0.31. The head trains with the adapters and is
+saved with them; ``bin_basis=0`` leaves the model's own logits alone.
 
 **The prefix** the model reads before the first action token, as ``inputs_embeds``::
 
@@ -101,6 +121,7 @@ from torch import Tensor, nn
 from ebrl.policies import hf_backbone
 from ebrl.policies.base import ActResult
 from ebrl.policies.hf_backbone import OPENVLA_PROMPT, HFBackbonePolicy, action_bounds, read_spaces
+from ebrl.policies.token import cosine_bin_basis
 
 BINS = 256  # OpenVLA's bins per action dimension
 
@@ -137,12 +158,17 @@ class HFTokenPolicy(HFBackbonePolicy):
     stream.
     """
 
-    SAVED_OPTIONS = ("action_stats", "vocab_size")
+    SAVED_OPTIONS = ("action_stats", "vocab_size", "bin_basis")
+    CONFIG_BEFORE_KEY = {"bin_basis": 0}  # adapters saved before the bin head: the model's own logits
 
     def __init__(self, model: nn.Module, tokenizer: Any, *, action_low, action_high,
-                 action_stats: Mapping[str, Any] | None = None, vocab_size: int | None = None, **backbone: Any):
+                 action_stats: Mapping[str, Any] | None = None, vocab_size: int | None = None,
+                 bin_basis: int = 32, **backbone: Any):
         """``backbone``: :class:`~ebrl.policies.hf_backbone.HFBackbonePolicy`'s keywords
-        (``obs_layout``, ``instruction``, ``lora_rank``, ``value_head``, ``seed``, ...)."""
+        (``obs_layout``, ``instruction``, ``lora_rank``, ``value_head``, ``seed``, ...).
+        ``bin_basis``: the cosines of the bin head (0: none; see the module's docstring)."""
+        if not isinstance(bin_basis, int) or isinstance(bin_basis, bool) or not 0 <= bin_basis <= BINS:
+            raise ValueError(f"bin_basis={bin_basis!r} must be an int in [0, {BINS}] (0: no bin head)")
         box_low, box_high = action_bounds(action_low, action_high, "HFTokenPolicy")
         bin_low, bin_high, stats = _bin_bounds(box_low, box_high, action_stats)
         super().__init__(model, tokenizer, action_low=box_low, action_high=box_high, **backbone)
@@ -170,6 +196,15 @@ class HFTokenPolicy(HFBackbonePolicy):
                              persistent=False)
         self.register_buffer("clip_high", torch.from_numpy(np.where(np.isfinite(box_high), box_high, np.inf)),
                              persistent=False)
+        # the bin head (module docstring): zero-initialised, so the policy starts as the model's own
+        self.config["bin_basis"] = int(bin_basis)
+        if bin_basis:
+            self.register_buffer("bin_basis_matrix", cosine_bin_basis(BINS, bin_basis), persistent=False)
+            self.bin_head = nn.Linear(self.hidden, self.num_tokens * bin_basis)  # one readout per action dimension
+            nn.init.zeros_(self.bin_head.weight)
+            nn.init.zeros_(self.bin_head.bias)
+        else:
+            self.bin_head = None
 
     # ---- building ----------------------------------------------------------------------------
 
@@ -226,9 +261,12 @@ class HFTokenPolicy(HFBackbonePolicy):
 
     # ---- the action tokens ---------------------------------------------------------------------------
 
-    def bin_logits(self, h: Tensor) -> Tensor:
-        """Float32 logits ``[..., 256]`` over one dimension's bins from hidden states ``h [..., hidden]``:
-        the language-model head restricted to the action tokens (bin order)."""
+    def bin_logits(self, h: Tensor, dim: int | None = None) -> Tensor:
+        """Float32 logits over the bins from hidden states: of every action dimension from
+        ``h [N, D, hidden]`` (``dim`` None; ``[N, D, 256]``), or of dimension ``dim`` from
+        ``h [N, hidden]`` (``[N, 256]``). The language-model head restricted to the action tokens
+        (bin order), plus the bin head's smooth logits (zero until trained; see the module's
+        docstring), which has a readout of its own for each action dimension."""
         head = self.hf_model.get_output_embeddings()
         with self._autocast():
             if type(head) is nn.Linear:  # only the 256 rows: not the whole vocabulary
@@ -236,7 +274,25 @@ class HFTokenPolicy(HFBackbonePolicy):
                 logits = nn.functional.linear(h.to(head.weight.dtype), head.weight[self.action_token_ids], bias)
             else:  # a wrapped head (LoRA on lm_head): the whole vocabulary, then the action tokens
                 logits = head(h)[..., self.action_token_ids]
-        return logits.float()
+        logits = logits.float()
+        if self.bin_head is not None:
+            # RMS-normalised (float32, outside autocast): its speed does not depend on the final norm's scale
+            x = h.float()
+            x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)
+            m = self.bin_basis_matrix.shape[0]
+            w = self.bin_head.weight.view(self.num_tokens, m, self.hidden)
+            b = self.bin_head.bias.view(self.num_tokens, m)
+            if dim is None and h.dim() == 2:  # [N, hidden]: only one dimension it can be
+                if self.num_tokens != 1:
+                    raise ValueError(f"bin_logits of hidden states [N, hidden] needs dim= (one of {self.num_tokens} "
+                                     "action dimensions), or states [N, D, hidden]")
+                dim = 0
+            if dim is None:  # [N, D, hidden]: position j is read by dimension j's readout
+                coef = torch.einsum("ndh,dmh->ndm", x, w) + b
+            else:
+                coef = x @ w[dim].T + b[dim]
+            logits = logits + coef @ self.bin_basis_matrix
+        return logits
 
     def token_logits(self, obs: Any, actions: Any) -> tuple[Tensor, Tensor]:
         """Teacher-forced logits ``[N, D, 256]`` of every action dimension given the earlier bins of
@@ -272,7 +328,7 @@ class HFTokenPolicy(HFBackbonePolicy):
         last = positions[:, -1:]
         chosen, all_logits = [], []
         for j in range(self.num_tokens):
-            logits = self.bin_logits(h)
+            logits = self.bin_logits(h, j)
             all_logits.append(logits)
             if forced is None:
                 token = (logits.argmax(-1) if self.deterministic

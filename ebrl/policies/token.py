@@ -216,10 +216,7 @@ class TokenPolicy(ReadsObservations, Pretrained, nn.Module):
         if bin_basis:
             # logits are a smooth function of the bin's place in [low, high]: the head predicts the
             # coefficients of the lowest cosine frequencies over the bins, damped (why: see bin_logits)
-            place = (torch.arange(bins, dtype=torch.float32) + 0.5) / bins
-            freq = torch.arange(1, bin_basis + 1, dtype=torch.float32)[:, None]
-            basis = torch.cos(math.pi * freq * place) / freq.square()
-            self.register_buffer("bin_basis_matrix", basis, persistent=False)  # [bin_basis, bins]
+            self.register_buffer("bin_basis_matrix", cosine_bin_basis(bins, bin_basis), persistent=False)
             self.token_head = nn.Linear(d_model, bin_basis)
             self.token_embed = nn.Linear(bin_basis, d_model, bias=False)  # a token's input: its bin's cosines
         else:
@@ -451,6 +448,16 @@ class TokenPolicy(ReadsObservations, Pretrained, nn.Module):
     def value(self, obs: Any) -> Tensor:
         """State values ``[N]``, with gradients: a pass over the prefix and BOS only."""
         return self.value_head(self._transform(self._prefix_and_bos(obs))[:, -1]).squeeze(-1)
+
+
+def cosine_bin_basis(bins: int, size: int) -> Tensor:
+    """``[size, bins]``: row ``k - 1`` is ``cos(pi k u) / k^2`` over the bins' places ``u`` in
+    ``(0, 1)``, ``k = 1..size``. Logits ``c @ basis`` are a smooth function of the bin's value,
+    damped so that Adam, which steps every coefficient alike, keeps them smooth (see
+    :meth:`TokenPolicy.bin_logits`; :class:`~ebrl.policies.hf_token.HFTokenPolicy`'s bin head)."""
+    place = (torch.arange(bins, dtype=torch.float32) + 0.5) / bins
+    freq = torch.arange(1, size + 1, dtype=torch.float32)[:, None]
+    return torch.cos(math.pi * freq * place) / freq.square()
 
 
 def _legacy_layout(state_dim: int, pixels_shape: Sequence[int] | None, dict_obs: bool) -> ObsLayout:
