@@ -15,8 +15,9 @@ The π0 and π0.5 cases (``pi0-lora``, ``pi05-lora``) load tiny random checkpoin
 (:func:`ebrl.testing.save_random_pi0`: a 2-layer Gemma of width 64, a SigLIP tower reading
 32-pixel images in 16 patches, an expert of width 48, chunks of 8 actions, 4 denoising steps)
 written once to the same folder, with LoRA rank 8, πRL's Flow-Noise, and 4 actions of each chunk
-executed per decision (``execute=4``: ``ebrl.run`` executes the chunk on the per-step env), 512
-decisions a run. The
+executed per decision (``execute=4``: ``ebrl.run`` executes the chunk on the per-step env), 128
+decisions a run: one update, so their rows measure what a call and a publication cost, not a
+long run's throughput. The
 env is the same reach with two cameras of different sizes (``top`` 32x32, ``wrist`` 24x40: the
 point drawn where it is), so the model reads two images, its state and the instruction.
 
@@ -146,7 +147,7 @@ SUITE = Suite(
     cases={"hf-token-lora": reach_env, **{case: camera_reach_env for case in PI0_KINDS}},
     policy_fn=policy_fn,
     case_policies={case: pi0_policy_fn(kind) for case, kind in PI0_KINDS.items()},
-    case_sizes={case: (8, 512) for case in PI0_KINDS},  # so that the suite stays within 20 minutes
+    case_sizes={case: (8, 128) for case in PI0_KINDS},  # one update a run: the suite stays within 25 minutes
     algo_fn=lambda seed: PPO(seed=seed, minibatch_size=64),
     num_envs=8,
     steps=1_024,
