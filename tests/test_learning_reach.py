@@ -297,3 +297,31 @@ def test_hf_token_policy_learns(task, tiny_llama):
     policy = HFTokenPolicy.from_pretrained(tiny_llama, probe.observation_space, probe.action_space,
                                            instruction="reach the target", lora_rank=4, seed=0)
     check(train_and_measure(task, 1, policy))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("task", [
+    "ring-2d",
+    # measured: the mode closes 29.5% of its gap (the samples 34%), just under the target; strict,
+    # so that the day it reaches 30% this mark has to go
+    pytest.param("damped-3d", marks=pytest.mark.xfail(strict=True, reason="π0 closes 29.5% of the gap, not 30%")),
+])
+@pytest.mark.usefixtures("hf_offline")
+def test_pi0_policy_learns(task, tmp_path):
+    """A tiny random π0 (its statistics: zero mean, unit std) under LoRA rank 4, 2 actions of each
+    4-action chunk executed per decision, PPO through Flow-SDE, no instruction. From a random model
+    the exploration is the SDE's (``noise_level=1``; test_pi0.py's instructed reach says why
+    πRL's 0.5 is too little from scratch)."""
+    pytest.importorskip("peft")
+    from ebrl.policies.pi0 import PI0Policy
+    from ebrl.testing import save_random_pi0
+
+    probe = make_env(task, 2)
+    state, actions = probe.observation_space.shape[0], probe.action_space.shape[1]
+    save_random_pi0(tmp_path, kind="pi0", state_dim=state, action_dim=actions, max_dim=16, chunk_size=4,
+                    action_std=1.0, sentences=("reach",))
+    policy = PI0Policy.from_pretrained(tmp_path, probe.observation_space, probe.action_space, lora_rank=4,
+                                       method="flow-sde", noise_level=1.0, denoise_steps=2, noise_hidden=(32,),
+                                       value_hidden=(64,), seed=0)
+    check(train_and_measure(task, 2, policy))

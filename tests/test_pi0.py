@@ -464,3 +464,31 @@ def test_rl_from_a_tiny_pi0_beats_its_untrained_copy_on_an_instructed_reach(tmp_
         before = evaluate(untrained, make(), episodes=32, seed=10_000, deterministic=deterministic).mean_return
         after = evaluate(policy, make(), episodes=32, seed=10_000, deterministic=deterministic).mean_return
         assert after - before >= 0.3 * (best - before), (deterministic, before, after, best)
+
+
+def test_sft_on_a_lerobot_dataset_then_rl_from_it_from_the_command_line(tmp_path, capsys):
+    """``ebrl demos collect`` writes a LeRobot dataset, ``ebrl sft DATASET --set policy.kind=hf
+    --set policy.path=DIR`` fine-tunes the π0 on it through LoRA, and ``ebrl train --set
+    policy.init=SFT`` starts from exactly those trainable weights."""
+    from ebrl.cli import build_spec, build_trainer, main
+    from ebrl.testing import InstructedReach
+
+    model = tmp_path / "pi0"
+    save_random_pi0(model, kind="pi0", state_dim=4, action_dim=2, chunk_size=4,
+                    sentences=tuple(InstructedReach().instructions()))
+    assert main(["demos", "collect", "mock/reach", "--policy", "scripted", "--episodes", "4",
+                 "--out", str(tmp_path / "demos")]) == 0
+    small = ["--set", "policy.noise_hidden=[16]", "--set", "policy.value_hidden=[16]"]
+    assert main(["sft", str(tmp_path / "demos"), "--set", "policy.kind=hf", "--set", f"policy.path={model}",
+                 "--set", "policy.execute=2", "--set", "policy.lora_rank=4", "--set", "sft.epochs=2", *small,
+                 "--out", str(tmp_path / "sft")]) == 0
+    assert "sft: " in capsys.readouterr().out
+    trainer = build_trainer(build_spec(None, ["env=mock/reach", f"policy.init={tmp_path / 'sft'}"]))
+    policy = trainer.policy
+    assert isinstance(policy, PI0Policy) and policy.expected_spaces().action.shape == (2, 2)
+    fresh = build_trainer(build_spec(None, ["env=mock/reach", "policy.kind=hf", f"policy.path={model}",
+                                            "policy.execute=2", "policy.lora_rank=4", "policy.noise_hidden=[16]",
+                                            "policy.value_hidden=[16]"])).policy
+    loaded, untouched = policy.trainable_state_dict(), fresh.trainable_state_dict()
+    assert set(loaded) == set(untouched)
+    assert any(not torch.equal(loaded[k], untouched[k]) for k in loaded if "lora_B" in k)  # SFT's adapters
