@@ -58,3 +58,16 @@ def hf_offline(monkeypatch):
     monkeypatch.setattr(socket, "create_connection", refuse_connection)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """A tiny random Llama at save_random_hf_model's defaults (hidden 32, 2 layers, initializer
+    range 0.02, as a fresh config gives), with the words "reach the target"."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from ebrl.testing import save_random_hf_model
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    save_random_hf_model(path, kind="llama", sentences=("reach the target",))
+    return path

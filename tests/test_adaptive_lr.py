@@ -95,17 +95,6 @@ def test_a_custom_loss_without_approx_kl_keeps_the_lr():
 
 # ---- HFTokenPolicy's bin head ------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    pytest.importorskip("transformers")
-    pytest.importorskip("peft")
-    from ebrl.testing import save_random_hf_model
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    save_random_hf_model(path, kind="llama", sentences=("reach the target",))
-    return path
-
-
 OBS = gym.spaces.Box(-np.inf, np.inf, (5,), np.float32)
 ACT = gym.spaces.Box(-1.0, 1.0, (3,), np.float32)
 

@@ -274,18 +274,6 @@ def test_chunked_flow_policy_learns_from_a_ten_times_larger_lr():
     check(train_and_measure("heavy-3d", K, policy, num_envs=8, segment_len=16, lr=3e-3, minibatch_size=64))
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    pytest.importorskip("transformers")
-    pytest.importorskip("peft")
-    from ebrl.testing import save_random_hf_model
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    # save_random_hf_model's defaults: hidden 32, 2 layers, initializer_range 0.02, as a fresh config gives
-    save_random_hf_model(path, kind="llama", sentences=("reach the target",))
-    return path
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("task", PLAIN)

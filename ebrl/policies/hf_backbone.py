@@ -151,14 +151,20 @@ class CameraPatches(nn.Module):
 
 
 class FrozenModes(nn.Module):
-    """What a policy around a pretrained model (``self.backbone``) shares: the model stays in
-    eval mode whatever ``train()`` says (no dropout, so the acting and the training pass compute
-    the same function, which the PPO ratio needs), and a sampling generator seeded by
-    ``self.seed`` that follows the policy to its device."""
+    """What a policy around a pretrained model (``self.backbone``) shares: ``hf_model`` (the model
+    under its LoRA wrapper); the model staying in eval mode whatever ``train()`` says (no dropout,
+    so the acting and the training pass compute the same function, which the PPO ratio needs);
+    and a sampling generator seeded by ``self.seed`` that follows the policy to its device."""
 
     backbone: nn.Module
     seed: int
     _gen: torch.Generator
+
+    @property
+    def hf_model(self) -> nn.Module:
+        """The Hugging Face model (with its LoRA layers injected, under LoRA)."""
+        get_base = getattr(self.backbone, "get_base_model", None)
+        return get_base() if callable(get_base) else self.backbone
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -312,13 +318,7 @@ class HFBackbonePolicy(ReadsObservations, FrozenModes):
     # ---- what it is --------------------------------------------------------------------------
 
     @property
-    def hf_model(self) -> nn.Module:
-        """The Hugging Face model (with its LoRA layers injected, under LoRA)."""
-        get_base = getattr(self.backbone, "get_base_model", None)
-        return get_base() if callable(get_base) else self.backbone
-
-    @property
-    def obs_layout(self) -> ObsLayout:
+    def obs_layout(self) -> ObsLayout:  # ReadsObservations' is the encoder's: this one has the cameras too
         """Every entry read: cameras, vectors, one-hot entries (not the instruction index)."""
         return self._layout
 

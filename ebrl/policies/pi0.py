@@ -576,12 +576,6 @@ class PI0Policy(FrozenModes):
     # ---- what it is -----------------------------------------------------------------------------
 
     @property
-    def hf_model(self) -> nn.Module:
-        """The transformers model (with its LoRA layers injected, under LoRA)."""
-        get_base = getattr(self.backbone, "get_base_model", None)
-        return get_base() if callable(get_base) else self.backbone
-
-    @property
     def obs_layout(self) -> ObsLayout:
         return self._layout
 
