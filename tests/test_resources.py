@@ -1,5 +1,6 @@
 """The resource manager: controller rules over synthetic profiles, and the loop in virtual time."""
 
+import asyncio
 import time
 
 import numpy as np
@@ -732,3 +733,55 @@ def test_a_timeline_does_not_change_the_profiles_waits():
     plain, observed = run(None), run(Timeline())
     assert plain[1]["waits_share"]["barrier"] > 0.3  # the fast envs wait for env 0
     assert [p["waits_share"] for p in plain] == [p["waits_share"] for p in observed]
+
+
+def test_on_saturated_cores_the_batch_fills_to_half_the_envs_once_and_off_trial():
+    from ebrl.runtime.resources.controller import batch_target_rule
+
+    limits = Limits(num_units=16, cpus=2, num_envs=16)
+    # ManiSkill-like: two worker processes and the loop keep both cores busy; batches of about one row
+    saturated = {"gen_batches": 7000, "gen_rows": 7500, "gen_busy_s": 0.1, "gen_cpu_s": 0.1, "gen_wait_s": 0.1,
+                 "offload": "inline", "loop_busy": 0.35, "system": {"cpu_util_mean": 99.0}}
+    memory = Memory()
+    d = batch_target_rule(profile(epoch=1, gen=saturated), Knobs("process", batch_target=16), limits, memory)
+    assert (d.old, d.new, d.trial) == (16, 8, False) and "99% busy" in d.reason
+    # once a run: back at every env (another rule's doubling), it is not lowered again
+    assert batch_target_rule(profile(epoch=9, gen=saturated), Knobs("process", batch_target=16), limits, memory) is None
+    # a call whose cost curve needs more rows than half the envs gets them
+    vla = {**saturated, "gen_batches": 6, "gen_rows": 100, "gen_fit": (0.040, 0.001), "offload": "thread"}
+    assert batch_target_rule(profile(epoch=1, gen=vla), Knobs("thread", batch_target=16), limits, Memory()).new == 10
+    # idle cores, epoch 0 (start-up), or a user's target: nothing
+    for gen, epoch, lim in (({**saturated, "system": {"cpu_util_mean": 60.0}}, 1, limits), (saturated, 0, limits),
+                            (saturated, 1, Limits(num_units=16, cpus=2, num_envs=16, fixed=frozenset({"batch_target"})))):
+        assert batch_target_rule(profile(epoch=epoch, gen=gen), Knobs("process", batch_target=16), lim, Memory()) is None
+    # decide() applies it without a trial: a noisy window cannot undo it
+    memory = Memory()
+    decided = decide(profile(epoch=1, gen=saturated), Knobs("process", batch_target=16), limits, memory)
+    assert "batch_target" in [d.knob for d in decided] and "batch_target" not in memory.trials
+
+
+def test_a_batch_target_under_the_live_envs_fills_at_the_measured_request_rate():
+    from ebrl.runtime.generation import FILL_WAIT_MAX_S, Generator
+    from ebrl.runtime.virtual_time import VirtualTimeLoop
+
+    async def batches(target: int, rows_per_s: float, rows: int, gap: float) -> dict:
+        gen = Generator(MockPolicy(act_dim=2), batch_target=target, max_wait_s=0.002, live=4)
+        gen.rows_per_s = rows_per_s
+        server = asyncio.create_task(gen.serve())
+        for _ in range(rows):  # one row every ``gap`` seconds
+            gen.request(np.array([0]), np.zeros((1, 3), np.float32), lambda *a: None)
+            await asyncio.sleep(gap)
+        await asyncio.sleep(0.2)
+        server.cancel()
+        return dict(gen.batch_sizes)
+
+    def run(*args) -> dict:
+        with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
+            return runner.run(batches(*args))
+
+    # a target of 2 at 50 rows/s: 2 rows take 40 ms, so a row waits 20 ms for the next
+    assert run(2, 50.0, 4, 0.020) == {2: 2}
+    # the same with no target below the live envs: each row goes at once (about a batch's time)
+    assert run(4, 50.0, 4, 0.020) == {1: 4}
+    # a slow rate: the wait stops at FILL_WAIT_MAX_S, 50 ms (rows 30 ms apart, a target of 3)
+    assert FILL_WAIT_MAX_S == 0.05 and run(3, 1.0, 4, 0.030) == {2: 2}

@@ -6,9 +6,14 @@ soon as one of three things holds:
 
 1. ``batch_target`` rows are waiting;
 2. every live env is waiting (nobody else can arrive, so waiting longer only idles);
-3. the oldest request has waited as long as one batch takes (a running average), and
-   never longer than ``max_wait_s``: waiting longer than a batch costs would delay the
-   waiting envs more than a second, smaller batch would.
+3. the oldest request has waited its fill wait. With ``batch_target`` at or above the live
+   envs (the default), that is as long as one batch takes (a running average), never longer
+   than ``max_wait_s``: waiting longer than a batch costs would delay the waiting envs more
+   than a second, smaller batch would. With a target below them, the batch fills to it: the
+   wait is the time ``batch_target`` rows take to arrive at the measured request rate, at
+   least ``max_wait_s`` and at most ``FILL_WAIT_MAX_S``. On saturated cores a second call
+   costs the simulators CPU, so the controller sets such a target
+   (:func:`~ebrl.runtime.resources.rules_stages.batch_target_rule`).
 
 One batch runs at a time, on the event loop or off it in the generator's
 :class:`~ebrl.runtime.stage.Stage` thread (so simulation results keep flowing while the policy
@@ -55,6 +60,9 @@ from ebrl.spaces import batch_of_one, concat
 if TYPE_CHECKING:
     from ebrl.runtime.profiler import Timeline
     from ebrl.runtime.resources.gpu import GpuStreams
+
+FILL_WAIT_MAX_S = 0.05  # a batch filling to its target never waits longer (an env may be resetting)
+
 
 class BatchCosts:
     """Seconds per policy call against the rows in the batch: a running mean per batch size,
@@ -147,6 +155,8 @@ class Generator:
         self.first_inline_cpu_s: float | None = None
         self.measured = asyncio.Event()
         self.batch_s_ewma = 0.0  # seconds per batch, how ever it ran: the adaptive wait
+        self.rows_per_s = 0.0  # requested rows per second, a running average: how fast a batch fills
+        self._last_start = None  # loop time the last batch started
 
     @property
     def busy_s(self) -> float:
@@ -239,8 +249,8 @@ class Generator:
                 while not self._pending:
                     self._wake.clear()
                     await self._wake.wait()
-                capped = self.max_wait_s <= self.batch_s_ewma  # max_wait_s, not the adaptive wait, binds
-                deadline = self._pending[0][3] + min(self.max_wait_s, self.batch_s_ewma)
+                wait, capped = self.fill_wait()
+                deadline = self._pending[0][3] + wait
                 while not self._due():
                     remaining = deadline - loop.time()
                     if remaining <= 0:
@@ -260,9 +270,22 @@ class Generator:
             self.stage.close()
             self._pending.clear()
 
+    def fill_wait(self) -> tuple[float, bool]:
+        """How long the oldest request may wait for its batch to fill, and whether ``max_wait_s``
+        (not the batch's duration or fill time) sets it."""
+        if self.batch_target < self.live:  # fill to the target
+            fill = self.batch_target / self.rows_per_s if self.rows_per_s > 0 else 0.0
+            return min(FILL_WAIT_MAX_S, max(self.max_wait_s, fill)), fill <= self.max_wait_s
+        return min(self.max_wait_s, self.batch_s_ewma), self.max_wait_s <= self.batch_s_ewma
+
     async def _run_batch(self, loop: asyncio.AbstractEventLoop, virtual: bool) -> None:
         batch, self._pending = self._pending, []
         rows, self._pending_rows = self._pending_rows, 0
+        start = loop.time()
+        if self._last_start is not None and start > self._last_start:
+            rate = rows / (start - self._last_start)  # the rows that arrived since the last batch started
+            self.rows_per_s = rate if self.rows_per_s == 0 else 0.9 * self.rows_per_s + 0.1 * rate
+        self._last_start = start
         if self._new_weights is not None:
             state, self.version, event = self._new_weights
             self._new_weights = None

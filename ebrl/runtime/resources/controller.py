@@ -108,7 +108,7 @@ def decide(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) 
         if d.knob in ON_TRIAL and profile.epoch == 0:
             continue  # the first window is start-up (first update, first calls): no baseline to judge by
         memory.settle_until[d.knob] = profile.epoch + 2  # judge a change on a window it ran through
-        if d.knob in ON_TRIAL:
+        if d.knob in ON_TRIAL and d.trial:
             memory.trials[d.knob] = Trial(d, profile.total_steps / profile.window_s, profile.epoch + 2)
         out.append(d)
     return out

@@ -12,6 +12,9 @@ from ebrl.runtime.resources.profiler import EpochProfile
 MIN_STEPS_PER_UNIT = 4  # a window with fewer steps per unit says too little to act on
 
 
+SATURATED_ABOVE = 90.0  # mean core use (%) over which the cores have no room left
+
+
 @dataclass(frozen=True)
 class Knobs:
     """What the controller may set, as it stands."""
@@ -55,6 +58,9 @@ class Decision:
     old: Any
     new: Any
     reason: str
+    # judged on trial when its knob is in ON_TRIAL (controller.py); False: a direct measurement
+    # decided it, and a window's noise must not undo it
+    trial: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         new = list(self.new) if isinstance(self.new, tuple) else self.new
@@ -79,6 +85,7 @@ class Memory:
     lanes_needed: int = 0  # the most lanes at which envs were still seen waiting for one
     settle_until: dict[str, int] = field(default_factory=dict)  # knob -> first epoch it may change again
     trials: dict[str, Trial] = field(default_factory=dict)  # knob -> its latest change, until judged
+    saturated_target: bool = False  # the batch target was set once for saturated cores (never again: no flapping)
 
 
 def settling(knob: str, profile: EpochProfile, memory: Memory) -> bool:

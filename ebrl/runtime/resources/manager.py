@@ -37,6 +37,7 @@ import os
 import numpy as np
 
 from ebrl.config import Offload, RunConfig, SimBackend
+from ebrl.runtime.schedules import is_lockstep
 from ebrl.runtime.resources import affinity
 from ebrl.runtime.resources.controller import Decision, Knobs, Limits, Memory, decide, lpt_placement, postpone_trials
 from ebrl.runtime.resources.gpu import GpuStreams, StreamMode
@@ -59,7 +60,7 @@ def fixed_knobs(cfg: RunConfig) -> frozenset[str]:
         fixed.add("workers")
     if cfg.generation.max_wait_s is not None:
         fixed.add("max_wait_s")
-    if cfg.generation.batch_target is not None:
+    if cfg.generation.batch_target is not None or is_lockstep(cfg.schedule):  # lockstep: a group is one batch
         fixed.add("batch_target")
     if cfg.generation.offload is not Offload.AUTO:
         fixed.add("offload")

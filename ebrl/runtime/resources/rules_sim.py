@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from ebrl.runtime.resources.knobs import MIN_STEPS_PER_UNIT, Decision, Knobs, Limits, Memory, settling
+from ebrl.runtime.resources.knobs import MIN_STEPS_PER_UNIT, SATURATED_ABOVE, Decision, Knobs, Limits, Memory, settling
 from ebrl.runtime.resources.profiler import EpochProfile
 from ebrl.runtime.sim_mixed import LOCAL
 from ebrl.runtime.resources.rules_start import WAITS_BELOW  # a step computing less of its wall time than this mostly waits
@@ -105,7 +105,7 @@ def placement_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: 
                     f"{after:.2f}x the mean; {moves} envs move at their next episode end")
 
 
-SATURATED_ABOVE = 90.0  # % of the cores busy: a step's CPU share of its wall time includes its wait for a core
+# over SATURATED_ABOVE % of the cores busy, a step's CPU share of its wall time includes its wait for a core
 WAITS_BELOW_SATURATED = 0.2  # so on saturated cores only a step under this share waits (sleeps measure < 5%)
 
 

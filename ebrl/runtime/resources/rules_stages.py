@@ -10,7 +10,7 @@ import numpy as np
 
 from ebrl.runtime.resources.affinity import split_plan
 from ebrl.runtime.resources.gpu import plan_sm_split
-from ebrl.runtime.resources.knobs import Decision, Knobs, Limits, Memory, settling
+from ebrl.runtime.resources.knobs import SATURATED_ABOVE, Decision, Knobs, Limits, Memory, settling
 from ebrl.runtime.resources.profiler import EpochProfile
 
 
@@ -99,6 +99,13 @@ def batch_target_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memor
     ``GEN_BUSY_GOAL`` (:func:`rows_needed`): the target is raised to it when below, and never
     halved under it. A VLA's call is mostly its fixed cost, so its batches must stay full.
 
+    On saturated cores (mean use over ``SATURATED_ABOVE``), set once, from the default (every
+    env), to half the envs, or more where the cost curve needs it: every policy call and every
+    message to a simulator then costs the simulators CPU, and a simulator stepping one env at a
+    time between waits pays a cold cache each step (ManiSkill3 PickCube: 3.4 ms a step against
+    2.7 ms back to back). Half the envs make a batch while the other half steps: the two halves
+    of RLinf's pipeline, without its barrier (a batch is whichever envs arrived first).
+
     Halved when the policy runs in the generator thread, rows wait for their batch to start
     over half a batch's latency, and both that thread (busy under half the time) and the cores
     (a quarter idle) have room for more calls: the wait only holds envs back. Inline calls are
@@ -130,6 +137,15 @@ def batch_target_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memor
                  f"batches of {need} keep the generator busy under {GEN_BUSY_GOAL:.0%}")
         if target < need:
             return Decision(profile.epoch, "batch_target", target, need, curve)
+    util = profile.system.get("cpu_util_mean", 0.0)
+    fill = max(need, -(-n // 2))
+    # (not on epoch 0, whose decisions on trial :func:`decide` drops: start-up has no baseline)
+    if util >= SATURATED_ABOVE and target > fill and not memory.saturated_target and profile.epoch > 0:
+        memory.saturated_target = True
+        return Decision(profile.epoch, "batch_target", target, fill,
+                        f"the cores were {util:.0f}% busy: each policy call and each message to a simulator takes CPU "
+                        f"from the simulators, so a batch fills to {fill} of {n} envs while the others step"
+                        + (f" ({curve})" if curve else ""), trial=False)
     if not inline and caller < 0.5 and idle > 25.0 and wait > 0.5 * latency and target > 1:
         new = max(1, target // 2, need)
         if new < target:
