@@ -1,29 +1,31 @@
 """Lag robustness: the final return with ``max_policy_lag=4`` against the same run at lag 0,
-for PPO, decoupled PPO and V-trace.
+for PPO as it ships (which corrects lagged batches: ``PPOConfig.lag_correction``), PPO
+without that correction (its clip around the behaviour policy), and V-trace.
 
 The async schedule on MockEnv (dim 8, 16-step episodes, 1 ms sleeping steps), 32 envs, an MLP,
 every algorithm at its defaults (PPO's minibatch 512 as the longtail suite). Only
 ``max_policy_lag`` differs between the two runs of a pair, and the env-step budget is the same.
 Each (algorithm, lag) runs once per seed, alternating within a seed. The figure is, per seed,
 the final mean return (the last 100 episodes) at lag 4 over the one at lag 0; its median over
-3 seeds is the target's (>= 0.95 for decoupled PPO or V-trace, where plain PPO is expected to
-fall short). The mean lag actually trained at is reported next to it: a bound that is never
+3 seeds is the target's (>= 0.95 for PPO as it ships and for V-trace, where PPO without the
+correction is expected to fall short). The mean lag actually trained at is reported next to it: a bound that is never
 reached would test nothing.
 """
 
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import ebrl
-from ebrl.algos import PPO, DecoupledPPO, VTrace
+from ebrl.algos import PPO, VTrace
 from ebrl.benchmark.figures import Target, check_targets, spread
 from ebrl.policies import MLPPolicy
 from ebrl.testing import Latency, MockEnv
 
-DESCRIPTION = "final return at max_policy_lag=4 over lag 0: PPO vs decoupled PPO vs V-trace, 3 seeds"
+DESCRIPTION = "final return at max_policy_lag=4 over lag 0: PPO (lag-corrected, its default) vs PPO uncorrected vs V-trace, 3 seeds"
 SEEDS = (0, 1, 2)
-ALGOS = {"ppo": PPO, "dppo": DecoupledPPO, "vtrace": VTrace}
+ALGOS = {"ppo": PPO, "ppo-uncorrected": partial(PPO, lag_correction=False), "vtrace": VTrace}
 LAGS = (0, 4)
 NUM_ENVS, STEPS, QUICK_STEPS = 32, 60_000, 2_048
 
@@ -66,13 +68,11 @@ def run(quick: bool) -> dict:
             mine = [r for r in rows if r["case"] == algo and r["runner"] == f"lag {lag}"]
             figures[f"{algo}: lag {lag} final return"] = spread(r["final_return"] for r in mine)
             figures[f"{algo}: lag {lag} mean lag trained"] = spread(r["lag_mean"] for r in mine)
-    best = max(("dppo", "vtrace"), key=lambda a: ratios[f"{a}: lag 4/lag 0 final return"]["median"]
-               if ratios[f"{a}: lag 4/lag 0 final return"]["n"] else -1)
-    targets = check_targets({f"best correction ({best}): lag 4/lag 0 final return":
-                             ratios[f"{best}: lag 4/lag 0 final return"]},
-                            {"lag 4/lag 0 final return": Target(0.95)})
-    targets += check_targets({"ppo: lag 4/lag 0 final return": ratios["ppo: lag 4/lag 0 final return"]},
-                             {"ppo: lag 4/lag 0 final return": Target(0.95, lower_is_better=True)})
+    targets = check_targets({f"{a}: lag 4/lag 0 final return": ratios[f"{a}: lag 4/lag 0 final return"]
+                             for a in ("ppo", "vtrace")}, {"lag 4/lag 0 final return": Target(0.95)})
+    targets += check_targets({"ppo-uncorrected: lag 4/lag 0 final return":
+                              ratios["ppo-uncorrected: lag 4/lag 0 final return"]},
+                             {"ppo-uncorrected: lag 4/lag 0 final return": Target(0.95, lower_is_better=True)})
     ratios = {k: v for k, v in ratios.items() if v["n"]}
     return {"rows": rows, "ratios": ratios, "figures": figures, "targets": targets,
             "meta": {"description": DESCRIPTION, "quick": quick, "seeds": list(seeds), "rounds": len(seeds),

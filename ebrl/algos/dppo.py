@@ -12,6 +12,10 @@ learner's weights at the start of the update, ``pi_prox``, and each step's loss 
 
 so every update moves the policy as far as PPO's does at lag 0, whatever the lag.
 
+:class:`~ebrl.algos.ppo.PPO` does this by itself on every batch that holds lagged samples
+(``PPOConfig.lag_correction``, on by default); ``DecoupledPPO`` does it on every batch, lag-0
+ones included (where ``w = 1`` and ``pi_prox = mu`` up to rounding).
+
 Example::
 
     >>> import torch
@@ -36,39 +40,29 @@ Example::
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-import torch
-from torch import Tensor, nn
-
 from ebrl.algos.batch import Batch
-from ebrl.algos.ppo import PPO, Checks, PPOConfig
-from ebrl.algos.vtrace import _evaluate_valid, _make_config
+from ebrl.algos.ppo import PPO, PPOConfig
+from ebrl.algos.vtrace import _make_config
 
 
 @dataclass
 class DecoupledPPOConfig(PPOConfig):
-    # truncation of the importance weight pi_prox / mu (math.inf: none). Must be >= 1, the weight
-    # of on-policy data. Hilton et al.'s code truncates pi_theta / mu at 100 (extreme ratios
-    # only); a tighter cap trades a little bias for much less variance on very stale samples.
-    max_is_weight: float = 2.0
-
-    def __post_init__(self):
-        super().__post_init__()
-        c = Checks(self)
-        c.check("max_is_weight", c.num("max_is_weight") >= 1, "a float >= 1 (math.inf disables truncation)")
+    """PPO's fields (``max_is_weight``, the truncation of ``pi_prox / mu``, among them): the
+    ``[dppo]`` table of a config file."""
 
 
 class DecoupledPPO(PPO):
-    """PPO with a proximal policy decoupled from the behaviour policy.
+    """PPO with a proximal policy decoupled from the behaviour policy on every batch.
 
     ``DecoupledPPO(max_is_weight=4.0)`` overrides fields of :class:`DecoupledPPOConfig`.
     Advantages and returns are PPO's (GAE on the behaviour values). At the start of each update
-    (no gradient) the current weights are evaluated once on the batch: their log-probs are
-    ``pi_prox``, their values the centre of value clipping (the critic's proximal values, for
-    the same reason as the policy's). ``approx_kl`` and ``clipfrac`` are measured against
-    ``pi_prox``; ``is_weight_mean`` is the mean of ``w``.
+    (no gradient) the current weights are evaluated once on the batch
+    (:meth:`~ebrl.algos.ppo.PPO.proximal`): their log-probs are ``pi_prox``, their values the
+    centre of value clipping (the critic's proximal values, for the same reason as the
+    policy's). ``approx_kl`` and ``clipfrac`` are measured against ``pi_prox``;
+    ``is_weight_mean`` is the mean of ``w``, ``lag_kl`` the KL from ``mu`` to ``pi_prox``.
 
     In the minibatches ``mb["logprobs"]`` holds the proximal log-probs and
     ``mb["is_weights"]`` the truncated weights ``w`` (so a custom ``loss_fn`` sees those).
@@ -84,24 +78,5 @@ class DecoupledPPO(PPO):
         super().__init__(_make_config(DecoupledPPOConfig, "DecoupledPPO", config, overrides), loss_fn=loss_fn,
                          demos=demos)
 
-    def train_data(self, policy: nn.Module, b: Batch, obs, rewards: Tensor,
-                   discounts: Tensor | None = None) -> dict[str, Tensor]:
-        flat = super().train_data(policy, b, obs, rewards, discounts)  # GAE advantages and returns, as PPO
-        with torch.no_grad():
-            prox_logp, prox_values = _evaluate_valid(policy, obs, flat["actions"], self.config.minibatch_size)
-            prox_logp = prox_logp.to(flat["logprobs"].dtype)
-            # in log space: a very stale mu can make pi_prox / mu overflow
-            log_w = (prox_logp - flat["logprobs"]).clamp(max=math.log(self.config.max_is_weight))
-        return {**flat, "logprobs": prox_logp, "values": prox_values.to(flat["values"].dtype),
-                "is_weights": log_w.exp()}
-
-    def loss(self, policy: nn.Module, mb: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor | float]]:
-        """PPO's clipped loss with ``r = pi_theta / pi_prox``, each step's policy term weighted by ``w``.
-
-        As ``w > 0``, ``w * min(r A, clip(r) A) == min(r (w A), clip(r) (w A))``: that is PPO's loss
-        on the weighted advantages ``w * A`` (``A`` already normalised), against ``mb["logprobs"]``
-        (proximal). Value and entropy terms are unweighted.
-        """
-        loss, metrics = super().loss(policy, {**mb, "advantages": mb["is_weights"] * mb["advantages"]})
-        metrics["is_weight_mean"] = mb["is_weights"].mean()
-        return loss, metrics
+    def decouples(self, batch: Batch) -> bool:
+        return True

@@ -23,6 +23,18 @@ def _index(x: Tensor | dict[str, Any], idx: Tensor) -> Tensor | dict[str, Any]:
     return {k: _index(v, idx) for k, v in x.items()}
 
 
+@torch.no_grad()
+def _evaluate_valid(policy: nn.Module, obs, actions: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
+    """``(logprobs [N], values [N])`` of the current weights on the valid steps, in minibatch-sized chunks."""
+    n = actions.shape[0]
+    logps, values = [], []
+    for idx in torch.arange(n, device=actions.device).split(chunk):
+        logp, _, v = policy.evaluate(_index(obs, idx), actions[idx])
+        logps.append(logp)
+        values.append(v)
+    return torch.cat(logps), torch.cat(values)
+
+
 def refuse_unknown(algo: str, config_cls: type, overrides: dict[str, Any], extra: tuple[str, ...] = ()) -> None:
     """A ``TypeError`` naming the keyword overrides that ``config_cls`` has no field for, and the
     valid names (its fields, then the constructor's own keywords ``extra``)."""

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from ebrl import distributed
 from ebrl.algos.advantages import build_next_values, chunk_discounting, gae
 from ebrl.algos.batch import Batch
-from ebrl.algos.minibatch import MinibatchAlgo, _index, refuse_unknown
+from ebrl.algos.minibatch import MinibatchAlgo, _evaluate_valid, _index, refuse_unknown
 from ebrl.policies.base import critic_parameters
 from ebrl.policies.heads import merge_moments
 
@@ -89,6 +89,13 @@ class PPOConfig:
     # starts, 0 keeps it fixed. One fixed lr is too slow for some policies and too fast for
     # others (tests/test_learning_reach.py; PPO's docstring has the numbers)
     desired_kl: float = 0.01
+    # a batch holding samples of an older policy version than the learner's (policy lag, the
+    # async schedule): clip around the weights at the update's start, not the behaviour policy,
+    # and weight each sample by pi_prox / mu truncated at max_is_weight (decoupled PPO, Hilton et
+    # al. 2021; ebrl.algos.dppo). False: clip around the behaviour policy, as at lag 0
+    lag_correction: bool = True
+    # the truncation of pi_prox / mu (math.inf: none); >= 1, the weight of on-policy data
+    max_is_weight: float = 2.0
     seed: int = 0
 
     def __post_init__(self):
@@ -105,8 +112,9 @@ class PPOConfig:
         check("minibatch_size", integer("minibatch_size") >= 1, "an int >= 1")
         check("critic_warmup_updates", integer("critic_warmup_updates") >= 0, "an int >= 0")
         check("desired_kl", 0 <= num("desired_kl") < math.inf, "a finite float >= 0 (0: a fixed lr)")
+        check("max_is_weight", num("max_is_weight") >= 1, "a float >= 1 (math.inf disables truncation)")
         integer("seed")
-        for name in ("clip_vloss", "norm_adv", "scale_rewards"):
+        for name in ("clip_vloss", "norm_adv", "scale_rewards", "lag_correction"):
             check(name, isinstance(getattr(self, name), bool), "a bool")
 
 
@@ -212,7 +220,8 @@ class PPO(MinibatchAlgo):
         new_logp, entropy, new_value = policy.evaluate(mb["obs"], mb["actions"])
         logratio = new_logp - mb["logprobs"]
         ratio = logratio.exp()
-        adv = mb["advantages"]
+        # decoupled (:meth:`proximal`): as w > 0, w * min(r A, clip(r) A) == min(r (w A), clip(r) (w A))
+        adv = mb["advantages"] if "is_weights" not in mb else mb["is_weights"] * mb["advantages"]
         pg_loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - c.clip_coef, 1 + c.clip_coef)).mean()
 
         if c.clip_vloss:
@@ -229,6 +238,10 @@ class PPO(MinibatchAlgo):
             clipfrac = ((ratio - 1).abs() > c.clip_coef).float().mean()
         metrics = {"policy_loss": pg_loss.detach(), "value_loss": v_loss.detach(),
                    "entropy": ent.detach(), "approx_kl": approx_kl, "clipfrac": clipfrac}
+        if "is_weights" in mb:
+            metrics["is_weight_mean"] = mb["is_weights"].mean()
+        if "lag_kl" in mb:
+            metrics["lag_kl"] = mb["lag_kl"].mean()
         return loss, metrics
 
     # ---- one update ----------------------------------------------------------------------
@@ -291,7 +304,7 @@ class PPO(MinibatchAlgo):
     def train_data(self, policy: nn.Module, b: Batch, obs, rewards: Tensor,
                    discounts: Tensor | None = None) -> dict[str, Tensor]:
         """The flat ``[N]`` tensors the minibatch loop trains on (PPO's: GAE on the behaviour
-        values). Variants (V-trace, decoupled PPO) override this one step.
+        values, and the proximal policy's where :meth:`decouples`). V-trace overrides this one step.
 
         ``b`` is on the policy's device, observation statistics are already updated, ``obs`` is
         ``b.obs`` at the valid steps and ``rewards`` the scaled ``[S, T]`` rewards;
@@ -306,8 +319,29 @@ class PPO(MinibatchAlgo):
             next_values = self._next_values(policy, b, b.values)
             adv, ret = gae(rewards, b.values, next_values, b.terminated, b.terminated | b.truncated,
                            mask, c.gamma if discounts is None else discounts, c.gae_lambda)
-        return {"obs": obs, "actions": b.actions[mask], "logprobs": b.logprobs[mask],
+        flat = {"obs": obs, "actions": b.actions[mask], "logprobs": b.logprobs[mask],
                 "values": b.values[mask], "advantages": adv[mask], "returns": ret[mask]}
+        return self.proximal(policy, obs, flat) if self.decouples(b) else flat
+
+    def decouples(self, batch: Batch) -> bool:
+        """Whether this update clips around the proximal policy (:meth:`proximal`): with
+        ``lag_correction``, when some valid sample was chosen by an older version than the learner's."""
+        return self.config.lag_correction and bool((batch.lags > 0).any())
+
+    @torch.no_grad()
+    def proximal(self, policy: nn.Module, obs, flat: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``flat`` with the weights at the update's start as the proximal policy: their log-probs
+        replace the behaviour ones (the clip's centre), their values the centre of value
+        clipping, and ``is_weights`` ``w = min(max_is_weight, pi_prox / mu)`` weight each
+        sample's policy term (:meth:`loss`). ``lag_kl`` estimates KL(mu || pi_prox), how far the
+        lag moved the policy before this update (k3, from the behaviour samples)."""
+        prox_logp, prox_values = _evaluate_valid(policy, obs, flat["actions"], self.config.minibatch_size)
+        prox_logp = prox_logp.to(flat["logprobs"].dtype)
+        log_w = prox_logp - flat["logprobs"]  # in log space: a very stale mu can make pi_prox / mu overflow
+        lag_kl = (log_w.exp() - 1 - log_w).mean()
+        w = log_w.clamp(max=math.log(self.config.max_is_weight)).exp()
+        return {**flat, "logprobs": prox_logp, "values": prox_values.to(flat["values"].dtype), "is_weights": w,
+                "lag_kl": lag_kl.expand_as(w)}
 
     def update(self, policy: nn.Module, batch: Batch) -> dict[str, float]:
         """One PPO update (``update_epochs`` passes over the valid steps) and its metrics."""

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from ebrl.algos.advantages import _last_valid
 from ebrl.algos.batch import Batch
-from ebrl.algos.minibatch import _index, refuse_unknown
+from ebrl.algos.minibatch import _evaluate_valid, _index, refuse_unknown
 from ebrl.algos.ppo import PPO, Checks, PPOConfig
 
 
@@ -138,18 +138,6 @@ def _make_config(cls: type, algo: str, config: PPOConfig | None, overrides: dict
             raise TypeError(f"{algo}() needs a {cls.__name__} or PPOConfig, got {type(config).__name__}")
         config = cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(PPOConfig)})
     return dataclasses.replace(config, **overrides)
-
-
-@torch.no_grad()
-def _evaluate_valid(policy: nn.Module, obs, actions: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
-    """``(logprobs [N], values [N])`` of the current weights on the valid steps, in minibatch-sized chunks."""
-    n = actions.shape[0]
-    logps, values = [], []
-    for idx in torch.arange(n, device=actions.device).split(chunk):
-        logp, _, v = policy.evaluate(_index(obs, idx), actions[idx])
-        logps.append(logp)
-        values.append(v)
-    return torch.cat(logps), torch.cat(values)
 
 
 class VTrace(PPO):
