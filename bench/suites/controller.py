@@ -7,7 +7,7 @@ alternating order, 3 rounds, each run a fresh Python process (``--in-process``: 
 bench's own, for profiling). The figures:
 
 - ``controller/best static``: the default run's env steps/s over the static configuration with
-  the best median, within each round (target >= 0.95);
+  the best median, within each round (target >= 0.97);
 - ``settled after (epochs)``: one past the last epoch in which the controller changed a knob
   (0: it changed none; target <= 3);
 - ``async/sync``: the default run over the same defaults under ``schedule="sync"`` (the
@@ -15,7 +15,10 @@ bench's own, for profiling). The figures:
 - ``placement/round-robin``: heterogeneous envs on worker processes, the controller's measured
   placement over the fixed round-robin one (adapt off), under ``sync`` and ``async`` (>= 1.3);
 - ``loop block (ms)``: the longest the caller's event loop went without running a 1 ms ticker
-  task during the default run (target <= 20 ms).
+  task during the default run (target <= 20 ms);
+- ``defaults max/min over rounds``: the default run's fastest round over its slowest (target
+  <= 1.15), beside the machine's own (a fixed gymnasium loop, ``machine: gymnasium loop``, once
+  a round).
 
 Every run trains: MLP policy, PPO. Workloads:
 
@@ -37,9 +40,9 @@ import numpy as np
 import ebrl
 from ebrl.algos import PPO
 from ebrl.benchmark import Target, check_targets, spread, summarize_rows
-from ebrl.benchmark.figures import round_ratios
+from ebrl.benchmark.figures import MACHINE, STEADY_AT_MOST, round_ratios, steadiness
 from ebrl.benchmark.fresh import call_fresh
-from ebrl.benchmark.suite import CpuMeter
+from ebrl.benchmark.suite import CpuMeter, measure_reference
 from ebrl.policies import MLPPolicy
 from ebrl.runtime.run import loop_factory
 from ebrl.testing import Latency, MockEnv
@@ -107,7 +110,7 @@ POOLS = [("thread 2 lanes", {"backend": "thread", "num_threads": 2}),
          ("process 2 workers", {"backend": "process", "num_workers": 2})]
 BATCH_TARGETS = (None, 4)  # None: the default (num_envs)
 DEFAULTS = "defaults (controller)"
-TARGETS = {"controller/best static": 0.95, "settled after (epochs)": Target(3, lower_is_better=True),
+TARGETS = {"controller/best static": 0.97, "settled after (epochs)": Target(3, lower_is_better=True),
            "longtail: async/sync": 3.0, "heterogeneous: async/sync": 1.8,
            "heterogeneous: placement/round-robin, sync": 1.3, "heterogeneous: placement/round-robin, async": 1.3,
            "loop block (ms)": Target(20, lower_is_better=True)}
@@ -190,9 +193,15 @@ def run(quick: bool = False, in_process: bool = False) -> dict:
                 kwargs = dict(workload=workload, runner=runner, config=config, steps=steps, seed=r)
                 row = measure(**kwargs) if in_process else call_fresh("suite:controller:measure", kwargs)
                 rows.append({"round": r, **row})
+            if not quick:  # the machine's drift, in the same rounds
+                ref = measure_reference(r) if in_process else call_fresh("ebrl.benchmark.suite:measure_reference",
+                                                                           {"seed": r})
+                rows.append({"case": MACHINE, "round": sum(x["case"] == MACHINE for x in rows), **ref})
     summary = summarize_rows(rows, ("steps_per_s", "loop_block_ms", "settled_epochs"))
     figures = {}
     for workload, runners in summary.items():
+        if workload == MACHINE:
+            continue
         static_names = [name for name, _ in statics() if name in runners]
         best = max(static_names, key=lambda n: runners[n]["steps_per_s"]["median"])
         figures[f"{workload}: controller/best static"] = round_ratios(rows, workload, DEFAULTS, [best])
@@ -212,7 +221,12 @@ def run(quick: bool = False, in_process: bool = False) -> dict:
                + check_targets(figures, {"loop block (ms)": TARGETS["loop block (ms)"]}, unit=" ms"))
     migrations = {w: spread(r["migrations"] for r in rows if r["case"] == w and "placement" in r["runner"])
                   for w in summary if any("placement" in r["runner"] for r in rows if r["case"] == w)}
-    ratios = {k: v for k, v in figures.items() if "(" not in k.split(": ", 1)[1]}
+    steady = steadiness([{**r, "runner": "defaults" if r["runner"] == DEFAULTS else r["runner"]} for r in rows],
+                        ("defaults",))
+    targets += check_targets({k: v for k, v in steady.items() if not k.startswith(MACHINE)},
+                             {"max/min over rounds": Target(STEADY_AT_MOST, lower_is_better=True)})
+    figures.update(steady)
+    ratios = {k: v for k, v in figures.items() if "(" not in k.split(": ", 1)[1] or "max/min" in k}
     others = {k: v for k, v in figures.items() if k not in ratios}  # epochs and milliseconds, not ratios
     return {"rows": rows, "summary": summary, "ratios": ratios, "figures": others, "targets": targets,
             "meta": {"num_envs": NUM_ENVS, "rounds": rounds, "description": DESCRIPTION,

@@ -85,13 +85,38 @@ def round_ratios(rows: list[dict], case: str, numerator: str, denominators: list
     return spread(values)
 
 
+MACHINE = "machine"  # the case of the reference rows: a fixed loop without EBRL, once a round
+STEADY_AT_MOST = 1.15  # a runner's max/min over rounds: the target of every "max/min over rounds" figure
+
+
+def steadiness(rows: list[dict], runners: tuple[str, ...] = ("ebrl-async",)) -> dict[str, dict]:
+    """Per case, each of ``runners``' fastest round over its slowest (``"<case>: <runner> max/min
+    over rounds"``), and the machine's own (the reference rows' case :data:`MACHINE`): a runner
+    no steadier than the machine was moved by the machine, not by its own decisions.
+
+        >>> rows = [{"case": "c", "round": r, "runner": "ebrl-async", "steps_per_s": v}
+        ...         for r, v in enumerate([300.0, 330.0, 280.0])]
+        >>> round(steadiness(rows)["c: async max/min over rounds"]["median"], 3)
+        1.179
+    """
+    out = {}
+    for case in dict.fromkeys(str(r.get("case", "")) for r in rows):
+        for runner in (runners if case != MACHINE else tuple(dict.fromkeys(
+                r["runner"] for r in rows if r.get("case") == MACHINE))):
+            xs = [r["steps_per_s"] for r in rows if str(r.get("case", "")) == case and r["runner"] == runner
+                  and math.isfinite(r.get("steps_per_s", math.nan)) and r["steps_per_s"] > 0]
+            if len(xs) >= 2:
+                out[f"{case}: {runner.removeprefix('ebrl-')} max/min over rounds"] = spread([max(xs) / min(xs)])
+    return out
+
+
 def suite_ratios(rows: list[dict], reference: str = "ebrl-async") -> dict[str, dict]:
     """Per case: the reference runner over every other runner, and over the best peer
     (the fastest non-EBRL runner of the same round)."""
     ratios = {}
     for case in dict.fromkeys(str(r.get("case", "")) for r in rows):
         runners = list(dict.fromkeys(r["runner"] for r in rows if str(r.get("case", "")) == case))
-        if reference not in runners:
+        if reference not in runners or case == MACHINE:
             continue
         for other in runners:
             if other != reference:

@@ -45,7 +45,7 @@ from typing import Any
 import psutil
 
 import ebrl
-from ebrl.benchmark.figures import Target, check_targets, suite_ratios, summarize_rows
+from ebrl.benchmark.figures import MACHINE, STEADY_AT_MOST, Target, check_targets, steadiness, suite_ratios, summarize_rows
 from ebrl.benchmark.limits import physical_limit
 from ebrl.policies.base import state_nbytes
 from ebrl.runtime.children import send_by_value
@@ -223,6 +223,29 @@ def measure_peer(suite: Suite, env_fn, kind: str, steps: int, seed: int) -> dict
             "steady_steps_per_s": out["steady_steps_per_s"], **meter.read()}
 
 
+REFERENCE = "gymnasium loop"  # the machine's reference runner (case MACHINE)
+
+
+def measure_reference(seed: int = 0, steps: int = 16_000) -> dict:
+    """The machine's own speed, with no EBRL in it: a gymnasium ``SyncVectorEnv`` of 8
+    ``HalfCheetah-v5`` stepped with a small MLP's actions (one torch thread), the same work in
+    every round. Its max/min over a suite's rounds is the machine's drift in those rounds."""
+    import gymnasium as gym
+    import torch
+
+    torch.set_num_threads(1)
+    envs = gym.vector.SyncVectorEnv([lambda: gym.make("HalfCheetah-v5") for _ in range(8)])
+    net = torch.nn.Sequential(torch.nn.Linear(17, 64), torch.nn.Tanh(), torch.nn.Linear(64, 6))
+    obs, _ = envs.reset(seed=seed)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for _ in range(steps // 8):
+            obs, *_ = envs.step(net(torch.as_tensor(obs, dtype=torch.float32)).numpy())
+    wall = time.perf_counter() - t0
+    envs.close()
+    return {"runner": REFERENCE, "env_steps": steps // 8 * 8, "wall_s": wall, "steps_per_s": steps // 8 * 8 / wall}
+
+
 def measure_case(suite: str, case: str, runner: str, steps: int, seed: int, quick: bool,
                  suites_dir: str | None = None) -> dict:
     """One run of ``bench/suites/SUITE.py``'s case: ``runner`` is a schedule (``async``...) or
@@ -270,6 +293,10 @@ def run_suite_rounds(suite: Suite, quick: bool, *, source: tuple[str, str | None
         for r in range(suite.rounds):
             for runner in [*suite.schedules, *(f"peer:{kind}" for kind in suite.peers)]:
                 case_rows.append({"case": case, "round": r, **measure(case, env_fn, runner, r)})
+            if fresh and not quick:  # the machine's drift, in the same rounds
+                done = sum(row.get("case") == MACHINE for row in rows)
+                rows.append({"case": MACHINE, "round": done, **call_fresh("ebrl.benchmark.suite:measure_reference",
+                                                                          {"seed": r})})
         if suite.limits:
             limit = physical_limit(suite, env_fn, quick)
             summary = summarize_rows(case_rows)[case]
@@ -278,8 +305,12 @@ def run_suite_rounds(suite: Suite, quick: bool, *, source: tuple[str, str | None
             limits[case] = limit
         rows += case_rows
     ratios = suite_ratios(rows)
+    steady = steadiness(rows)
+    ratios.update(steady)
     return {"rows": rows, "summary": summarize_rows(rows), "ratios": ratios, "limits": limits,
-            "targets": check_targets(ratios, suite.targets),
+            "targets": check_targets(ratios, suite.targets) + check_targets(
+                {k: v for k, v in steady.items() if not k.startswith(f"{MACHINE}:")},
+                {"max/min over rounds": Target(STEADY_AT_MOST, lower_is_better=True)}),
             "meta": {"num_envs": suite.num_envs, "steps_per_run": steps, "rounds": suite.rounds,
                      **({"case_sizes": sizes} if whole.case_sizes else {}),
                      "segment_len": suite.segment_len, "description": suite.description,
