@@ -54,7 +54,7 @@ SUITE = Suite(
     schedules=("async", "pipelined", "sync"),
     peers=(),
     limits=False,  # each stage alone would cost minutes more of LIBERO resets
-    targets={"async/sync": 1.3, "libero-spatial: async/pipelined": 1.5},
+    targets={"async/best schedule": 0.97, "async/sync": 1.3, "libero-spatial: async/pipelined": 1.5},
     quick_num_envs=2,  # --quick: a smoke test of the real path (LIBERO steps 0.1 s) ...
     quick_schedules=("async", "sync"),  # ... and of the figure (async/sync); LIBERO resets take seconds
     # LIBERO steps about 50x slower: 8 envs, 300 steps each, so every env resets once mid-run

@@ -111,8 +111,8 @@ def steadiness(rows: list[dict], runners: tuple[str, ...] = ("ebrl-async",)) -> 
 
 
 def suite_ratios(rows: list[dict], reference: str = "ebrl-async") -> dict[str, dict]:
-    """Per case: the reference runner over every other runner, and over the best peer
-    (the fastest non-EBRL runner of the same round)."""
+    """Per case: the reference runner over every other runner, over the best other schedule
+    and over the best peer (the fastest other EBRL schedule, and non-EBRL runner, of the same round)."""
     ratios = {}
     for case in dict.fromkeys(str(r.get("case", "")) for r in rows):
         runners = list(dict.fromkeys(r["runner"] for r in rows if str(r.get("case", "")) == case))
@@ -121,6 +121,9 @@ def suite_ratios(rows: list[dict], reference: str = "ebrl-async") -> dict[str, d
         for other in runners:
             if other != reference:
                 ratios[f"{case}: async/{other.removeprefix('ebrl-')}"] = round_ratios(rows, case, reference, [other])
+        schedules = [n for n in runners if n.startswith("ebrl-") and n != reference]
+        if schedules:  # the defaults against whichever other schedule was fastest that round
+            ratios[f"{case}: async/best schedule"] = round_ratios(rows, case, reference, schedules)
         peers = [n for n in runners if not n.startswith("ebrl-")]
         if peers:
             ratios[f"{case}: async/best peer"] = round_ratios(rows, case, reference, peers)
