@@ -351,6 +351,8 @@ def test_stale_data_clipfrac_is_against_the_proximal_policy():
         m = _first_minibatch_metrics(algo, batch)
         assert m["clipfrac"] == 0.0, type(algo).__name__
         assert m["approx_kl"] == pytest.approx(0.0, abs=1e-6), type(algo).__name__
+    # PPO reports how far the lag moved the policy: KL(mu || pi_prox), which PPO's own approx_kl was
+    assert float(_first_minibatch_metrics(PPO(**kw), batch)["lag_kl"]) == pytest.approx(float(m_ppo["approx_kl"]))
 
 
 # ---- config and robustness -------------------------------------------------------------------

@@ -230,5 +230,6 @@ def run(quick: bool = False, in_process: bool = False) -> dict:
     others = {k: v for k, v in figures.items() if k not in ratios}  # epochs and milliseconds, not ratios
     return {"rows": rows, "summary": summary, "ratios": ratios, "figures": others, "targets": targets,
             "meta": {"num_envs": NUM_ENVS, "rounds": rounds, "description": DESCRIPTION,
-                     "fresh_processes": not in_process, "accounting_ok": all(r.get("accounting_ok", True) for r in rows),
+                     "fresh_processes": not in_process,
+                     "accounting_ok": all(r.get("accounting_ok", True) for r in rows),  # reference rows: none
                      "migrations": migrations}}

@@ -8,8 +8,8 @@ every algorithm at its defaults (PPO's minibatch 512 as the longtail suite). Onl
 Each (algorithm, lag) runs once per seed, alternating within a seed. The figure is, per seed,
 the final mean return (the last 100 episodes) at lag 4 over the one at lag 0; its median over
 3 seeds is the target's (>= 0.95 for PPO as it ships and for V-trace, where PPO without the
-correction is expected to fall short). The mean lag actually trained at is reported next to it: a bound that is never
-reached would test nothing.
+correction is expected to fall short). The mean lag actually trained at is reported next to
+it: a bound that is never reached would test nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from ebrl.benchmark.figures import Target, check_targets, spread
 from ebrl.policies import MLPPolicy
 from ebrl.testing import Latency, MockEnv
 
-DESCRIPTION = "final return at max_policy_lag=4 over lag 0: PPO (lag-corrected, its default) vs PPO uncorrected vs V-trace, 3 seeds"
+DESCRIPTION = ("final return at max_policy_lag=4 over lag 0: PPO (lag-corrected, its default) vs PPO "
+               "uncorrected vs V-trace, 3 seeds")
 SEEDS = (0, 1, 2)
 ALGOS = {"ppo": PPO, "ppo-uncorrected": partial(PPO, lag_correction=False), "vtrace": VTrace}
 LAGS = (0, 4)

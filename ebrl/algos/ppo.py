@@ -333,15 +333,14 @@ class PPO(MinibatchAlgo):
         """``flat`` with the weights at the update's start as the proximal policy: their log-probs
         replace the behaviour ones (the clip's centre), their values the centre of value
         clipping, and ``is_weights`` ``w = min(max_is_weight, pi_prox / mu)`` weight each
-        sample's policy term (:meth:`loss`). ``lag_kl`` estimates KL(mu || pi_prox), how far the
-        lag moved the policy before this update (k3, from the behaviour samples)."""
+        sample's policy term (:meth:`loss`). ``lag_kl`` holds each sample's k3 term of KL(mu ||
+        pi_prox) (its mean: how far the lag moved the policy before this update)."""
         prox_logp, prox_values = _evaluate_valid(policy, obs, flat["actions"], self.config.minibatch_size)
         prox_logp = prox_logp.to(flat["logprobs"].dtype)
         log_w = prox_logp - flat["logprobs"]  # in log space: a very stale mu can make pi_prox / mu overflow
-        lag_kl = (log_w.exp() - 1 - log_w).mean()
         w = log_w.clamp(max=math.log(self.config.max_is_weight)).exp()
         return {**flat, "logprobs": prox_logp, "values": prox_values.to(flat["values"].dtype), "is_weights": w,
-                "lag_kl": lag_kl.expand_as(w)}
+                "lag_kl": log_w.exp() - 1 - log_w}
 
     def update(self, policy: nn.Module, batch: Batch) -> dict[str, float]:
         """One PPO update (``update_epochs`` passes over the valid steps) and its metrics."""

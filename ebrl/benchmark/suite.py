@@ -45,7 +45,8 @@ from typing import Any
 import psutil
 
 import ebrl
-from ebrl.benchmark.figures import MACHINE, STEADY_AT_MOST, Target, check_targets, steadiness, suite_ratios, summarize_rows
+from ebrl.benchmark.figures import (MACHINE, STEADY_AT_MOST, Target, check_targets, steadiness, suite_ratios,
+                                    summarize_rows)
 from ebrl.benchmark.limits import physical_limit
 from ebrl.policies.base import state_nbytes
 from ebrl.runtime.children import send_by_value

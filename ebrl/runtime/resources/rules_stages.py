@@ -139,7 +139,7 @@ def batch_target_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memor
             return Decision(profile.epoch, "batch_target", target, need, curve)
     util = profile.system.get("cpu_util_mean", 0.0)
     fill = max(need, -(-n // 2))
-    # (not on epoch 0, whose decisions on trial :func:`decide` drops: start-up has no baseline)
+    # not on epoch 0: its CPU use is start-up's (imports, the probe, the first update), not the run's
     if util >= SATURATED_ABOVE and target > fill and not memory.saturated_target and profile.epoch > 0:
         memory.saturated_target = True
         return Decision(profile.epoch, "batch_target", target, fill,
