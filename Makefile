@@ -52,7 +52,7 @@ BENCH_DIR ?= docs/benchmarks
 bench: $(STAMP)
 	set -e; for s in $(SUITES); do \
 	  $(VENV)/bin/ebrl bench $$s --out $(BENCH_DIR) $$( [ $$s = heterogeneous ] && echo --trace ); done
-	$(PY) -m ebrl.benchmark.docs $(BENCH_DIR) README.md
+	$(PY) -m ebrl.benchmark.docs $(BENCH_DIR)
 
 clean:
 	rm -rf $(VENV) runs bench_out

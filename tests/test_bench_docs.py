@@ -1,25 +1,38 @@
-"""The README's benchmark tables are generated from docs/benchmarks/*.json and cannot drift."""
+"""The benchmark tables of the README and docs/ are generated from docs/benchmarks/*.json and cannot drift."""
 
 import shutil
 from pathlib import Path
 
 import pytest
 
-from ebrl.benchmark.docs import load_reports, render, replace_block
+from ebrl.benchmark.docs import PAGES, load_reports, render, replace_block
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_readme_tables_are_exactly_what_the_json_renders(tmp_path):
-    bench = tmp_path / "benchmarks"
+def test_every_table_is_exactly_what_the_json_renders(tmp_path):
+    bench = tmp_path / "docs" / "benchmarks"
     shutil.copytree(ROOT / "docs" / "benchmarks", bench)
-    readme = tmp_path / "README.md"
-    shutil.copy(ROOT / "README.md", readme)
-    render(bench, readme)
-    assert readme.read_text() == (ROOT / "README.md").read_text(), \
-        "README tables differ from docs/benchmarks JSON: run `python -m ebrl.benchmark.docs`"
+    for page in PAGES:
+        shutil.copy(ROOT / page, tmp_path / page)
+    render(bench, [tmp_path / page for page in PAGES], root=tmp_path)
+    for page in PAGES:
+        assert (tmp_path / page).read_text() == (ROOT / page).read_text(), \
+            f"{page}'s tables differ from docs/benchmarks JSON: run `python -m ebrl.benchmark.docs`"
     for page in ["README.md", *(p.name for p in (ROOT / "docs" / "benchmarks").glob("*-results.md"))]:
         assert (bench / page).read_text() == (ROOT / "docs" / "benchmarks" / page).read_text(), page
+
+
+def test_a_table_no_page_holds_is_an_error(tmp_path):
+    bench = tmp_path / "docs" / "benchmarks"
+    shutil.copytree(ROOT / "docs" / "benchmarks", bench)
+    page = tmp_path / "README.md"
+    page.write_text("<!-- bench:summary -->\n<!-- /bench:summary -->\n")
+    with pytest.raises(ValueError, match="no page holds the tables"):
+        render(bench, [page], root=tmp_path)
+    page.write_text("<!-- bench:nothing -->\n<!-- /bench:nothing -->\n")
+    with pytest.raises(ValueError, match="bench:nothing"):
+        render(bench, [page], root=tmp_path)
 
 
 def test_every_committed_report_has_rounds_medians_spread_and_a_stamp():

@@ -2,9 +2,9 @@
 
 ``make bench`` runs every suite into ``docs/benchmarks/`` and then this script, which rewrites
 ``docs/benchmarks/README.md`` (every suite's full results), each ``<suite>-results.md``, and
-the README's tables between
-``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->`` markers from that same JSON, so no
-figure in the README can drift from the raw numbers. Tables:
+the tables between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->`` markers in the README,
+docs/benchmarks.md and docs/simulators.md from that same JSON, so no figure on those pages can
+drift from the raw numbers. Tables include:
 
 - ``summary``: one row per suite case: medians (min-max) of EBRL async and sync, the best
   gymnasium peer, the CleanRL-style peer, the ratios, and the targets met;
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -439,47 +440,68 @@ def replace_block(text: str, name: str, body: str) -> str:
     return pattern.sub(lambda m: m.group(1) + body.rstrip("\n") + "\n" + m.group(2), text)
 
 
-def render(bench_dir: Path, readme: Path) -> list[str]:
+PAGES = ("README.md", "docs/benchmarks.md", "docs/simulators.md")  # the pages with tables, from the repository root
+MARKER = re.compile(r"<!-- bench:([\w-]+) -->")
+
+
+def tables(reports: dict[str, dict]) -> dict[str, str]:
+    """Every table a page may hold, by its block name (a suite's only where its JSON is here)."""
+    out = {"summary": summary_table(reports)}
+    for name, make in (("step-cost", step_cost_table), ("controller", controller_table),
+                       ("convergence", convergence_table), ("embodied", embodied_table),
+                       ("embodied-learning", convergence_table), ("vla", vla_table), ("sft-rl", sft_rl_table),
+                       ("lag", lag_table), ("policies", policies_table), ("scaling", scaling_table)):
+        if name in reports:
+            out[name] = make(reports[name])
+    return out
+
+
+def relink(body: str, page: Path, root: Path) -> str:
+    """The tables link from the repository root (``docs/benchmarks/x.json``): from a page in
+    ``docs/``, the same files are ``benchmarks/x.json``."""
+    up = Path(os.path.relpath(root, page.resolve().parent))
+    if up == Path("."):
+        return body
+    return re.sub(r"\]\((docs/[^)]*)\)", lambda m: "](" + os.path.relpath(root / m.group(1), page.resolve().parent) + ")",
+                  body)
+
+
+def render(bench_dir: Path, pages: list[Path], root: Path | None = None) -> list[str]:
+    """Rewrite ``bench_dir``'s README and results pages, and every table block in ``pages``
+    (links relative to ``root``, the repository: by default ``bench_dir``'s grandparent).
+    A table that no page holds, or a block no table fills, is an error: nothing drops silently."""
     reports = load_reports(bench_dir)
     if not reports:
         raise FileNotFoundError(f"no benchmark JSON in {bench_dir}: run `make bench` (or `ebrl bench SUITE --out "
                                 f"{bench_dir}`) first")
+    root = (root or bench_dir.resolve().parent.parent).resolve()
     (bench_dir / "README.md").write_text(bench_readme(reports))
     for name, rep in reports.items():  # each suite's page too, so every rendering comes from this code
         (bench_dir / f"{name}-results.md").write_text(results_markdown(name, rep))
-    text = readme.read_text()
-    text = replace_block(text, "summary", summary_table(reports))
-    if "step-cost" in reports:
-        text = replace_block(text, "step-cost", step_cost_table(reports["step-cost"]))
-    if "controller" in reports:
-        text = replace_block(text, "controller", controller_table(reports["controller"]))
-    if "convergence" in reports:
-        text = replace_block(text, "convergence", convergence_table(reports["convergence"]))
-    if "embodied" in reports:
-        text = replace_block(text, "embodied", embodied_table(reports["embodied"]))
-    if "embodied-learning" in reports:
-        text = replace_block(text, "embodied-learning", convergence_table(reports["embodied-learning"]))
-    if "vla" in reports:
-        text = replace_block(text, "vla", vla_table(reports["vla"]))
-    if "sft-rl" in reports:
-        text = replace_block(text, "sft-rl", sft_rl_table(reports["sft-rl"]))
-    if "lag" in reports:
-        text = replace_block(text, "lag", lag_table(reports["lag"]))
-    if "policies" in reports:
-        text = replace_block(text, "policies", policies_table(reports["policies"]))
-    if "scaling" in reports:
-        text = replace_block(text, "scaling", scaling_table(reports["scaling"]))
-    readme.write_text(text)
+    bodies, placed = tables(reports), set()
+    for page in map(Path, pages):
+        text = page.read_text()
+        for name in MARKER.findall(text):
+            if name not in bodies:
+                raise ValueError(f"{page} has a <!-- bench:{name} --> block, but no table of that name "
+                                 f"(no {name}.json in {bench_dir}?)")
+            text = replace_block(text, name, relink(bodies[name], page, root))
+            placed.add(name)
+        page.write_text(text)
+    if set(bodies) - placed:
+        raise ValueError(f"no page holds the tables {sorted(set(bodies) - placed)}: add their "
+                         f"<!-- bench:NAME --> blocks to one of {[str(p) for p in pages]}")
     return list(reports)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ebrl.benchmark.docs", description=__doc__.split("\n\n")[0])
     parser.add_argument("bench_dir", nargs="?", default="docs/benchmarks", type=Path)
-    parser.add_argument("readme", nargs="?", default="README.md", type=Path)
+    parser.add_argument("pages", nargs="*", default=list(PAGES), type=Path, help=f"default: {' '.join(PAGES)}")
     args = parser.parse_args(argv)
-    names = render(args.bench_dir, args.readme)
-    print(f"rewrote {args.bench_dir / 'README.md'} and {args.readme}'s tables from: {', '.join(names)}")
+    names = render(args.bench_dir, args.pages)
+    print(f"rewrote {args.bench_dir / 'README.md'} and the tables of {', '.join(map(str, args.pages))} from: "
+          f"{', '.join(names)}")
     return 0
 
 
