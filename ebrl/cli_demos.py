@@ -41,7 +41,7 @@ def cmd_collect(args: argparse.Namespace) -> int:
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
-    from ebrl.cli import build_spec, build_trainer
+    from ebrl.runs import build_spec, build_trainer
     from ebrl.demos import read_lerobot
     from ebrl.runtime.env_facts import EnvFacts
     from ebrl.sft import SFTConfig, save_sft, sft
@@ -92,7 +92,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 
 def _override(spec: dict[str, Any], item: str) -> dict[str, Any]:
-    from ebrl.cli import build_spec
+    from ebrl.runs import build_spec
 
     merged = build_spec(None, [item])  # validates the key
     head = item.partition("=")[0].strip().partition(".")[0]

@@ -15,12 +15,19 @@ allowed::
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+
+def did_you_mean(key: str, known, n: int = 5, cutoff: float = 0.6) -> str:
+    """``"; did you mean a, b?"`` for the close matches of ``key`` among ``known``, else ``""``."""
+    close = difflib.get_close_matches(key, list(known), n=n, cutoff=cutoff)
+    return f"; did you mean {', '.join(close)}?" if close else ""
 
 
 class ConfigError(ValueError):
@@ -263,7 +270,7 @@ class RunConfig:
     wandb: bool = False
     wandb_project: str = "ebrl"
     # evaluate the latest published weights this often (seconds) on an env of its own, without
-    # pausing rollout (ebrl.runtime.evaluator); None: never
+    # pausing rollout (ebrl.evaluation); None: never
     eval_every_s: float | None = None
     eval_episodes: int = 10
     sim: SimConfig = field(default_factory=SimConfig)

@@ -10,7 +10,7 @@ import numpy as np
 import ebrl
 import ebrl.runtime.sim_worker_link as sim_worker_link
 import ebrl.runtime.sim_workers as sim_workers
-from ebrl.runtime.profiler import Timeline
+from ebrl.telemetry.timeline import Timeline
 from ebrl.testing import Latency, MockEnv, MockPolicy, NoopAlgo
 
 

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from ebrl.cli import build_spec, main
+from ebrl.cli import main
+from ebrl.runs import build_spec
 from ebrl.config import ConfigError
 
 
@@ -21,7 +22,7 @@ def test_spec_overrides_and_files(tmp_path):
 
 def test_algo_and_policy_kinds_each_with_its_own_table():
     from ebrl.algos import GRPO, DecoupledPPO, VTrace
-    from ebrl.cli import build_algo, build_trainer
+    from ebrl.runs import build_algo, build_trainer
     from ebrl.policies import FlowPolicy, TokenPolicy
 
     base = ["env=mock/3", "run.num_envs=8", "env_kwargs.episode_len=8"]
@@ -88,7 +89,7 @@ def test_bad_config_exits_2_with_the_field_named(tmp_path, capsys):
 
 
 def test_policy_kind_follows_the_observations_and_can_be_chosen():
-    from ebrl.cli import build_trainer
+    from ebrl.runs import build_trainer
     from ebrl.policies import CNNPolicy, MLPPolicy
 
     pixels = build_spec(None, ["env=mujoco/InvertedPendulum-v5", "env_kwargs.pixels=16", "policy.hidden=[32]"])
@@ -105,7 +106,7 @@ def test_policy_kind_follows_the_observations_and_can_be_chosen():
 
 
 def test_rl_from_sft_weights_keeps_their_observation_statistics(tmp_path):
-    from ebrl.cli import build_trainer
+    from ebrl.runs import build_trainer
     from ebrl.sft import save_sft
 
     sft = build_trainer(build_spec(None, ["env=mock/3"])).policy
@@ -129,7 +130,7 @@ def test_rl_from_sft_weights_keeps_their_observation_statistics(tmp_path):
 
 
 def test_init_std_scale_scales_the_loaded_std(tmp_path):
-    from ebrl.cli import build_trainer
+    from ebrl.runs import build_trainer
     from ebrl.sft import save_sft
 
     sft = build_trainer(build_spec(None, ["env=mock/3"])).policy
@@ -162,7 +163,7 @@ def test_train_from_pixels_end_to_end(tmp_path):
 
 
 def test_train_with_vector_envs(tmp_path):
-    from ebrl.cli import build_trainer
+    from ebrl.runs import build_trainer
 
     spec = build_spec(None, ["env=mock/3", "run.num_envs=4", "run.sim.vector_size=2"])
     venv = build_trainer(spec).env_fn(0)
@@ -189,7 +190,7 @@ def test_sigint_stops_cleanly_saves_a_checkpoint_and_resume_continues(tmp_path):
     import torch
 
     from ebrl.checkpoint import load_checkpoint
-    from ebrl.cli import build_spec, build_trainer
+    from ebrl.runs import build_spec, build_trainer
 
     first = tmp_path / "first"
     events = first / "events.jsonl"
@@ -227,7 +228,7 @@ def test_resume_from_a_bad_checkpoint_exits_2_naming_it(tmp_path, capsys):
     assert main(_train_args(tmp_path, "--resume", str(tmp_path / "nope.pt"))) == 2
     assert "cannot resume: no checkpoint at" in capsys.readouterr().err
     from ebrl.checkpoint import save_checkpoint
-    from ebrl.cli import build_spec, build_trainer
+    from ebrl.runs import build_spec, build_trainer
 
     other = build_trainer(build_spec(None, ["env=mock/5"]))  # another observation size
     save_checkpoint(tmp_path / "other.pt", other, env_steps=10)

@@ -41,7 +41,7 @@ def test_overrides_parse_values_and_reach_nested_fields():
 
 
 def test_every_key_value_flag_parses_one_way():
-    from ebrl.cli import build_spec
+    from ebrl.runs import build_spec
     from ebrl.cli_demos import _env_kwargs
 
     assert parse_setting(" sim.backend = thread ") == ("sim.backend", "thread")

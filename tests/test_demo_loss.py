@@ -79,7 +79,7 @@ def test_grpo_adds_the_term_and_keeps_its_update_count_in_its_state():
 
 
 def test_the_cli_builds_the_demonstrations_from_a_dataset_and_names_bad_keys(tmp_path):
-    from ebrl.cli import build_spec, build_trainer
+    from ebrl.runs import build_spec, build_trainer
     from ebrl.demos import collect, read_lerobot
 
     collect("mock/reach", tmp_path / "demos", episodes=2)

@@ -50,7 +50,7 @@ def test_collect_sft_and_eval_round_trip_on_fetch_reach_with_a_video(tmp_path, c
 def test_rl_starts_from_the_sft_weights_and_eval_names_bad_input(tmp_path, capsys):
     import torch
 
-    from ebrl.cli import build_spec, build_trainer
+    from ebrl.runs import build_spec, build_trainer
     from ebrl.runs import load_run
 
     demos, policy = tmp_path / "demos", tmp_path / "sft"

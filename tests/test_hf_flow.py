@@ -303,7 +303,7 @@ def test_gradient_checkpointing_and_bf16(llama_dir):
 
 
 def test_registry_and_cli_build_it(llama_dir, tmp_path):
-    from ebrl.cli import build_spec, build_trainer
+    from ebrl.runs import build_spec, build_trainer
     from ebrl.config import ConfigError
 
     policy = ebrl.policies.build_policy("hf-flow", dict_space(), CHUNK, path=str(llama_dir), instruction=TASKS,

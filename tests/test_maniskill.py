@@ -196,7 +196,8 @@ def test_missing_maniskill_says_what_to_install(monkeypatch):
 
 
 def test_ebrl_train_runs_a_maniskill_task_as_one_vector_env(fake_maniskill, tmp_path):
-    from ebrl.cli import build_spec, build_trainer, main
+    from ebrl.cli import main
+    from ebrl.runs import build_spec, build_trainer
 
     trainer = build_trainer(build_spec(None, [f"env=maniskill/{TASK}", "run.num_envs=8"]))
     assert trainer.config.sim.vector_size == 8  # one GPU simulator for all envs unless told otherwise

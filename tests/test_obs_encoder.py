@@ -15,7 +15,8 @@ from torch import nn
 
 import ebrl
 from ebrl.algos import PPO
-from ebrl.cli import build_policy, main
+from ebrl.cli import main
+from ebrl.runs import build_policy
 from ebrl.config import ConfigError
 from ebrl.policies import CNNPolicy, FlowPolicy, MLPPolicy, TokenPolicy, check_policy_spaces
 from ebrl.policies.encoders import ObsEncoder, ObsLayout

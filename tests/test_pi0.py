@@ -376,7 +376,7 @@ def test_the_cli_loads_a_checkpoint_by_its_model_type(dirs, tmp_path):
     """``--set policy.kind=hf --set policy.path=DIR`` (and ``ebrl.policies.from_pretrained``) give
     PI0Policy for a pi0 or pi05 config.json, with the env's instructions; the run executes its
     chunks on the per-step env."""
-    from ebrl.cli import build_spec, build_trainer
+    from ebrl.runs import build_spec, build_trainer
     from ebrl.policies import from_pretrained
     from ebrl.testing import InstructedReach
 
@@ -470,7 +470,8 @@ def test_sft_on_a_lerobot_dataset_then_rl_from_it_from_the_command_line(tmp_path
     """``ebrl demos collect`` writes a LeRobot dataset, ``ebrl sft DATASET --set policy.kind=hf
     --set policy.path=DIR`` fine-tunes the π0 on it through LoRA, and ``ebrl train --set
     policy.init=SFT`` starts from exactly those trainable weights."""
-    from ebrl.cli import build_spec, build_trainer, main
+    from ebrl.cli import main
+    from ebrl.runs import build_spec, build_trainer
     from ebrl.testing import InstructedReach
 
     model = tmp_path / "pi0"

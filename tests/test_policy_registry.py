@@ -6,7 +6,8 @@ import textwrap
 import gymnasium as gym
 import pytest
 
-from ebrl.cli import build_spec, build_trainer, main
+from ebrl.cli import main
+from ebrl.runs import build_spec, build_trainer
 from ebrl.config import ConfigError
 from ebrl.policies import MLPPolicy, build_policy, policy_kinds, register_policy, unregister_policy
 

@@ -1,4 +1,4 @@
-"""The stage timeline (ebrl.runtime.profiler) on virtual time: exact event counts and durations."""
+"""The stage timeline (ebrl.telemetry.timeline) on virtual time: exact event counts and durations."""
 
 import dataclasses
 import json
@@ -7,7 +7,7 @@ import statistics
 import pytest
 
 import ebrl
-from ebrl.runtime.profiler import Timeline
+from ebrl.telemetry.timeline import Timeline
 from ebrl.testing import Latency, MockEnv, MockPolicy, NoopAlgo, run_virtual
 
 FAST, SLOW = 0.001, 0.010

@@ -184,7 +184,8 @@ def test_probe_carries_env_0s_facts_on_every_backend():
 
 
 def test_the_cli_runs_grpo_with_what_it_needs_and_refuses_a_contradiction(tmp_path, capsys):
-    from ebrl.cli import build_spec, build_trainer, main
+    from ebrl.cli import main
+    from ebrl.runs import build_spec, build_trainer
 
     tr = build_trainer(build_spec(None, ["env=mock/3", "run.num_envs=8", "algo.kind=grpo"]))
     assert (tr.config.schedule, tr.config.segment_cut, tr.config.reset_group) == ("sync", "episode", 4)

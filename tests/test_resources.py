@@ -7,17 +7,10 @@ import numpy as np
 import pytest
 
 import ebrl
-from ebrl.runtime.resources.controller import (
-    Knobs,
-    Limits,
-    Memory,
-    decide,
-    generation_rule,
-    lanes_rule,
-    lpt_placement,
-    placement_rule,
-    spread,
-)
+from ebrl.runtime.resources.controller import decide
+from ebrl.runtime.resources.knobs import Knobs, Limits, Memory
+from ebrl.runtime.resources.rules_sim import lanes_rule, lpt_placement, placement_rule, spread
+from ebrl.runtime.resources.rules_stages import generation_rule
 from ebrl.runtime.resources.profiler import WAIT_CAUSES, EpochProfile
 from ebrl.testing import Latency, MockEnv, MockPolicy, NoopAlgo, run_virtual
 
@@ -202,7 +195,7 @@ class Spinning(MockPolicy):
 
 
 def test_policy_calls_move_inline_when_the_generator_thread_waits_for_the_gil_and_back_when_they_grow():
-    from ebrl.runtime.resources.controller import offload_rule
+    from ebrl.runtime.resources.rules_stages import offload_rule
 
     limits = Limits(num_units=16, cpus=2)
     # 100 batches of 100 us CPU that took 400 us each in the thread: they mostly waited
@@ -234,7 +227,7 @@ def test_the_controller_resolves_auto_offload_from_the_first_measured_call_on_th
 
     from ebrl.config import Offload, SimBackend
     from ebrl.runtime.generation import Generator
-    from ebrl.runtime.resources.controller import offload_rule
+    from ebrl.runtime.resources.rules_stages import offload_rule
     from ebrl.runtime.resources.manager import ResourceManager
 
     def manager(gen, line):
@@ -275,7 +268,7 @@ def test_the_controller_resolves_auto_offload_from_the_first_measured_call_on_th
 
 
 def test_batch_target_halves_only_for_an_idle_generator_thread_with_idle_cores_and_doubles_when_calls_are_full():
-    from ebrl.runtime.resources.controller import batch_target_rule
+    from ebrl.runtime.resources.rules_stages import batch_target_rule
 
     limits = Limits(num_units=16, cpus=2, num_envs=16)
     # rows wait 500 us for batches that take 400 us, the thread busy 40%, half the cores idle
@@ -303,7 +296,7 @@ def test_batch_target_halves_only_for_an_idle_generator_thread_with_idle_cores_a
 
 def test_the_batch_target_follows_the_measured_cost_of_a_call_against_its_rows():
     from ebrl.runtime.generation import BatchCosts
-    from ebrl.runtime.resources.controller import batch_target_rule
+    from ebrl.runtime.resources.rules_stages import batch_target_rule
 
     limits = Limits(num_units=16, cpus=2, num_envs=16)
     costs = BatchCosts()  # a VLA-like call: 40 ms whatever the batch, 1 ms a row
@@ -334,7 +327,7 @@ def test_the_batch_target_waits_a_window_after_the_calls_move():
 
 
 def test_worker_processes_multiply_when_their_steps_wait_and_halve_to_the_cores_when_they_compute():
-    from ebrl.runtime.resources.controller import workers_rule
+    from ebrl.runtime.resources.rules_sim import workers_rule
 
     limits = Limits(num_units=16, cpus=2)
     placement = [0, 1] * 8
@@ -419,7 +412,7 @@ def test_profiles_account_for_every_step_and_the_time_of_every_env():
 
 
 def test_sm_split_grows_generation_when_envs_wait_for_actions_and_is_never_set_without_green_contexts():
-    from ebrl.runtime.resources.controller import sm_split_rule
+    from ebrl.runtime.resources.rules_stages import sm_split_rule
 
     limits = Limits(num_units=16, cpus=2, total_sms=132, sm_granularity=8, act_wait_target_s=0.002)
     slow = profile(steps=100.0, action=0.5, gen={"gen_batches": 100, "gen_busy_s": 0.05})  # 5 ms per step
@@ -560,7 +553,7 @@ def test_fewer_workers_retire_only_after_their_envs_have_moved_off():
     from ebrl.runtime.sim_types import ElasticPool
 
     from ebrl.config import Offload, SimBackend
-    from ebrl.runtime.resources.controller import Decision
+    from ebrl.runtime.resources.knobs import Decision
     from ebrl.runtime.moves import Moves
     from ebrl.runtime.resources.manager import ResourceManager
 
@@ -602,7 +595,7 @@ def test_fewer_workers_retire_only_after_their_envs_have_moved_off():
 
 
 def test_the_learner_gets_a_thread_more_when_training_holds_envs_back_and_cores_idle():
-    from ebrl.runtime.resources.controller import threads_rule
+    from ebrl.runtime.resources.rules_stages import threads_rule
 
     n = 16
     waits = profile(n=n)
@@ -619,7 +612,8 @@ def test_an_update_longer_than_the_window_gets_its_thread_in_the_window_it_stall
     # a 30 s update on a big policy: the windows it spans ran no env step, the envs parked (or,
     # under sync, waited on the paused generator); the learner's rule still runs there, and a
     # change on trial is not judged on such a window (its rate says nothing about the change)
-    from ebrl.runtime.resources.controller import Decision, Trial, decide
+    from ebrl.runtime.resources.controller import decide
+    from ebrl.runtime.resources.knobs import Decision, Trial
 
     n = 8
     stalled = profile(n=n, epoch=3, steps=0.0, mean_step=0.01)
@@ -659,7 +653,7 @@ def test_the_profile_counts_an_update_and_a_park_still_in_progress():
 
 def test_affinity_splits_the_cores_only_when_each_part_can_have_its_own():
     from ebrl.runtime.resources.affinity import split_plan
-    from ebrl.runtime.resources.controller import affinity_rule
+    from ebrl.runtime.resources.rules_stages import affinity_rule
 
     assert split_plan(8, 2) == {"loop": [0], "learner": [1], "workers": [2, 3, 4, 5, 6, 7]}
     assert split_plan([2, 3, 5, 7], 2) == {"loop": [2], "learner": [3], "workers": [5, 7]}
@@ -720,7 +714,7 @@ def test_learner_threads_reach_the_learner_process_with_the_next_update():
 def test_a_timeline_does_not_change_the_profiles_waits():
     """The barrier is its own cause in the profile whether or not a timeline observes the run
     (the timeline's "act" spans the barrier; the profile's action wait does not)."""
-    from ebrl.runtime.profiler import Timeline
+    from ebrl.telemetry.timeline import Timeline
 
     def run(timeline):
         trainer = ebrl.Trainer(
@@ -736,7 +730,7 @@ def test_a_timeline_does_not_change_the_profiles_waits():
 
 
 def test_on_saturated_cores_the_batch_fills_to_half_the_envs_once_and_off_trial():
-    from ebrl.runtime.resources.controller import batch_target_rule
+    from ebrl.runtime.resources.rules_stages import batch_target_rule
 
     limits = Limits(num_units=16, cpus=2, num_envs=16)
     # ManiSkill-like: two worker processes and the loop keep both cores busy; batches of about one row

@@ -10,7 +10,8 @@ from test_sim_workers import PidEnvs, started, step_all
 
 import ebrl
 from ebrl.config import SimBackend
-from ebrl.runtime.resources.controller import Knobs, Limits, Memory, backend_rule
+from ebrl.runtime.resources.knobs import Knobs, Limits, Memory
+from ebrl.runtime.resources.rules_sim import backend_rule
 from ebrl.runtime.sim_mixed import LOCAL, MixedSimPool
 from ebrl.runtime.errors import EnvStepError
 from ebrl.runtime.sim_types import STEPS

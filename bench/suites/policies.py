@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from ebrl.benchmark.figures import Target, check_targets, spread
 from ebrl.benchmark.suite import run_capped
-from ebrl.cli import build_spec, build_trainer
+from ebrl.runs import build_spec, build_trainer
 
 DESCRIPTION = "the token and flow policies (PPO) and GRPO to a FetchReach score, as `ebrl train` runs them"
 SEEDS = (0, 1, 2)

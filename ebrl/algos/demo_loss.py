@@ -41,7 +41,7 @@ class DemoLoss:
 
     def __init__(self, demos: Any, observation_space, action_space, *, coef: float = 0.1, decay: float = 0.995,
                  minibatch_size: int = 256, seed: int = 0):
-        from ebrl.demos import read_lerobot
+        from ebrl.demos.lerobot import read_lerobot
         from ebrl.demos.features import ObsFeatures
         from ebrl.sft import demo_actions
 

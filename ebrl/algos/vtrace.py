@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from ebrl.algos.advantages import _last_valid
 from ebrl.algos.batch import Batch
-from ebrl.algos.minibatch import _evaluate_valid, _index, refuse_unknown
+from ebrl.algos.minibatch import _evaluate_valid, refuse_unknown
 from ebrl.algos.ppo import PPO, Checks, PPOConfig
 
 

@@ -11,14 +11,10 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import TYPE_CHECKING
-
 import numpy as np
 
+from ebrl.benchmark.spec import Suite
 from ebrl.spaces import batch_of_one, copy_tree, stack
-
-if TYPE_CHECKING:
-    from ebrl.benchmark.suite import Suite
 
 
 def _step_envs(env_fn, ids: list[int], seconds: float, counter: list[int], slot: int) -> None:

@@ -37,68 +37,22 @@ import importlib.util
 import os
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 import psutil
 
 import ebrl
 from ebrl.benchmark.figures import (MACHINE, STEADY_AT_MOST, Target, check_targets, steadiness, suite_ratios,
                                     summarize_rows)
+from ebrl.benchmark.fresh import call_fresh
 from ebrl.benchmark.limits import physical_limit
+from ebrl.benchmark.loader import load_suite
+from ebrl.benchmark.spec import Suite
 from ebrl.policies.base import state_nbytes
 from ebrl.runtime.children import send_by_value
 from ebrl.runtime.sim_types import single_spaces
 
 PEERS_DIR = Path(__file__).resolve().parent.parent.parent / "bench" / "peers"
-PEERS = ("sync", "async", "cleanrl")  # gym-sync, gym-async (same-policy control), cleanrl (own networks)
-
-
-@dataclass
-class Suite:
-    """What a benchmark runs. ``cases`` maps a case name to ``env_fn(i)``."""
-
-    description: str
-    cases: dict[str, Callable[[int], Any]]
-    policy_fn: Callable[[Any, Any, int], Any]  # (observation_space, action_space, seed) -> policy
-    algo_fn: Callable[[int], Any]  # seed -> algorithm
-    num_envs: int
-    steps: int  # env steps per measured run
-    quick_steps: int
-    segment_len: int = 32
-    rounds: int = 3
-    schedules: tuple[str, ...] = ("async", "pipelined", "sync")
-    peers: tuple[str, ...] = PEERS
-    run_config: dict = field(default_factory=dict)  # extra RunConfig fields (sim backend, ...)
-    targets: dict[str, float | Target] = field(default_factory=dict)  # e.g. {"async/sync": 2.0}: median >= 2.0
-    quick_num_envs: int = 8  # --quick is a smoke test: few envs, few steps
-    quick_schedules: tuple[str, ...] | None = None  # --quick runs only these (None: every schedule)
-    limits: bool = True  # measure each stage alone (the physical limit)
-    # EBRL runs as `asyncio.run(main())` awaiting ebrl.run: the user's own (default asyncio) loop,
-    # not run_sync's uvloop
-    embedded: bool = False
-    # per-case (num_envs, steps) where the cases' envs differ in cost by orders of magnitude (a
-    # LIBERO env with a camera steps 50x slower than ManiSkill's); the others take the suite's
-    case_sizes: dict[str, tuple[int, int]] = field(default_factory=dict)
-    # per-case policy_fn where the cases train different models (the vla suite's token, π0 and π0.5)
-    case_policies: dict[str, Callable[[Any, Any, int], Any]] = field(default_factory=dict)
-
-    def for_case(self, case: str) -> "Suite":
-        suite = self
-        if case in self.case_sizes:
-            num_envs, steps = self.case_sizes[case]
-            suite = replace(suite, num_envs=num_envs, steps=steps)
-        if case in self.case_policies:
-            suite = replace(suite, policy_fn=self.case_policies[case])
-        return suite
-
-    def sized(self, quick: bool) -> "Suite":
-        if not quick:
-            return self
-        return replace(self, num_envs=min(self.num_envs, self.quick_num_envs), segment_len=min(self.segment_len, 16),
-                       rounds=1, schedules=self.quick_schedules or self.schedules)
 
 
 class CpuMeter:
@@ -251,8 +205,6 @@ def measure_case(suite: str, case: str, runner: str, steps: int, seed: int, quic
                  suites_dir: str | None = None) -> dict:
     """One run of ``bench/suites/SUITE.py``'s case: ``runner`` is a schedule (``async``...) or
     ``peer:KIND``. What a fresh process (:func:`ebrl.benchmark.fresh.call_fresh`) calls."""
-    from ebrl.benchmark.loader import load_suite
-
     spec = load_suite(suite, suites_dir).SUITE.for_case(case).sized(quick)
     return measure_runner(spec, spec.cases[case], runner, steps, seed)
 
@@ -269,8 +221,6 @@ def run_suite_rounds(suite: Suite, quick: bool, *, source: tuple[str, str | None
     """Every round of ``suite``. ``source``: the suite's name and folder, so each run can load it
     again in a fresh process; without it (a suite made in code) or with ``in_process``, every
     run is in this process after an untimed warm-up run."""
-    from ebrl.benchmark.fresh import call_fresh
-
     whole = suite
     fresh = source is not None and not in_process
     rows, limits, sizes = [], {}, {}

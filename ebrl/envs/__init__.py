@@ -21,20 +21,13 @@ own, see :mod:`ebrl.envs.libero`), ``mock/<dim>`` (:class:`ebrl.testing.MockEnv`
 
 from __future__ import annotations
 
-import difflib
-
 import gymnasium as gym
 
+from ebrl.config import did_you_mean
 from ebrl.envs.pixels import PixelObservation, ensure_gl
 
 # suites whose simulator steps many envs per call: make_vector builds one simulator for them
 VECTOR_SUITES = ("maniskill/",)
-
-
-def did_you_mean(key: str, known, n: int = 5, cutoff: float = 0.6) -> str:
-    """``"; did you mean a, b?"`` for the close matches of ``key`` among ``known``, else ``""``."""
-    close = difflib.get_close_matches(key, list(known), n=n, cutoff=cutoff)
-    return f"; did you mean {', '.join(close)}?" if close else ""
 
 
 def make(name: str, *, chunk: int = 1, **kwargs) -> gym.Env:
@@ -204,5 +197,5 @@ def list_envs(suite: str | None = None) -> list[str]:
     return names
 
 
-__all__ = ["VECTOR_SUITES", "PixelObservation", "did_you_mean", "ensure_gl", "list_envs", "make", "make_vector",
+__all__ = ["VECTOR_SUITES", "PixelObservation", "ensure_gl", "list_envs", "make", "make_vector",
            "natively_vectorised"]

@@ -20,7 +20,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from ebrl.envs import did_you_mean
+from ebrl.config import did_you_mean
 from ebrl.envs.robotics import INSTALL
 
 

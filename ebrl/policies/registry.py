@@ -21,6 +21,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ebrl.policies.cnn import CNNPolicy
+from ebrl.policies.flow import FlowPolicy
+from ebrl.policies.mlp import MLPPolicy
+from ebrl.policies.token import TokenPolicy
+
 PolicyBuilder = Callable[..., Any]
 
 _BUILDERS: dict[str, PolicyBuilder] = {}
@@ -65,8 +70,6 @@ def _builtin(kind: str) -> PolicyBuilder:
         return _hf_token
     if kind == "hf-flow":
         return _hf_flow
-    from ebrl.policies import CNNPolicy, FlowPolicy, MLPPolicy, TokenPolicy
-
     return {"mlp": MLPPolicy, "cnn": CNNPolicy, "token": TokenPolicy, "flow": FlowPolicy}[kind].from_spaces
 
 

@@ -15,7 +15,7 @@ The schedules differ only in what is released together (:class:`~ebrl.config.Sch
 under ``async`` every unit (an env, or a vector env) goes on alone, as soon as its step is
 back; under ``sync`` and ``pipelined`` a lockstep group goes on once all of its units are
 back. :class:`~ebrl.runtime.waits.EnvWaits` observes the path: each env's waits by cause,
-for the profiler and (when given) the :class:`~ebrl.runtime.profiler.Timeline`.
+for the profiler and (when given) the :class:`~ebrl.telemetry.timeline.Timeline`.
 
 Every transition is counted exactly once: simulated, then trained, dropped with a reason, or
 still in flight when the run stops.
@@ -36,7 +36,7 @@ from ebrl.runtime.episodes import Episodes
 from ebrl.runtime.errors import EnvStepError, raise_first
 from ebrl.runtime.generation import Generator
 from ebrl.runtime.moves import Moves
-from ebrl.runtime.profiler import Timeline
+from ebrl.telemetry.timeline import Timeline
 from ebrl.runtime.recovery import Recovery
 from ebrl.runtime.rollout import RolloutQueue
 from ebrl.runtime.schedules import Barrier, is_lockstep

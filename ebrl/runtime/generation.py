@@ -58,7 +58,7 @@ from ebrl.runtime.virtual_time import is_virtual
 from ebrl.spaces import batch_of_one, concat
 
 if TYPE_CHECKING:
-    from ebrl.runtime.profiler import Timeline
+    from ebrl.telemetry.timeline import Timeline
     from ebrl.runtime.resources.gpu import GpuStreams
 
 FILL_WAIT_MAX_S = 0.05  # a batch filling to its target never waits longer (an env may be resetting)

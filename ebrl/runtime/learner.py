@@ -42,18 +42,17 @@ from ebrl.runtime.rollout import RolloutQueue
 from ebrl.runtime.stage import Stage
 from ebrl.runtime.state import RunState
 from ebrl.runtime.stats import RunStats
-from ebrl.runtime.threads import in_thread
+from ebrl.runtime.threads import CLOSE_WAIT_S, in_thread
 from ebrl.runtime.virtual_time import is_virtual
 from ebrl.telemetry.logging import get_logger
 from ebrl.telemetry.metrics import MetricsLog
 
 if TYPE_CHECKING:
     from ebrl.distributed import DataParallel
-    from ebrl.runtime.profiler import Timeline
+    from ebrl.telemetry.timeline import Timeline
     from ebrl.runtime.resources.gpu import GpuStreams
 
 log = get_logger("ebrl.learner")
-CLOSE_WAIT_S = 1.0  # how long close() waits for the update in flight (see sim_threads)
 
 
 @dataclass

@@ -54,7 +54,7 @@ from ebrl.telemetry.metrics import MetricsLog
 from ebrl.telemetry.system import SystemSampler
 
 if TYPE_CHECKING:
-    from ebrl.runtime.profiler import Timeline
+    from ebrl.telemetry.timeline import Timeline
     from ebrl.trainer import Trainer
 
 log = get_logger("ebrl.run")
@@ -67,7 +67,7 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
     """Train ``trainer`` on the running event loop until ``total_env_steps`` or ``stop`` is set.
 
     ``progress(stats, learner)`` is called every ``config.log_every_s`` seconds and at the end.
-    ``timeline`` (:class:`ebrl.runtime.profiler.Timeline`) records every env step, generation
+    ``timeline`` (:class:`ebrl.telemetry.timeline.Timeline`) records every env step, generation
     batch and update, in loop time.
     """
     cfg = trainer.config
@@ -186,7 +186,7 @@ async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop
             if progress is not None:
                 helpers.append(tg.create_task(_report(progress, stats, learner, cfg.log_every_s)))
             if cfg.eval_every_s is not None and not virtual:
-                from ebrl.runtime.evaluator import evaluate_periodically
+                from ebrl.evaluation import evaluate_periodically
 
                 helpers.append(tg.create_task(evaluate_periodically(
                     trainer, learner, stats, metrics, every_s=cfg.eval_every_s, episodes=cfg.eval_episodes,

@@ -36,7 +36,6 @@ from ebrl.runtime.virtual_time import is_virtual
 from ebrl.telemetry.logging import get_logger
 
 log = get_logger("ebrl.sim")
-CLOSE_WAIT_S = 1.0  # close() waits this long for lanes in a step (with the workers and the learner: a stop ends within 5 s)
 
 
 class LocalEnvs(SimPool):

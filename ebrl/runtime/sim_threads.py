@@ -32,9 +32,9 @@ import numpy as np
 
 from ebrl.config import SimBackend
 from ebrl.runtime.errors import EnvStepError, TimedOut
-from ebrl.runtime.sim_local import CLOSE_WAIT_S, LocalEnvs
+from ebrl.runtime.sim_local import LocalEnvs
 from ebrl.runtime.sim_types import EnvFn, close_quietly, describe
-from ebrl.runtime.threads import in_thread, settle
+from ebrl.runtime.threads import CLOSE_WAIT_S, in_thread, settle
 from ebrl.telemetry.logging import get_logger
 
 log = get_logger("ebrl.sim")

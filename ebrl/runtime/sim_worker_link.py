@@ -21,9 +21,9 @@ import numpy as np
 from ebrl.runtime.children import child_context, portable
 from ebrl.runtime.children import start as start_child
 from ebrl.runtime.sim_types import EnvFn
+from ebrl.runtime.threads import CLOSE_WAIT_S
 from ebrl.runtime.sim_worker_process import PICKLED, QUIT, READ_BYTES, STEP, worker_main
 
-CLOSE_WAIT_S = 1.0  # close() waits this long for the workers to quit, then kills them (see sim_threads)
 
 
 class WorkerLink:

@@ -29,6 +29,9 @@ from typing import Any, TypeVar
 from ebrl.telemetry.logging import get_logger
 
 T = TypeVar("T")
+# how long a closing piece waits for work in flight (a lane's step, a worker, the update, an
+# evaluation) before it leaves or kills it: with every piece closed in turn, a stop ends within 5 s
+CLOSE_WAIT_S = 1.0
 log = get_logger("ebrl.threads")
 
 

@@ -3,7 +3,7 @@
 The driver tells :class:`EnvWaits` what happened to a set of envs and when (their step came
 back, their action came, they parked, ...). It keeps, per env, the seconds waited so far by
 cause, which the live profiler reads as :meth:`EnvWaits.counters` snapshots, and, when a
-:class:`~ebrl.runtime.profiler.Timeline` is given, records the same spans there (``sim``,
+:class:`~ebrl.telemetry.timeline.Timeline` is given, records the same spans there (``sim``,
 ``act``, ``blocked``, ``fail`` per env lane). One place measures a wait, so the controller's
 profile and a trace cannot disagree.
 """
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from ebrl.runtime.profiler import Timeline
+    from ebrl.telemetry.timeline import Timeline
 
 
 class EnvWaits:

@@ -19,7 +19,7 @@ the learner; :meth:`Timeline.plot_gantt` draws a PNG Gantt chart where stalls sh
 long "act" bars.
 
     >>> import ebrl
-    >>> from ebrl.runtime.profiler import Timeline
+    >>> from ebrl.telemetry.timeline import Timeline
     >>> from ebrl.testing import Latency, MockEnv, MockPolicy, NoopAlgo, run_virtual
     >>> trainer = ebrl.Trainer(
     ...     env_fn=lambda i: MockEnv(latency=Latency.constant(0.010 if i == 0 else 0.001)),

@@ -34,7 +34,8 @@ hysteresis, and says why. Knobs the user set (``fixed``) are never touched.
   batches, fewer calls.
 
     >>> import numpy as np
-    >>> from ebrl.runtime.resources.controller import Knobs, Limits, Memory, decide
+    >>> from ebrl.runtime.resources.controller import decide
+    >>> from ebrl.runtime.resources.knobs import Knobs, Limits, Memory
     >>> from ebrl.runtime.resources.profiler import EpochProfile
     >>> n = 16   # 16 sleeping envs on 2 lanes: each step 1 ms asleep, 7 ms waiting for a lane
     >>> p = EpochProfile(epoch=0, t_start=0.0, t_end=1.0, backend="thread", lanes=2, num_units=n,
@@ -51,31 +52,11 @@ from dataclasses import replace
 
 import numpy as np
 
-from ebrl.runtime.resources.knobs import (  # noqa: F401 (what the rules and tests import from here)
-    MIN_STEPS_PER_UNIT,
-    Decision,
-    Knobs,
-    Limits,
-    Memory,
-    Trial,
-)
+from ebrl.runtime.resources.knobs import MIN_STEPS_PER_UNIT, Decision, Knobs, Limits, Memory, Trial
 from ebrl.runtime.resources.profiler import EpochProfile
-from ebrl.runtime.resources.rules_sim import (  # noqa: F401
-    backend_rule,
-    lanes_rule,
-    lpt_placement,
-    placement_rule,
-    spread,
-    workers_rule,
-)
-from ebrl.runtime.resources.rules_stages import (  # noqa: F401
-    affinity_rule,
-    batch_target_rule,
-    generation_rule,
-    offload_rule,
-    sm_split_rule,
-    threads_rule,
-)
+from ebrl.runtime.resources.rules_sim import backend_rule, lanes_rule, placement_rule, workers_rule
+from ebrl.runtime.resources.rules_stages import (affinity_rule, batch_target_rule, generation_rule, offload_rule,
+                                                 sm_split_rule, threads_rule)
 from ebrl.runtime.sim_mixed import LOCAL
 
 REVERT_BELOW = 0.95  # a change whose next full window runs below this fraction of the one before is undone

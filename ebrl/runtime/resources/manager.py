@@ -39,7 +39,9 @@ import numpy as np
 from ebrl.config import Offload, RunConfig, SimBackend
 from ebrl.runtime.schedules import is_lockstep
 from ebrl.runtime.resources import affinity
-from ebrl.runtime.resources.controller import Decision, Knobs, Limits, Memory, decide, lpt_placement, postpone_trials
+from ebrl.runtime.resources.controller import decide, postpone_trials
+from ebrl.runtime.resources.knobs import Decision, Knobs, Limits, Memory
+from ebrl.runtime.resources.rules_sim import lpt_placement
 from ebrl.runtime.resources.gpu import GpuStreams, StreamMode
 from ebrl.runtime.resources.profiler import EpochProfile, LiveProfiler
 from ebrl.runtime.resources.rules_start import offload_start
