@@ -132,7 +132,7 @@ class SimConfig:
     # worker-mates' results. Smaller streams finer, at a block's CPU cost per reply.
     reply_hold_s: float = 0.002
     # envs per env_fn call: > 1 means env_fn(k) builds a gymnasium VectorEnv of that many envs
-    # (a GPU simulator), stepped as one task (ebrl.runtime.vector_envs)
+    # (a GPU simulator), stepped as one task (ebrl.runtime.sim.stepping)
     vector_size: int = 1
 
     def __post_init__(self) -> None:

@@ -8,8 +8,8 @@ import gymnasium as gym
 import numpy as np
 
 import ebrl
-import ebrl.runtime.sim_worker_link as sim_worker_link
-import ebrl.runtime.sim_workers as sim_workers
+import ebrl.runtime.sim.worker as sim_worker
+import ebrl.runtime.sim.workers as sim_workers
 from ebrl.telemetry.timeline import Timeline
 from ebrl.testing import Latency, MockEnv, MockPolicy, NoopAlgo
 
@@ -72,7 +72,7 @@ def test_a_dict_observation_run_pickles_nothing_per_step(monkeypatch, no_leaks):
     the start-up and reset messages (a few per worker), however many steps run; the episodes'
     success flags still arrive (through shared-memory flags)."""
     counter = CountingPickle(sim_workers.pickle)
-    for module in (sim_workers, sim_worker_link):  # the pool's pickles and its worker links'
+    for module in (sim_workers, sim_worker):  # the host's pickles and its worker links'
         monkeypatch.setattr(module, "pickle", counter)
     tr = ebrl.Trainer(lambda i: DictEnv(), MockPolicy(act_dim=2), NoopAlgo(),
                       ebrl.RunConfig(num_envs=8, segment_len=16, total_env_steps=4000,
@@ -123,7 +123,7 @@ def test_the_rollout_owns_each_transition_from_the_action_to_the_record():
     from ebrl.runtime.collate import collate
     from ebrl.runtime.fields import transition_fields
     from ebrl.runtime.rollout import RolloutQueue
-    from ebrl.runtime.sim_types import Block
+    from ebrl.runtime.sim import Block
     from ebrl.runtime.stats import RunStats
 
     box = gym.spaces.Box(-np.inf, np.inf, (1,), np.float32)

@@ -123,8 +123,16 @@ def test_chunk_discounting_changes_ppo_targets():
 
 
 def test_bad_chunk_info_is_a_clear_error():
-    from ebrl.runtime.sim_types import StepOut, StepRows
-    rows = StepRows(1, gym.spaces.Box(-1, 1, (2,)), gym.spaces.Box(-1, 1, (K, 2)))
-    out = StepOut(np.zeros(2, np.float32), 1.0, False, False, {"chunk_rewards": np.zeros(3), "chunk_steps": 2})
+    from ebrl.runtime.sim import StepRows
+    from ebrl.runtime.sim.stepping import step_unit
+
+    class BadChunks(gym.Env):
+        observation_space, action_space = gym.spaces.Box(-1, 1, (2,)), gym.spaces.Box(-1, 1, (K, 2))
+
+        def step(self, action):
+            return np.zeros(2, np.float32), 1.0, False, False, {"chunk_rewards": np.zeros(3), "chunk_steps": 2}
+
+    env = BadChunks()
+    rows = StepRows(1, env.observation_space, env.action_space)
     with pytest.raises(ValueError, match="chunk_rewards"):
-        rows.write(0, out)
+        step_unit(env, rows, 0)

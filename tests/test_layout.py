@@ -1,56 +1,89 @@
-"""The runtime's sim modules import in any order (no import cycle), and the space-tree utilities
-of :mod:`ebrl.spaces` treat arrays and dicts of arrays alike."""
+"""No import circle in ``ebrl/`` (function-level and ``TYPE_CHECKING`` imports included), and
+the space-tree utilities of :mod:`ebrl.spaces` treat arrays and dicts of arrays alike."""
 
-import subprocess
-import sys
+import ast
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from ebrl import spaces
 
-SIM_MODULES = ["ebrl.spaces", "ebrl.runtime.fields", "ebrl.runtime.sim_types", "ebrl.runtime.vector_envs",
-               "ebrl.runtime.sim_local", "ebrl.runtime.sim_threads", "ebrl.runtime.sim_worker_process",
-               "ebrl.runtime.sim_worker_link", "ebrl.runtime.sim_workers_elastic", "ebrl.runtime.sim_workers",
-               "ebrl.runtime.sim_mixed", "ebrl.runtime.sim_pool"]
+ROOT = Path(__file__).resolve().parent.parent / "ebrl"
 
 
-@pytest.fixture(scope="module")
-def fresh_imports():
-    """One fresh interpreter per first module, all started at once (each spends seconds importing
-    torch; in turn they cost a minute of the suite): ``{first: (returncode, stderr)}``."""
-    procs = {}
-    for first in SIM_MODULES:
-        code = "; ".join(f"import {m}" for m in [first, *(m for m in SIM_MODULES if m != first)])
-        procs[first] = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.PIPE, text=True)
-    try:
-        stderrs = {first: p.communicate(timeout=110)[1] for first, p in procs.items()}
-        return {first: (procs[first].returncode, err) for first, err in stderrs.items()}
-    finally:
-        for p in procs.values():
-            p.kill()
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the ``ebrl`` modules it imports: at module level, inside functions and under
+    ``TYPE_CHECKING`` alike. ``from package import name`` counts the submodule ``name`` where
+    there is one, else the package; a package is not counted for its submodules' sake."""
+    mods = {}
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for mod, path in mods.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+                head = ".".join(base[:len(base) - node.level + 1] + [node.module or ""]).strip(".") \
+                    if node.level else node.module
+                names = [f"{head}.{a.name}" if f"{head}.{a.name}" in mods else head for a in node.names]
+            else:
+                continue
+            for name in names:
+                while name and name not in mods:
+                    name = name.rpartition(".")[0]
+                if name and name != mod:
+                    deps.add(name)
+        graph[mod] = deps
+    return graph
 
 
-@pytest.mark.parametrize("first", SIM_MODULES)
-def test_sim_modules_import_in_a_fresh_interpreter_whichever_comes_first(first, fresh_imports):
-    # a cycle can only bite the module imported first (whatever it pulls in is then cached), so
-    # one fresh interpreter per first module covers every order; the others follow
-    returncode, stderr = fresh_imports[first]
-    assert returncode == 0, stderr
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while not comp or comp[-1] != v:
+                comp.append(stack.pop())
+                on.discard(comp[-1])
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
 
 
-def test_no_function_level_imports_between_sim_modules():
-    import ast
-    import importlib
+def test_ebrl_has_no_import_circle():
+    graph = import_graph()
+    assert {"ebrl.runtime.sim.pool", "ebrl.runtime.run", "ebrl.cli"} <= set(graph)
+    assert cycles(graph) == []
 
-    for name in SIM_MODULES:
-        tree = ast.parse(open(importlib.import_module(name).__file__).read())
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                for inner in ast.walk(node):
-                    if isinstance(inner, ast.ImportFrom) and (inner.module or "").startswith("ebrl.runtime.sim"):
-                        pytest.fail(f"{name}.{node.name} imports {inner.module} inside a function")
+
+def test_the_circle_finder_finds_a_circle_through_a_function_level_import(tmp_path):
+    pkg = tmp_path / "ebrl"
+    (pkg / "a").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a" / "__init__.py").write_text("from ebrl.a.x import f\n")
+    (pkg / "a" / "x.py").write_text("def f():\n    from ebrl.a import y\n")
+    (pkg / "a" / "y.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import x\n")
+    assert cycles(import_graph(pkg)) == [["ebrl.a.x", "ebrl.a.y"]]
 
 
 def _obs(i: float, as_dict: bool):

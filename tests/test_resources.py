@@ -15,6 +15,13 @@ from ebrl.runtime.resources.profiler import WAIT_CAUSES, EpochProfile
 from ebrl.testing import Latency, MockEnv, MockPolicy, NoopAlgo, run_virtual
 
 
+
+async def act(gen, env_id, obs):
+    """One env's action from a generator, awaited: ``(result, row, version)``."""
+    fut = asyncio.get_running_loop().create_future()
+    gen.request(np.array([env_id]), obs[None], lambda ids, res, lo, hi, v: fut.done() or fut.set_result((res, lo, v)))
+    return await fut
+
 def profile(n=16, epoch=0, window=1.0, steps=100.0, wall=0.1, cpu=0.001, lane=0.0, action=0.0, lanes=2,
             backend="thread", placement=None, mean_step=None, gen=None):
     """A synthetic window: every env the same unless arrays are given."""
@@ -232,7 +239,7 @@ def test_the_controller_resolves_auto_offload_from_the_first_measured_call_on_th
 
     def manager(gen, line):
         cfg = ebrl.RunConfig(num_envs=16, generation={"inline_below_s": line})
-        pool = SimpleNamespace(backend=SimBackend.THREAD, resizable=False, size=2, resize=None)
+        pool = SimpleNamespace(backend=SimBackend.THREAD, resizable=False, movable=False, size=2, resize=None)
         return ResourceManager(cfg, SimpleNamespace(close=lambda: None), pool, SimpleNamespace(), gen, virtual=False)
 
     async def modes(line):
@@ -242,7 +249,7 @@ def test_the_controller_resolves_auto_offload_from_the_first_measured_call_on_th
         server, start = asyncio.create_task(gen.serve()), asyncio.create_task(mgr._start_offload())
         seen = []
         for _ in range(6):
-            await gen.act(0, np.zeros(3, np.float32))
+            await act(gen, 0, np.zeros(3, np.float32))
             await asyncio.sleep(0)  # the controller's task runs between calls
             seen.append(gen.offload_mode)
         server.cancel()
@@ -468,9 +475,9 @@ def test_policy_calls_run_on_the_generation_stream_and_new_weights_wait_for_the_
     async def go():
         gen = Generator(Policy(act_dim=2), batch_target=1, max_wait_s=0.0, live=1, streams=streams)
         server = asyncio.create_task(gen.serve())
-        await gen.act(0, np.zeros(3, np.float32))
+        await act(gen, 0, np.zeros(3, np.float32))
         gen.publish({}, 1, event=streams.publish())
-        _, _, version = await gen.act(0, np.zeros(3, np.float32))
+        _, _, version = await act(gen, 0, np.zeros(3, np.float32))
         server.cancel()
         return version
 
@@ -490,7 +497,7 @@ def test_the_generator_counts_the_cpu_time_of_its_calls_inline_and_in_its_thread
         server = asyncio.create_task(gen.serve())
         modes = [gen.offload_mode]
         for _ in range(3):
-            await gen.act(0, np.zeros(3, np.float32))
+            await act(gen, 0, np.zeros(3, np.float32))
             modes.append(gen.offload_mode)
         server.cancel()
         return gen.cpu_s, modes
@@ -550,15 +557,13 @@ def test_sleeping_envs_on_too_few_workers_get_more_and_move_there_with_every_ste
 def test_fewer_workers_retire_only_after_their_envs_have_moved_off():
     from types import SimpleNamespace
 
-    from ebrl.runtime.sim_types import ElasticPool
-
     from ebrl.config import Offload, SimBackend
     from ebrl.runtime.resources.knobs import Decision
     from ebrl.runtime.moves import Moves
     from ebrl.runtime.resources.manager import ResourceManager
 
-    class Pool:  # an elastic pool's surface, no envs
-        backend, resizable, mixed, workers = SimBackend.PROCESS, False, False, 4
+    class Pool:  # the surface of a pool whose envs move between workers, no envs
+        backend, resizable, mixed, movable, workers = SimBackend.PROCESS, False, False, True, 4
         placement = np.array([0, 1, 2, 3] * 2)
         resized = []
 
@@ -568,8 +573,6 @@ def test_fewer_workers_retire_only_after_their_envs_have_moved_off():
         def resize_workers(self, n):
             self.resized.append(n)
             self.workers = n
-
-    ElasticPool.register(Pool)
 
     cfg = ebrl.RunConfig(num_envs=8, sim={"backend": "process"})
     pool = Pool()

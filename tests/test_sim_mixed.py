@@ -1,4 +1,4 @@
-"""MixedSimPool: envs on thread lanes and in worker processes, moved between them; and the rule that moves them."""
+"""A pool with both hosts: envs on thread lanes and in worker processes, moved between them; and the rule that moves them."""
 
 import multiprocessing
 import os
@@ -9,15 +9,22 @@ from test_resources import profile
 from test_sim_workers import PidEnvs, started, step_all
 
 import ebrl
-from ebrl.config import SimBackend
+from ebrl.config import SimBackend, SimConfig
+from ebrl.runtime.errors import EnvStepError
 from ebrl.runtime.resources.knobs import Knobs, Limits, Memory
 from ebrl.runtime.resources.rules_sim import backend_rule
-from ebrl.runtime.sim_mixed import LOCAL, MixedSimPool
-from ebrl.runtime.errors import EnvStepError
-from ebrl.runtime.sim_types import STEPS
+from ebrl.runtime.sim import LOCAL, SimPool
+from ebrl.runtime.sim.block import STEPS
 from ebrl.testing import Latency, LatencyMode, MockEnv, MockPolicy, NoopAlgo
 
 HERE = os.getpid()
+
+
+def MixedSimPool(env_fn, num_envs, lanes, workers, start=SimBackend.THREAD, start_method=None):  # noqa: N802
+    """Envs that start on the lanes (or on the workers) and may move between them."""
+    backend = "mixed" if start is SimBackend.THREAD else "process"
+    return SimPool(env_fn, num_envs, SimConfig(backend=backend, num_workers=workers, start_method=start_method),
+                   lanes=lanes, movable=True)
 
 
 async def test_envs_move_from_the_lanes_to_workers_and_back_and_step_where_they_are(tmp_path, no_leaks):

@@ -1,4 +1,4 @@
-"""ProcessSimPool on the block interface: steps travel through shared memory as env-id blocks,
+"""The worker host on the block interface: steps travel through shared memory as env-id blocks,
 replies stream (no env waits for the slowest of its message), failures are reported per env."""
 
 import asyncio
@@ -13,11 +13,28 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
-from ebrl.runtime import sim_worker_link, sim_workers
+from ebrl.config import SimConfig
 from ebrl.runtime.errors import EnvStepError, PoolClosed
-from ebrl.runtime.sim_types import CPU, QUEUE, STEPS, WALL, reset_env, step_env
-from ebrl.runtime.sim_workers import ProcessSimPool
+from ebrl.runtime.sim import SimPool, StepRows
+from ebrl.runtime.sim import worker as sim_worker
+from ebrl.runtime.sim import workers as sim_workers
+from ebrl.runtime.sim.block import CPU, QUEUE, STEPS, WALL
+from ebrl.runtime.sim.stepping import reset_env, step_unit
 from ebrl.testing import Latency, MockEnv
+
+
+def ProcessSimPool(env_fn, num_envs, num_workers, start_method=None, reply_hold_s=0.002):  # noqa: N802
+    """A pool whose envs all live on worker processes."""
+    return SimPool(env_fn, num_envs, SimConfig(backend="process", num_workers=num_workers, start_method=start_method,
+                                               reply_hold_s=reply_hold_s))
+
+
+def step_env(env, action):
+    """One step of an env outside any pool, as a worker steps it: a one-row Block."""
+    rows = StepRows(1, env.observation_space, env.action_space)
+    rows.set_actions(np.array([0]), np.asarray(action)[None])
+    step_unit(env, rows, 0)
+    return rows.block(np.array([0]))
 
 
 class Collector:
@@ -90,13 +107,13 @@ async def test_steps_match_an_in_process_copy_of_each_env(no_leaks):
             for i in range(4):
                 block, r = rows[i]
                 want = step_env(refs[i], actions[i])
-                np.testing.assert_array_equal(block.obs[r], want.obs)
-                assert block.reward[r] == pytest.approx(want.reward)
-                assert block.truncated[r] == want.truncated == ((t + 1) % 3 == 0)
+                np.testing.assert_array_equal(block.obs[r], want.obs[0])
+                assert block.reward[r] == pytest.approx(want.reward[0])
+                assert block.truncated[r] == want.truncated[0] == ((t + 1) % 3 == 0)
                 assert not block.terminated[r] and block.finite[r] and block.success[r] == -1
-                if want.truncated:
+                if want.truncated[0]:
                     truncations += 1
-                    np.testing.assert_array_equal(block.final_obs[r], want.final_obs)
+                    np.testing.assert_array_equal(block.final_obs[r], want.final_obs[0])
                     assert not np.array_equal(block.final_obs[r], block.obs[r])
                 else:
                     assert r not in block.final_obs
@@ -187,27 +204,28 @@ async def test_dict_observations_travel_through_shared_memory_unpickled(monkeypa
     pool = ProcessSimPool(DictEnv, num_envs=4, num_workers=2)
     col = await started(pool)
     try:
-        assert len(pool._blocks) == 2 * 2 + 2 + 5  # obs and final_obs per key, act per key, reward, flags, cost, started, reset_seed
+        assert len(pool.remote._blocks) == 2 * 2 + 2 + 5  # obs and final_obs per key, act per key, reward, flags, cost, started, reset_seed
         for i in range(4):
             await pool.reset(i)
         calls = []
         counting = type("P", (), {
             "dumps": staticmethod(lambda *a, **k: calls.append("dumps") or pickle.dumps(*a, **k)),
             "loads": staticmethod(lambda *a, **k: calls.append("loads") or pickle.loads(*a, **k))})
-        for module in (sim_workers, sim_worker_link):  # the pool's pickles and its worker links'
+        for module in (sim_workers, sim_worker):  # the host's pickles and its worker links'
             monkeypatch.setattr(module, "pickle", counting)
         sizes = []
-        for w in pool._workers:  # messages sent
+        for w in pool.remote._workers:  # messages sent
             def sent(msg, fn=w.conn.send_bytes):
                 sizes.append(len(msg))
                 return fn(msg)
             w.conn.send_bytes = sent
-        on_reply = pool._on_reply  # replies received, as read off the pipe and framed
+        read = sim_worker.WorkerLink.read_replies  # replies received, as read off the pipe and framed
 
-        def replied(worker, raw):
-            sizes.append(len(raw))
-            on_reply(worker, raw)
-        pool._on_reply = replied
+        def replied(link):
+            got = read(link)
+            sizes.extend(len(raw) for raw in got or ())
+            return got
+        monkeypatch.setattr(sim_worker.WorkerLink, "read_replies", replied)
         ids = np.arange(4)
         for t in range(1, 7):
             move = np.stack([np.full(2, 0.1 * i + 0.01 * t, np.float32) for i in range(4)])
@@ -287,7 +305,7 @@ async def test_an_unsupported_space_raises_type_error_and_leaves_no_process():
     pool = ProcessSimPool(lambda i: TupleEnv(), num_envs=2, num_workers=2)
     with pytest.raises(TypeError, match="Tuple spaces cannot be stored in rows"):
         await pool.start()
-    assert multiprocessing.active_children() == [] and pool._blocks == []
+    assert multiprocessing.active_children() == [] and pool.remote._blocks == []
 
 
 async def test_a_dead_worker_fails_its_envs_is_respawned_and_its_envs_come_back_when_rebuilt():
@@ -300,13 +318,13 @@ async def test_a_dead_worker_fails_its_envs_is_respawned_and_its_envs_come_back_
         await pool.reset(2)
         pool.submit(np.array([0]), np.zeros((1, 4), np.float32))  # env 0 steps for 1 s; env 2 is idle
         await asyncio.sleep(0.1)
-        dead = pool._workers[0].process.pid
+        dead = pool.remote._workers[0].process.pid
         os.kill(dead, signal.SIGKILL)
         blocks = await col.wait([0])
         errors = [e for b in blocks for e in b.errors]
         assert errors == [(0, "worker 0 died (killed by SIGKILL) and was respawned")]
         assert fault_reason(errors[0][1]) == "worker_died"
-        assert pool.respawns == 1 and pool._workers[0].process.pid != dead
+        assert pool.respawns == 1 and pool.remote._workers[0].process.pid != dead
         # env 2 was idle on it: its next step fails the same way, at once, until it is rebuilt
         pool.submit(np.array([1, 2]), np.zeros((2, 4), np.float32))
         blocks = await col.wait([1, 2])
@@ -330,7 +348,7 @@ async def test_close_leaves_no_process_and_unlinks_shared_memory():
     await pool.reset(0)
     pool.submit(np.arange(3), np.zeros((3, 4), np.float32))
     await col.wait(range(3))
-    names = [b.name for b in pool._blocks]
+    names = [b.name for b in pool.remote._blocks]
     assert len(names) == 8  # obs, final_obs, act, reward, flags, cost, started, reset_seed
     pool.close()
     pool.close()
@@ -387,7 +405,7 @@ class PidEnvs:
 
 
 def pids(pool):
-    return [w.process.pid for w in pool._workers]
+    return [w.process.pid for w in pool.remote._workers]
 
 
 async def step_all(pool, col, ids):
@@ -500,7 +518,7 @@ async def test_a_stepping_or_migrating_env_cannot_migrate_or_step(tmp_path, no_l
             pool.submit(np.array([0, 1]), np.zeros((2, 1), np.float32))
         with pytest.raises(ValueError, match="env 0 is migrating"):
             await pool.reset(0)
-        with pytest.raises(ValueError, match="env 0 is migrating already"):
+        with pytest.raises(ValueError, match="env 0 is stepping or migrating"):
             await pool.migrate(0, 0, seed=None)
         await moving
         assert pool.placement.tolist() == [1, 1]
@@ -582,15 +600,15 @@ async def test_a_dead_worker_fails_the_envs_placed_on_it(tmp_path, no_leaks):
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
-async def test_resize_adds_empty_workers_and_retires_only_empty_ones(tmp_path, start_method, no_leaks):
+async def test_grow_adds_empty_workers_and_resize_retires_only_empty_ones(tmp_path, start_method, no_leaks):
     pool = ProcessSimPool(PidEnvs(tmp_path), num_envs=3, num_workers=2, start_method=start_method)
     col = await started(pool)
     try:
         with pytest.raises(ValueError, match=r"workers 1..1 still host envs \[1\]"):
-            pool.resize(1)
+            pool.resize_workers(1)
         with pytest.raises(ValueError, match=">= 1"):
-            pool.resize(0)
-        pool.resize(3)
+            pool.resize_workers(0)
+        await pool.grow(3)
         assert pool.size == 3
         pid = pids(pool)
         assert pool.placement.tolist() == [0, 1, 0]
@@ -599,11 +617,11 @@ async def test_resize_adds_empty_workers_and_retires_only_empty_ones(tmp_path, s
         assert await step_all(pool, col, range(3)) == {0: pid[0], 1: pid[1], 2: pid[2]}
         np.testing.assert_array_equal(pool.costs()[:, STEPS], [1, 1, 1])  # the new worker shares the rows
         with pytest.raises(ValueError, match=r"workers 2..2 still host envs \[2\]"):
-            pool.resize(2)
+            pool.resize_workers(2)
         await pool.migrate(2, 0, seed=None)
-        pool.resize(2)
+        pool.resize_workers(2)
         assert pool.size == 2 and pids(pool) == pid[:2]
-        retired = pool._retired[0].process
+        retired = pool.remote._retired[0].process
         await wait_for(lambda: not retired.is_alive())
         assert (tmp_path / f"closed-2-{pid[2]}").exists()  # the drop ran before it quit
         assert await step_all(pool, col, range(3)) == {0: pid[0], 1: pid[1], 2: pid[0]}
@@ -665,8 +683,8 @@ async def test_a_stale_step_start_never_times_a_step_out(no_leaks):
             await pool.reset(i)
         pool.submit(np.array([0]), np.zeros((1, 2), np.float32))
         await asyncio.sleep(0.1)  # env 0 is stepping (0.3 s)
-        pool._rows.started[0] = time.perf_counter() - 100.0  # stale: before the step was sent
-        assert pool.abandon_late(1.0) == [] and pool._stale_starts == 1
+        pool.remote.rows.started[0] = time.perf_counter() - 100.0  # stale: before the step was sent
+        assert pool.abandon_late(1.0) == [] and pool.remote._stale_starts == 1
         assert pool.respawns == 0
         await col.wait([0])
         pool.submit(np.array([1]), np.zeros((1, 2), np.float32))
@@ -681,20 +699,15 @@ def test_replies_are_framed_whole_across_reads():
     import struct
 
     mine, theirs = multiprocessing.Pipe()
-    pool = ProcessSimPool.__new__(ProcessSimPool)  # only the reader: no workers, no loop
-    got = []
-    pool._on_reply = lambda worker, raw: got.append(raw)
-    worker = sim_worker_link.WorkerLink(0, None, mine, None)
+    worker = sim_worker.WorkerLink(0, None, mine, None)  # only the reader: no process, no loop
     theirs.send_bytes(b"S" + bytes(8))
     theirs.send_bytes(b"S" + bytes(4))
-    pool._on_readable(worker)
+    got = worker.read_replies()
     assert got == [b"S" + bytes(8), b"S" + bytes(4)] and worker.inbox == b""
     frame = struct.pack("!i", 9) + b"E" + bytes(8)
     os.write(theirs.fileno(), frame[:6])  # the header and a byte of the body
-    pool._on_readable(worker)
-    assert len(got) == 2 and worker.inbox == frame[:6]
+    assert worker.read_replies() == [] and worker.inbox == frame[:6]
     os.write(theirs.fileno(), frame[6:])
-    pool._on_readable(worker)
-    assert got[2] == b"E" + bytes(8) and worker.inbox == b""
+    assert worker.read_replies() == [b"E" + bytes(8)] and worker.inbox == b""
     mine.close()
     theirs.close()

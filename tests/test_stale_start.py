@@ -1,5 +1,5 @@
 """The step-timeout watchdog reads StepRows.started while the workers write it: a step that ends
-while ProcessSimPool.abandon_late reads must not look late. Read twice, its start passed the
+while the worker host's abandon_late reads must not look late. Read twice, its start passed the
 "> 0" test and the 0 its worker wrote then gave ``now - 0`` (the host's uptime) as its age: the
 false timeout that once killed a healthy worker at the end of a convergence run."""
 
@@ -10,9 +10,10 @@ import types
 
 import numpy as np
 
-from ebrl.runtime import sim_workers
+from test_sim_workers import ProcessSimPool
+
 from ebrl.runtime.errors import PoolClosed, fault_reason
-from ebrl.runtime.sim_workers import ProcessSimPool
+from ebrl.runtime.sim import workers as sim_workers
 from ebrl.testing import Latency, MockEnv
 
 
@@ -35,11 +36,11 @@ def collect(pool) -> list:
 
 
 def ends_on_clock_read(pool, env_id):
-    """sim_workers' ``time``, whose perf_counter first ends env ``env_id``'s running step (its
+    """the worker host's ``time``, whose perf_counter first ends env ``env_id``'s running step (its
     worker writes 0, as at a step's end): the watchdog reads the clock between its reads of the row."""
 
     def perf_counter():
-        pool._rows.started[env_id] = 0.0
+        pool.remote.rows.started[env_id] = 0.0
         return time.perf_counter()
 
     return types.SimpleNamespace(perf_counter=perf_counter, monotonic=time.monotonic)
@@ -52,16 +53,16 @@ async def a_step_ending_mid_read(monkeypatch, pool, guard: bool):
         await pool.reset(0)
         pool.submit(np.array([0]), np.zeros((1, 2), np.float32))
         deadline = time.perf_counter() + 5.0
-        while not pool._rows.started[0] and time.perf_counter() < deadline:
+        while not pool.remote.rows.started[0] and time.perf_counter() < deadline:
             await asyncio.sleep(0.01)
-        assert pool._rows.started[0] > 0  # env 0 is stepping (0.5 s) in its worker
+        assert pool.remote.rows.started[0] > 0  # env 0 is stepping (0.5 s) in its worker
         if not guard:
-            pool._sent_at[:] = 0.0  # as before the send-time guard (0051b83): nothing to compare with
+            pool.remote._sent_at[:] = 0.0  # as before the send-time guard (0051b83): nothing to compare with
         with monkeypatch.context() as m:
             m.setattr(sim_workers, "time", ends_on_clock_read(pool, 0))
             late = pool.abandon_late(60.0)
         assert late == [] and pool.respawns == 0
-        assert pool._stale_starts == 0  # a step that ended is not a stale start either
+        assert pool.remote._stale_starts == 0  # a step that ended is not a stale start either
         deadline = time.perf_counter() + 5.0
         while not blocks and time.perf_counter() < deadline:
             await asyncio.sleep(0.01)

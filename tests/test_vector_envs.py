@@ -7,7 +7,8 @@ import torch
 
 import ebrl
 from ebrl.config import ConfigError
-from ebrl.runtime.vector_envs import reset_vector_env, step_vector_env
+from ebrl.runtime.sim import StepRows
+from ebrl.runtime.sim.stepping import reset_unit, step_unit
 from ebrl.testing import Latency, MockEnv, MockPolicy, NoopAlgo, mock_vector_env, run_virtual
 from tests.test_training import SEED, UPDATES, N, T, fresh, make_env, plain_sync_ppo
 
@@ -116,16 +117,19 @@ def test_real_mujoco_vector_env_under_the_async_runtime(no_leaks):
     assert res.episodes == sum(n // 50 for n in res.steps_per_env)  # 50-step episodes, reset in the step
 
 
-def test_vector_env_helpers_split_rows_and_reset_some():
+def test_a_vector_env_steps_into_its_rows_and_resets_some():
     venv = mock_vector_env(3, dim=2, episode_len=2)
-    obs, _ = reset_vector_env(venv, [0, 1, 2])
+    rows, ids = StepRows(3, venv.single_observation_space, venv.single_action_space), np.arange(3)
+    obs, _ = reset_unit(venv, [0, 1, 2], vector_size=3)
     assert sorted(obs) == [0, 1, 2] and obs[0].shape == (2,)
-    outs = step_vector_env(venv, np.zeros((3, 2), np.float32))
-    partial, _ = reset_vector_env(venv, {1: 7})
+    rows.set_actions(ids, np.zeros((3, 2), np.float32))
+    step_unit(venv, rows, 0, vector_size=3)
+    partial, _ = reset_unit(venv, {1: 7}, vector_size=3)
     assert list(partial) == [1]
-    outs = step_vector_env(venv, np.zeros((3, 2), np.float32))  # row 1 was reset: one step behind
-    assert outs.truncated.tolist() == [True, False, True]
-    assert sorted(outs.final_obs) == [0, 2]  # the rows whose episode ended carry their last observation
+    step_unit(venv, rows, 0, vector_size=3)  # row 1 was reset: one step behind
+    block = rows.block(ids)
+    assert block.truncated.tolist() == [True, False, True]
+    assert sorted(block.final_obs) == [0, 2]  # the rows whose episode ended carry their last observation
 
 
 @pytest.mark.parametrize("env_fn, cfg, match", [

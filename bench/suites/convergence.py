@@ -47,7 +47,7 @@ from ebrl.algos import PPO
 from ebrl.benchmark.figures import Target, check_targets, spread
 from ebrl.benchmark.suite import run_capped
 from ebrl.policies import MLPPolicy
-from ebrl.runtime.sim_types import single_spaces
+from ebrl.runtime.sim.stepping import single_spaces
 from ebrl.testing import Latency, MockEnv
 
 DESCRIPTION = "wall-clock time and env steps to a score: async vs sync vs CleanRL-style PPO, 3 seeds"

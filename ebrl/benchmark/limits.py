@@ -100,7 +100,7 @@ def training_capacity(suite: Suite, env_fn, seed: int = 0) -> float:
     from ebrl.runtime.collate import collate
     from ebrl.runtime.fields import transition_fields
     from ebrl.runtime.rollout import RolloutQueue
-    from ebrl.runtime.sim_types import Block
+    from ebrl.runtime.sim.block import Block
     from ebrl.runtime.stats import RunStats
 
     env = env_fn(0)

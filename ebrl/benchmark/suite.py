@@ -50,7 +50,7 @@ from ebrl.benchmark.loader import load_suite
 from ebrl.benchmark.spec import Suite
 from ebrl.policies.base import state_nbytes
 from ebrl.runtime.children import send_by_value
-from ebrl.runtime.sim_types import single_spaces
+from ebrl.runtime.sim.stepping import single_spaces
 
 PEERS_DIR = Path(__file__).resolve().parent.parent.parent / "bench" / "peers"
 

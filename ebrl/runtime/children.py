@@ -48,7 +48,7 @@ log = get_logger("ebrl.children")
 DRIVER_LIBRARIES = ("libEGL", "libGLX", "libGL.so", "libOSMesa", "libgallium", "libvulkan", "libcuda.so",
                     "libnvidia-glcore", "libnvidia-eglcore")
 # what the fork server imports once, so that its children start in milliseconds
-PRELOAD = ["ebrl.runtime.probe", "ebrl.runtime.sim_worker_process", "ebrl.runtime.learner_process"]
+PRELOAD = ["ebrl.runtime.probe", "ebrl.runtime.sim.worker", "ebrl.runtime.learner_process"]
 
 _scopes = 0  # fork_server_scope()s open now
 _started_here = False  # a scope started the fork server (it is stopped when the last scope closes)

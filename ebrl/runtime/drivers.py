@@ -40,7 +40,7 @@ from ebrl.telemetry.timeline import Timeline
 from ebrl.runtime.recovery import Recovery
 from ebrl.runtime.rollout import RolloutQueue
 from ebrl.runtime.schedules import Barrier, is_lockstep
-from ebrl.runtime.sim_types import Block, SimPool
+from ebrl.runtime.sim import Block, SimPool
 from ebrl.runtime.state import RunState
 from ebrl.runtime.stats import RunStats
 from ebrl.runtime.waits import EnvWaits

@@ -3,7 +3,7 @@
 One inspection serves both start-up checks: the policy against the env's spaces
 (:func:`ebrl.policies.expects.check_policy_spaces`) and the algorithm's needs against the
 time limit (:func:`ebrl.algos.resolve_run_config`). The AUTO sim probe reads them from the env
-it builds anyway (:func:`ebrl.runtime.sim_pool.probe_backend`); other runs build ``env_fn(0)``
+it builds anyway (:mod:`ebrl.runtime.probe`); other runs build ``env_fn(0)``
 once for it with :func:`inspect_env`.
 
     >>> from ebrl.testing import MockEnv
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import gymnasium as gym
 
 from ebrl.runtime.errors import EnvStepError
-from ebrl.runtime.sim_types import EnvFn, close_quietly, describe, single_spaces
+from ebrl.runtime.sim.stepping import EnvFn, close_quietly, describe, single_spaces
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import numpy as np
 
 from ebrl.config import RunConfig
 from ebrl.runtime.rollout import RolloutQueue
-from ebrl.runtime.sim_types import Block, SimPool
+from ebrl.runtime.sim import Block, SimPool
 from ebrl.runtime.stats import RunStats
 from ebrl.telemetry.logging import get_logger
 

@@ -30,14 +30,15 @@ the batch calls each request's callback with its rows of the result.
     ...     gen = Generator(MockPolicy(act_dim=2), batch_target=4, max_wait_s=0.01, live=4)
     ...     server = asyncio.create_task(gen.serve())
     ...     got = []
-    ...     for ids in ([0, 1], [2, 3]):   # two blocks of two envs
+    ...     done = asyncio.Event()
+    ...     for ids in ([0, 1], [2, 3]):   # two blocks of two envs: one batch of 4
     ...         gen.request(np.array(ids), np.zeros((2, 3), np.float32),
-    ...                     lambda ids, res, lo, hi, version: got.append((ids.tolist(), lo, hi, version)))
-    ...     await gen.act(5, np.zeros(3, np.float32))  # one env, awaited: joins the same batch
+    ...                     lambda ids, res, lo, hi, version: got.append((ids.tolist(), lo, hi, version)) or done.set())
+    ...     await done.wait()
     ...     server.cancel()
     ...     return got, dict(gen.batch_sizes)
     >>> asyncio.run(demo())
-    ([([0, 1], 0, 2, 0), ([2, 3], 2, 4, 0)], {5: 1})
+    ([([0, 1], 0, 2, 0), ([2, 3], 2, 4, 0)], {4: 1})
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from ebrl.policies.base import ActResult, load_published
 from ebrl.runtime.stage import Stage
 from ebrl.runtime.state import RunState
 from ebrl.runtime.virtual_time import is_virtual
-from ebrl.spaces import batch_of_one, concat
+from ebrl.spaces import concat
 
 if TYPE_CHECKING:
     from ebrl.telemetry.timeline import Timeline
@@ -106,8 +107,6 @@ class BatchCosts:
                 "per_row_us": None if fit is None else round(fit[1] * 1e6, 2)}
 
 
-# What act() returns: the batch's result, this request's row in it, and the policy version.
-ActReply = tuple[ActResult, int, int]
 # A request's callback: (env ids, the batch's result, first row, end row, policy version).
 OnActions = Callable[[np.ndarray, ActResult, int, int, int], None]
 
@@ -198,13 +197,6 @@ class Generator:
         self._pending_rows += len(ids)
         if len(self._pending) == 1 or self._due():
             self._wake.set()
-
-    async def act(self, env_id: int, obs: Any) -> ActReply:
-        """One env's action, awaited (tests and tools; the runtime's hot path uses :meth:`request`)."""
-        fut = asyncio.get_running_loop().create_future()
-        self.request(np.array([env_id]), batch_of_one(obs),
-                     lambda ids, res, lo, hi, v: fut.done() or fut.set_result((res, lo, v)))
-        return await fut
 
     def poke(self) -> None:
         """The count of live envs changed: the 'everyone waits' rule may now hold."""

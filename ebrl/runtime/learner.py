@@ -35,7 +35,6 @@ from ebrl.config import NonFinite
 from ebrl.policies.base import published_state
 from ebrl.runtime.errors import LearnerError, NonFiniteError
 from ebrl.runtime.generation import Generator
-from ebrl.runtime.learner_joint import run_joint
 from ebrl.runtime.learner_process import LearnerProcess, nonfinite_weights, restore, snapshot, update_once
 from ebrl.runtime.collate import collate
 from ebrl.runtime.rollout import RolloutQueue
@@ -53,6 +52,7 @@ if TYPE_CHECKING:
     from ebrl.runtime.resources.gpu import GpuStreams
 
 log = get_logger("ebrl.learner")
+JOINT_POLL_S = 0.005  # how often a rank waiting for its queue looks for another rank's request
 
 
 @dataclass
@@ -124,29 +124,78 @@ class Learner:
         return self.metrics.rows
 
     async def run(self) -> None:
+        """The learner's one loop: wait until an update is due, take its segments, train. A rank
+        of a data-parallel job (:mod:`ebrl.distributed`) joins every update of the job instead,
+        asked for by whichever rank's queue falls due first (:meth:`_joint_due`)."""
         if self.remote is None and not is_virtual():  # every update runs in this one thread
             self.stage.start_thread()
         try:
-            if self.dp is not None:
-                await run_joint(self)
-                return
-            while not self.state.stopping:
-                await self.rollout.wait_due()
-                if self.state.stopping:
-                    break
+            joint = self.dp is not None
+            if joint:
+                await self._first_step()
+            while joint or not self.state.stopping:  # a rank stops with its job, at the same update
+                if joint:
+                    if not await self._joint_due():
+                        break
+                else:
+                    await self.rollout.wait_due()
+                    if self.state.stopping:
+                        break
                 if self.pause_generation:
                     # the running batch finishes first, so its actions are in flight (and awaited) before the cut
                     await self.generator.pause()
-                slots = await self.rollout.take(self.version)
+                slots = await self.rollout.take(self.version, joint=joint)
                 if slots is None:
                     break
                 await self.train(slots)
+                if joint and self.job["done"] == self.dp.world_size:  # every rank handed everything over
+                    break
             if self.remote is not None and not is_virtual():
                 # joining the learner process (its trained state comes back first) would take the
                 # loop ~15 ms
                 await in_thread(self.close, name="ebrl-learner-close")
         finally:
             self.close()
+
+    async def _first_step(self) -> None:
+        """A rank joins updates once it has a step to store."""
+        rollout = self.rollout
+        while not rollout.steps_per_env.any() and not (rollout.finished or self.state.stopping):
+            await asyncio.sleep(JOINT_POLL_S)
+        self._said_done, self._rounds = False, 0
+
+    async def _joint_due(self) -> bool:
+        """This rank's part of a job-wide update: ask for one when this queue is due (every rank
+        asks under lockstep schedules and lag 0, whose queues stay due until they train), join
+        when another rank asked, then share each rank's state (done, stopping, steps) in a
+        header that also checks the weights agree. False: the job stops here, on every rank.
+        Keys are per round, not per version: a skipped update must not re-fire its key."""
+        dp, rollout = self.dp, self.rollout
+        everyone = self.pause_generation
+        self._rounds += 1
+        asked = False
+        while True:
+            # a rank that is done asks once (under sync: every round, where it never holds one up)
+            done = rollout.finished and (everyone or not self._said_done)
+            if not asked and (self.state.stopping or done or (not rollout.finished and rollout.due())):
+                dp.request(self._rounds, stop=self.state.stopping)
+                self._said_done, asked = self._said_done or rollout.finished, True
+            if dp.requested(self._rounds, dp.world_size if everyone else 1):
+                break
+            await rollout.wait_changed(JOINT_POLL_S)
+        mine = [float(rollout.finished), float(self.state.stopping), float(self.stats.simulated),
+                float(self.stats.trained)]
+        rows = await self.stage.aside(dp.header, mine, self.published() if self.version else None)
+        self.job = {"done": sum(r[0] for r in rows), "stopping": sum(r[1] for r in rows),
+                    "env_steps": int(sum(r[2] for r in rows)), "trained": int(sum(r[3] for r in rows)),
+                    "rank_env_steps": [int(r[2]) for r in rows]}
+        if self.job["stopping"]:
+            self.state.stop()  # every rank stops at the same update
+            rollout.poke()
+            return False
+        if not rollout.steps_per_env.any():  # a rank must have stored a step to bring its (empty) batch
+            raise RuntimeError(f"rank {dp.rank} ended before recording any step: it cannot take part in updates")
+        return True
 
     def close(self) -> None:
         """Join the learner's thread (after the update in flight, ``CLOSE_WAIT_S`` at most: then

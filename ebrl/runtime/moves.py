@@ -15,7 +15,7 @@ from ebrl.runtime.episodes import Episodes
 from ebrl.runtime.errors import EnvStepError
 from ebrl.runtime.recovery import Recovery
 from ebrl.runtime.rollout import RolloutQueue
-from ebrl.runtime.sim_types import Block, SimPool
+from ebrl.runtime.sim import Block, SimPool
 from ebrl.spaces import batch_of_one
 from ebrl.telemetry.logging import get_logger
 

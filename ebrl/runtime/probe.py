@@ -47,7 +47,7 @@ from ebrl.runtime.children import child_context, portable
 from ebrl.runtime.children import start as start_child
 from ebrl.runtime.env_facts import EnvFacts
 from ebrl.runtime.errors import EnvStepError, TimedOut
-from ebrl.runtime.sim_types import EnvFn, close_quietly, describe
+from ebrl.runtime.sim.stepping import EnvFn, close_quietly, describe
 from ebrl.runtime.threads import ignore_stop_signals, in_thread
 from ebrl.telemetry.logging import get_logger
 

@@ -21,7 +21,7 @@ from ebrl.config import NonFinite, RunConfig
 from ebrl.runtime.episodes import Episodes
 from ebrl.runtime.errors import EnvStepError, NonFiniteError, NonFiniteReset, TimedOut, TooManyEnvFailures
 from ebrl.runtime.rollout import RolloutQueue
-from ebrl.runtime.sim_types import Block, SimPool
+from ebrl.runtime.sim import Block, SimPool
 from ebrl.runtime.state import RunState
 from ebrl.runtime.stats import RunStats
 from ebrl.spaces import all_finite, batch_of_one, finite_rows, stack

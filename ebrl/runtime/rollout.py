@@ -57,7 +57,7 @@ from ebrl.spaces import index, part, tree_map, write
 
 if TYPE_CHECKING:
     from ebrl.policies.base import ActResult
-    from ebrl.runtime.sim_types import Block
+    from ebrl.runtime.sim.block import Block
 
 
 def _grow(buf: Any, extra: int) -> Any:

@@ -44,7 +44,7 @@ from ebrl.runtime.resources.rules_start import learner_start, sim_start
 from ebrl.runtime.rollout import RolloutQueue
 from ebrl.runtime.schedules import effective_lag, generation_target, is_lockstep
 from ebrl.runtime.probe import EnvProbe, StepProfile
-from ebrl.runtime.sim_pool import make_sim_pool
+from ebrl.runtime.sim import SimPool
 from ebrl.runtime.state import RunState
 from ebrl.runtime.stats import RunResult, RunStats, summarize
 from ebrl.runtime.threads import in_thread, usable_cpus
@@ -130,8 +130,8 @@ async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop
     state = RunState(budget=cfg.total_env_steps, active=cfg.num_envs)
     # AUTO's choice is a start: the controller may move envs between lanes and workers
     movable = cfg.sim.backend is SimBackend.AUTO and cfg.resources.adapt and not virtual
-    pool = make_sim_pool(trainer.env_fn, cfg.num_envs, cfg.sim, backend, chosen.get("lanes"), movable=movable,
-                         spaces=(facts.observation_space, facts.action_space), build_timeout_s=cfg.faults.build_timeout_s)
+    pool = SimPool(trainer.env_fn, cfg.num_envs, cfg.sim, backend=backend, lanes=chosen.get("lanes"), movable=movable,
+                   spaces=(facts.observation_space, facts.action_space), build_timeout_s=cfg.faults.build_timeout_s)
     lockstep, lag = is_lockstep(cfg.schedule), effective_lag(cfg)
     rollout = RolloutQueue(cfg.num_envs, cfg.segment_len, cfg.segments_per_batch, lag, stats,
                            transition_fields(facts.observation_space, facts.action_space), lockstep,

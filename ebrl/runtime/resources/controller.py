@@ -57,7 +57,7 @@ from ebrl.runtime.resources.profiler import EpochProfile
 from ebrl.runtime.resources.rules_sim import backend_rule, lanes_rule, placement_rule, workers_rule
 from ebrl.runtime.resources.rules_stages import (affinity_rule, batch_target_rule, generation_rule, offload_rule,
                                                  sm_split_rule, threads_rule)
-from ebrl.runtime.sim_mixed import LOCAL
+from ebrl.runtime.sim import LOCAL
 
 REVERT_BELOW = 0.95  # a change whose next full window runs below this fraction of the one before is undone
 FROZEN_EPOCHS = 10  # and its knob is left alone this long

@@ -45,8 +45,7 @@ from ebrl.runtime.resources.rules_sim import lpt_placement
 from ebrl.runtime.resources.gpu import GpuStreams, StreamMode
 from ebrl.runtime.resources.profiler import EpochProfile, LiveProfiler
 from ebrl.runtime.resources.rules_start import offload_start
-from ebrl.runtime.sim_mixed import LOCAL
-from ebrl.runtime.sim_types import ElasticPool
+from ebrl.runtime.sim import LOCAL
 from ebrl.runtime.threads import usable_cpus
 from ebrl.telemetry.logging import get_logger
 
@@ -79,7 +78,7 @@ class ResourceManager:
         # the learner process's torch threads, when the controller may change them
         self._threads = learner_threads if remote is not None and cfg.resources.learner_threads is None else None
         # envs on worker processes that can move (checked once): placement, workers, backend
-        self.elastic = pool if isinstance(pool, ElasticPool) else None
+        self.elastic = pool if pool.movable else None
         self.mixed = self.elastic is not None and self.elastic.mixed  # envs may move between lanes and workers
         self._affinity = ("shared" if remote is not None and self.elastic is not None
                           and cfg.resources.affinity and not virtual and affinity.available() else None)

@@ -1,7 +1,7 @@
 """The live profiler: what every stage did in the last epoch, from counters the stages keep anyway.
 
 Nothing here runs per env step. The stages keep running sums (the sim pool a row per env in
-:attr:`~ebrl.runtime.sim_types.StepRows.cost`, written where the step runs; the driver its
+:attr:`~ebrl.runtime.sim.block.StepRows.cost`, written where the step runs; the driver its
 waits per env; the generator and the learner their busy seconds), and :meth:`LiveProfiler.take`
 subtracts the previous snapshot. An :class:`EpochProfile` holds, for one window:
 
@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from ebrl.runtime.sim_types import CPU, QUEUE, STEPS, WALL, ElasticPool
+from ebrl.runtime.sim.block import CPU, QUEUE, STEPS, WALL
 
 WAIT_CAUSES = ("lane", "delivery", "action", "barrier", "backpressure")
 
@@ -243,7 +243,7 @@ class LiveProfiler:
         with np.errstate(invalid="ignore", divide="ignore"):
             mean = np.where(total[:, STEPS] > 0, total[:, WALL] / total[:, STEPS], np.nan)
         pool = self.pool
-        elastic = isinstance(pool, ElasticPool)
+        elastic = pool.movable
         placement, workers = (pool.placement, pool.workers) if elastic else (None, 0)
         profile = EpochProfile(
             epoch=self.epoch, t_start=last["t"], t_end=now["t"], backend=pool.backend.value,

@@ -9,7 +9,7 @@ import numpy as np
 
 from ebrl.runtime.resources.knobs import MIN_STEPS_PER_UNIT, SATURATED_ABOVE, Decision, Knobs, Limits, Memory, settling
 from ebrl.runtime.resources.profiler import EpochProfile
-from ebrl.runtime.sim_mixed import LOCAL
+from ebrl.runtime.sim import LOCAL
 from ebrl.runtime.resources.rules_start import WAITS_BELOW  # a step computing less of its wall time than this mostly waits
 
 

@@ -1,0 +1,269 @@
+"""The hosts that keep their units in this process: what they share (:class:`LocalHost`), and
+the inline one.
+
+:class:`InlineHost` steps on the event loop thread: every block submitted within one loop
+iteration runs in one call soon after, and comes back as one block. Right for envs whose step
+costs less than a thread hop. Under virtual time each unit's step holds one of ``lanes`` lanes
+while its declared cost is charged with ``asyncio.sleep``. The lane host
+(:mod:`ebrl.runtime.sim.lanes`) builds on the same :class:`LocalHost`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from time import perf_counter, thread_time
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+from ebrl.runtime.errors import EnvStepError, TimedOut
+from ebrl.runtime.sim.block import Outbox, StepRows
+from ebrl.runtime.sim.stepping import EnvFn, build_unit, close_quietly, describe, reset_unit, single_spaces, step_unit
+from ebrl.runtime.threads import in_thread
+from ebrl.runtime.virtual_time import is_virtual
+from ebrl.telemetry.logging import get_logger
+
+log = get_logger("ebrl.sim")
+
+
+class LocalHost:
+    """Units (envs, or vector envs of ``vector_size``) living in this process, and their rows.
+    ``hosted``: the units to build at start (None: all); the others arrive by :meth:`adopt`."""
+
+    def __init__(self, env_fn: EnvFn, num_envs: int, outbox: Outbox, lanes: int, vector_size: int = 1,
+                 build_timeout_s: float | None = None):
+        self.env_fn, self.num_envs, self.outbox = env_fn, num_envs, outbox
+        self.vector_size = vector_size
+        self.num_units = num_envs // vector_size
+        self.lanes = lanes
+        self.rows: StepRows | None = None
+        self.envs: list[gym.Env | None] = []  # None: not hosted here (on a worker), or left to a hung lane
+        self.virtual = False  # under virtual time a step's cost is the one it declares
+        self.build_timeout_s = build_timeout_s
+        self.unbuilt: dict[int, TimedOut] = {}  # units whose build timed out, until rebuilt
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def start(self, spaces: tuple[gym.Space, gym.Space] | None, hosted: set[int] | None = None
+                    ) -> tuple[gym.Space, gym.Space]:
+        """Build the ``hosted`` units off the event loop, each in a private thread under
+        ``build_timeout_s`` (64 MuJoCo envs take a few hundred ms to build, which would stall the
+        caller's loop); inline under virtual time, where threads are not allowed. A unit past its
+        deadline is left to its thread and recorded in ``unbuilt``: its first reset fails as
+        ``timeout`` and the driver rebuilds it. Returns one env's spaces (``spaces``, else the
+        first unit's)."""
+        self._loop = asyncio.get_running_loop()
+        self.virtual = is_virtual(self._loop)
+        units = [u for u in range(self.num_units) if hosted is None or u in hosted]
+        self.envs = [None] * self.num_units
+        for u in units:
+            self.envs[u] = self._build(u) if self.virtual else await self._build_off_loop(u)
+        first = next((env for env in self.envs if env is not None), None)
+        if spaces is None and first is None:
+            raise EnvStepError(min(self.unbuilt, default=0), "env_fn", self._build_timed_out())
+        spaces = spaces or single_spaces(first)
+        self.rows = StepRows(self.num_envs, *spaces)
+        return spaces
+
+    async def _build_off_loop(self, unit: int) -> gym.Env | None:
+        """``env_fn(unit)`` in a thread of its own under ``build_timeout_s``; None past it (the
+        thread is left, and the unit recorded in ``unbuilt``)."""
+        try:
+            return await in_thread(self._build, unit, name="ebrl-sim-build", timeout_s=self.build_timeout_s,
+                                   may_hang=True)
+        except TimeoutError:
+            self.unbuilt[unit] = self._build_timed_out()
+            log.warning("env_build_timed_out", unit=unit, limit_s=self.build_timeout_s)
+            return None
+
+    def _build_timed_out(self) -> TimedOut:
+        return TimedOut(f"its build ran past faults.build_timeout_s={self.build_timeout_s:g} s (its thread was left)")
+
+    def _build(self, unit: int) -> gym.Env:
+        return build_unit(self.env_fn, unit, self.vector_size)
+
+    def _ids(self, unit: int) -> np.ndarray:
+        v = self.vector_size
+        return np.arange(unit * v, unit * v + v)
+
+    def _units(self, ids: np.ndarray) -> list[int]:
+        return ids.tolist() if self.vector_size == 1 else (ids[:: self.vector_size] // self.vector_size).tolist()
+
+    def _step(self, unit: int, queued_s: float = 0.0, account: bool = True) -> float:
+        """Step one unit (:func:`~ebrl.runtime.sim.stepping.step_unit`); with ``account``, also
+        count the step's cost (wall and stepping-thread CPU seconds, and ``queued_s`` it waited
+        for a lane; under virtual time the declared cost, all of it waiting). Returns the
+        declared cost."""
+        if not account:
+            return self._commit(unit)
+        t0, c0 = perf_counter(), thread_time()
+        declared = self._commit(unit)
+        wall, cpu = (declared, 0.0) if self.virtual else (perf_counter() - t0, thread_time() - c0)
+        if self.vector_size == 1:
+            self.rows.add_cost(unit, wall, cpu, queued_s)
+        else:
+            self.rows.cost[self._ids(unit)] += (1.0, wall, cpu, queued_s)  # every row waited through the call
+        return declared
+
+    def _commit(self, unit: int) -> float:
+        """Step the unit into the rows (the lane host checks, before writing, that it was not abandoned)."""
+        return step_unit(self.envs[unit], self.rows, unit, self.vector_size)
+
+    def _errors(self, unit: int, exc: BaseException) -> list[tuple[int, str]]:
+        return [(i, describe(exc)) for i in self._ids(unit).tolist()]
+
+    # the rare calls, run where the host runs them (_call): inline, or in a lane
+
+    def _reset(self, unit: int, seed: Any) -> tuple[Any, Any]:
+        if unit in self.unbuilt:  # never built: the driver rebuilds it
+            raise EnvStepError(unit, "env_fn", self.unbuilt[unit])
+        return reset_unit(self.envs[unit], seed, self.vector_size)
+
+    def _rebuild(self, unit: int) -> None:
+        if self.envs[unit] is not None:  # None: left to a lane that hung in it (never touched again)
+            close_quietly(self.envs[unit])
+            self.envs[unit] = None
+        self._keep(unit, self._build(unit))
+
+    def _keep(self, unit: int, env: gym.Env) -> None:
+        """Make ``env`` unit ``unit``'s (the lane host checks, first, that the call was not abandoned)."""
+        self.envs[unit] = env
+        self.unbuilt.pop(unit, None)
+
+    def _adopt(self, unit: int, seed: Any) -> tuple[Any, Any]:
+        """Build unit ``unit`` here (it was hosted elsewhere) and reset it; nothing is kept if either fails."""
+        env = self._build(unit)
+        try:
+            out = reset_unit(env, seed, self.vector_size)
+        except Exception as exc:
+            close_quietly(env)
+            raise EnvStepError(unit, "reset", describe(exc)) from exc
+        self._keep(unit, env)
+        return out
+
+    def _drop(self, unit: int) -> None:
+        env, self.envs[unit] = self.envs[unit], None
+        close_quietly(env)
+
+    async def _call(self, unit: int, op: str, fn, *args):
+        raise NotImplementedError
+
+    async def reset(self, unit: int, seed: Any = None) -> tuple[Any, Any]:
+        return await self._call(unit, "reset", self._reset, unit, seed)
+
+    async def rebuild(self, unit: int) -> None:
+        await self._call(unit, "env_fn", self._rebuild, unit)
+
+    async def adopt(self, unit: int, seed: Any = None) -> tuple[Any, Any]:
+        """Build unit ``unit`` from ``env_fn`` and reset it (it moves here from a worker);
+        :class:`EnvStepError` (op ``env_fn`` or ``reset``) keeps nothing."""
+        return await self._call(unit, "env_fn", self._adopt, unit, seed)
+
+    async def drop(self, unit: int) -> None:
+        """Close unit ``unit`` and forget it (it moved elsewhere)."""
+        await self._call(unit, "close", self._drop, unit)
+
+    def abandon_late(self, limit_s: float) -> list[int]:
+        return []
+
+    def abandon(self, unit: int, limit_s: float) -> bool:
+        return False
+
+    def _close_envs(self) -> None:
+        for env in self.envs:
+            close_quietly(env)
+        self.envs = []
+
+
+class InlineHost(LocalHost):
+    """Steps on the event loop. Under virtual time, charges each step's cost on one of ``lanes`` lanes.
+    A hung inline step holds the event loop itself: nothing here can give it up."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._lane_sem: asyncio.Semaphore | None = None
+        self._pending: list[np.ndarray] = []
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self, spaces, hosted=None):
+        self._lane_sem = asyncio.Semaphore(self.lanes)
+        return await super().start(spaces, hosted)
+
+    def resize(self, n: int) -> None:
+        delta, self.lanes = n - self.lanes, n
+        for _ in range(max(delta, 0)):
+            self._lane_sem.release()
+        for _ in range(max(-delta, 0)):  # shrink lazily: lanes are taken as steps finish
+            self._spawn(self._lane_sem.acquire())
+
+    def _spawn(self, coro) -> None:
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def submit(self, ids: np.ndarray, actions: Any) -> None:
+        self.rows.set_actions(ids, actions)
+        if self.virtual:
+            for unit in self._units(ids):
+                self._spawn(self._virtual_step(unit))
+            return
+        if not self._pending:
+            self._loop.call_soon(self._run)
+        self._pending.append(ids)
+
+    def _run(self) -> None:
+        pending, self._pending = self._pending, []
+        ids = pending[0] if len(pending) == 1 else np.concatenate(pending)
+        errors: list[tuple[int, str]] = []
+        # inline steps are cheap by definition (< sim.inline_below_s): timing each would cost as
+        # much as a no-op step, so the batch is timed once and its time split evenly
+        t0, c0 = perf_counter(), thread_time()
+        for unit in self._units(ids):
+            try:
+                self._step(unit, account=False)
+            except Exception as exc:
+                errors += self._errors(unit, exc)
+        if errors:
+            failed = {i for i, _ in errors}
+            ids = np.array([i for i in ids.tolist() if i not in failed], np.int64)
+        if len(ids):
+            n = len(ids)
+            self.rows.cost[ids] += (1.0, (perf_counter() - t0) / n, (thread_time() - c0) / n, 0.0)
+        self.outbox.put(self.rows.block(ids, errors))
+
+    async def _virtual_step(self, unit: int) -> None:
+        t_in = self._loop.time()
+        async with self._lane_sem:
+            try:
+                cost = self._step(unit, self._loop.time() - t_in)
+            except Exception as exc:
+                self.outbox.put(self.rows.block(np.zeros(0, np.int64), self._errors(unit, exc)))
+                return
+            if cost > 0:
+                await asyncio.sleep(cost)
+            self.outbox.put(self.rows.block(self._ids(unit)))
+
+    async def rebuild(self, unit: int) -> None:
+        """Build the unit anew: off the loop, under ``build_timeout_s`` (inline under virtual time)."""
+        if self.virtual:
+            return await super().rebuild(unit)
+        old, self.envs[unit] = self.envs[unit], None
+        close_quietly(old)
+        env = await self._build_off_loop(unit)
+        if env is None:
+            raise EnvStepError(unit, "env_fn", self.unbuilt[unit])
+        self._keep(unit, env)
+
+    async def _call(self, unit: int, op: str, fn, *args):
+        try:
+            return fn(*args)
+        except EnvStepError:
+            raise
+        except Exception as exc:
+            raise EnvStepError(unit, op, describe(exc)) from exc
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        self._tasks.clear()
+        self._close_envs()

@@ -1,0 +1,333 @@
+"""One worker process of :class:`~ebrl.runtime.sim.workers.WorkerHost`: the parent's handle on
+it (:class:`WorkerLink`: the process, its pipe, what is queued for it and what it owes) and the
+process's own loop (:func:`worker_main`: messages, streamed replies, requests), which steps its
+envs with the hosts' one stepping function. What a reply or a death means is the host's.
+
+Every array of :class:`StepRows` (one per observation key, for ``obs`` and ``final_obs``, plus
+actions, rewards, flags and per-env costs) is a shared-memory block made by the parent, so a
+step request or reply is a 1-byte tag and the int32 env ids: nothing is pickled per step. Only
+errors, resets, rebuilds and migrations are pickled. Workers add each step's wall time, the
+worker process's CPU time during it (helper threads of the simulator included) and its wait in
+the worker (from the message's arrival to the step's start) to the env's row of ``cost``;
+the pool reads snapshots.
+
+Submits made in one loop iteration go out as one message per worker. The worker steps that
+message's envs cheapest first (by an EWMA of each env's step wall time) and streams replies,
+so no env waits for the slowest of its message: it sends the ids finished so far (a) before
+stepping an env whose EWMA cost exceeds ``reply_hold_s``, or 3x the mean of the envs stepped
+before it in the message and 100 µs (a straggler), and (b) after a step, once the oldest unsent one
+finished more than ``reply_hold_s`` ago; the rest goes at the end. Envs of even cost thus come
+back in one reply per message, or one per ``reply_hold_s`` (each reply costs the event loop a
+block: too fine a stream spends the CPU that CPU-bound simulators need).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import pickle
+import signal
+import time
+from collections import deque
+from multiprocessing import shared_memory
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+from ebrl.runtime.children import child_context, portable
+from ebrl.runtime.children import start as start_child
+from ebrl.runtime.sim.block import STEPS, WALL, StepRows, release_shared, shm_alloc
+from ebrl.runtime.sim.stepping import EnvFn, close_quietly, describe, reset_env, step_unit
+from ebrl.runtime.threads import CLOSE_WAIT_S, ignore_stop_signals
+
+# message tags. Parent to worker: step ids, pickled requests, quit. Worker to parent: ready (once,
+# serving), step ids, pickled (step ids, errors), pickled request replies.
+STEP, ERRORS, PICKLED, QUIT, READY = b"S", b"E", b"P", b"Q", b"R"
+_ALPHA = 0.1  # EWMA weight of the latest step time (low: a step preempted by another process is noise)
+READ_BYTES = 1 << 20  # the most one read of a worker's pipe takes (more waits for the next)
+_STRAGGLER = 3.0  # an env expected to take this many times its message-mates' mean is a straggler
+# ... and to take at least this long: each reply costs the event loop a block (about 0.2 ms of
+# CPU at 32 envs), so holding the finished envs for less than that is cheaper than splitting.
+# Without it, the timing noise of microsecond steps made ~7% of replies single envs.
+_STRAGGLER_MIN_S = 100e-6
+
+
+def worker_main(conn, env_fn: EnvFn, num_envs: int, hold_s: float, attach: tuple) -> None:
+    """A worker process: maps the shared memory (``attach``: the block names and the spaces),
+    then hosts the envs it is asked to build and answers requests until told to quit."""
+    ignore_stop_signals()  # the parent decides when we stop
+    envs: dict[int, gym.Env] = {}
+    blocks: list[shared_memory.SharedMemory] = []
+    rows = None
+    try:
+        names, obs_space, act_space = attach
+        rows = StepRows(num_envs, obs_space, act_space, alloc=shm_alloc(blocks, names))
+        conn.send_bytes(READY)  # started: the parent's start-up deadline ends here
+        # EWMA of each env's step wall time, by env id (any env may be adopted later)
+        cost: list[float | None] = [None] * num_envs
+        while True:
+            raw = conn.recv_bytes()
+            kind, body = raw[:1], raw[1:]
+            if kind == STEP:
+                _step_message(conn, envs, rows, cost, np.frombuffer(body, np.int32).tolist(), hold_s)
+            elif kind == PICKLED:
+                replies = _serve(envs, env_fn, pickle.loads(body), rows, cost)
+                conn.send_bytes(PICKLED + pickle.dumps(replies))
+            else:
+                break
+    except (EOFError, KeyboardInterrupt, BrokenPipeError, OSError):
+        pass
+    finally:
+        release_shared(rows, blocks, unlink=False)
+        for env in envs.values():
+            close_quietly(env)
+
+
+def _step_message(conn, envs, rows: StepRows, cost: list, ids: list[int], hold_s: float) -> None:
+    """Step ``ids`` cheapest first, streaming replies by the rule in the module docstring."""
+    arrived = time.perf_counter()  # the envs' QUEUE cost: from here to their step's start
+    done: list[int] = []
+    errors: list[tuple[int, str]] = []
+    since = 0.0  # when the oldest unsent env finished
+
+    def send() -> None:
+        raw = np.asarray(done, np.int32).tobytes()
+        conn.send_bytes(ERRORS + pickle.dumps((raw, list(errors))) if errors else STEP + raw)
+        done.clear()
+        errors.clear()
+
+    stepped, total = 0, 0.0  # envs of this message stepped so far, and their summed expected cost
+    cpu = time.process_time  # the whole process: a simulator's helper threads count too
+    for i in sorted(ids, key=lambda j: cost[j] or 0.0):
+        expect = cost[i] or 0.0
+        if (done or errors) and (expect > hold_s or (stepped and expect > max(_STRAGGLER * total / stepped,
+                                                                               _STRAGGLER_MIN_S))):
+            send()  # (a): a known-slow env (slow outright, or next to its message-mates) must not hold the finished ones
+        stepped, total = stepped + 1, total + expect
+        c0, t0 = cpu(), time.perf_counter()
+        rows.started[i] = t0  # the parent's step timeout counts from here
+        try:
+            step_unit(envs[i], rows, i)
+            done.append(i)
+        except Exception as exc:
+            errors.append((i, describe(exc)))
+        t1 = time.perf_counter()
+        rows.started[i] = 0.0
+        rows.add_cost(i, t1 - t0, cpu() - c0, t0 - arrived)  # before the reply: the parent reads it after
+        c = cost[i]
+        cost[i] = t1 - t0 if c is None else c + _ALPHA * (t1 - t0 - c)
+        if len(done) + len(errors) == 1:
+            since = t1
+        elif t1 - since > hold_s:
+            send()  # (b): the oldest unsent one has waited long enough
+    if done or errors:
+        send()
+
+
+def _serve(envs: dict[int, gym.Env], env_fn: EnvFn, requests: list[tuple[str, int, Any]],
+           rows: StepRows | None = None, cost: list | None = None) -> list:
+    """Answer pickled requests ``(op, env_id, arg)`` in order, one reply ``(env_id, ok, payload)``
+    each; a failure's payload is its description, or ``(op, description)`` naming the part of
+    the request that failed (``adopt``: ``env_fn`` or ``reset``).
+
+    ``reset`` (arg: seed) -> (obs, info); ``rebuild`` (also an env's first build) -> None; ``adopt`` (arg: seed) builds the
+    env from ``env_fn`` and resets it -> (obs, info), keeping nothing if either fails; ``drop``
+    closes the env and forgets it -> None.
+    """
+    replies = []
+    for op, i, arg in requests:
+        if rows is not None:
+            rows.started[i] = time.perf_counter()  # the parent's reset timeout counts from here
+        try:
+            if op == "adopt":
+                replies.append((i, True, _adopt(envs, env_fn, i, arg, rows, cost)))
+                continue
+            if op == "drop":
+                close_quietly(envs.pop(i))
+                if cost is not None:
+                    cost[i] = None
+                replies.append((i, True, None))
+                continue
+            if op == "rebuild":  # the env may be missing: its worker was respawned, or a build failed
+                old = envs.pop(i, None)
+                if old is not None:
+                    close_quietly(old)
+                envs[i] = env_fn(i)
+            if op == "reset" and i not in envs:
+                raise LookupError(f"env {i} is not built in this worker (its build failed, or the worker was "
+                                  "respawned): rebuild the env")
+            replies.append((i, True, reset_env(envs[i], seed=arg) if op == "reset" else None))
+        except _AdoptError as exc:
+            replies.append((i, False, (exc.op, exc.detail)))
+        except Exception as exc:
+            replies.append((i, False, describe(exc)))
+        finally:
+            if rows is not None:
+                rows.started[i] = 0.0
+    return replies
+
+
+class _AdoptError(Exception):
+    def __init__(self, op: str, detail: str):
+        super().__init__(op, detail)
+        self.op, self.detail = op, detail
+
+
+def _adopt(envs: dict[int, gym.Env], env_fn: EnvFn, i: int, seed: Any, rows: StepRows | None,
+           cost: list | None) -> tuple[Any, dict]:
+    stale = envs.pop(i, None)  # a copy left by a cancelled migration: the parent's placement decides
+    if stale is not None:
+        close_quietly(stale)
+    try:
+        env = env_fn(i)
+    except Exception as exc:
+        raise _AdoptError("env_fn", describe(exc)) from exc
+    try:
+        out = reset_env(env, seed=seed)
+    except Exception as exc:
+        close_quietly(env)
+        raise _AdoptError("reset", describe(exc)) from exc
+    envs[i] = env
+    if cost is not None and rows is not None and rows.cost[i, STEPS] > 0:
+        # seed the step-order EWMA with the env's mean step time where it ran before
+        cost[i] = float(rows.cost[i, WALL] / rows.cost[i, STEPS])
+    return out
+
+
+class WorkerLink:
+    """Worker ``index``: its process, the parent's end of its pipe, and its queues."""
+
+    def __init__(self, index: int, process, conn, loop: asyncio.AbstractEventLoop | None):
+        self.index, self.process, self.conn, self.loop = index, process, conn, loop
+        self.steps: list[np.ndarray] = []  # ids whose actions are written, not yet sent
+        self.requests: list[tuple[str, int, Any]] = []  # pickled requests, not yet sent
+        self.waiting: deque[tuple[int, str, asyncio.Future]] = deque()  # sent requests, in order
+        self.dead: str | None = None  # why it is gone
+        self.killed = False  # killed for a hung step (its death is on the way)
+        self.inbox = b""  # the start of a reply not yet whole (see read_replies)
+        self.spawned_at = time.perf_counter()
+        self.heard = False  # it has sent something (its READY first): it started (see ProcessSimPool.abandon)
+
+    @classmethod
+    def spawn(cls, start_method: str | None, loop: asyncio.AbstractEventLoop | None, index: int, env_fn: EnvFn,
+              num_envs: int, reply_hold_s: float, attach: tuple) -> WorkerLink:
+        """Start worker ``index`` (fork-safely: :func:`~ebrl.runtime.children.child_context`), hosting
+        no env yet and mapping the shared memory named in ``attach`` at once."""
+        ctx, _ = child_context(start_method)
+        parent, child = ctx.Pipe(duplex=True)
+        proc = ctx.Process(
+            target=worker_main, name=f"ebrl-sim-worker-{index}", daemon=True,
+            args=(child, portable(env_fn, ctx), num_envs, reply_hold_s, attach))
+        start_child(proc, ctx)
+        child.close()
+        return cls(index, proc, parent, loop)
+
+    def watch(self, callback, *args) -> None:
+        """Call ``callback(*args)`` on the loop whenever the pipe is readable."""
+        fd = self.conn.fileno()
+        self.loop.add_reader(fd, callback, *args)
+        # add_reader makes the socket non-blocking; a message larger than the socket buffer
+        # then arrives in pieces and recv_bytes would fail half-way. Readable means a message
+        # has started, and the worker writes the rest at once: a blocking read is safe.
+        os.set_blocking(fd, True)
+
+    def unwatch(self) -> None:
+        with contextlib.suppress(Exception):
+            self.loop.remove_reader(self.conn.fileno())
+
+    def request(self, op: str, env_id: int, arg: Any) -> asyncio.Future:
+        """Queue request ``op`` (sent, pickled, by the next :meth:`flush`); the future gets its reply."""
+        if self.dead is not None:
+            raise RuntimeError(f"env {env_id}: {self.dead}")
+        fut = self.loop.create_future()
+        self.requests.append((op, env_id, arg))
+        self.waiting.append((env_id, op, fut))
+        return fut
+
+    def flush(self, sent_at: np.ndarray) -> bool:
+        """Send the queued steps (one message; ``sent_at`` of their envs gets the send time) and
+        requests (another). False if the pipe is broken: the worker died."""
+        try:
+            if self.steps:
+                ids = np.concatenate(self.steps).astype(np.int32)
+                self.steps = []
+                sent_at[ids] = time.perf_counter()
+                self.conn.send_bytes(STEP + ids.tobytes())
+            if self.requests:
+                reqs, self.requests = self.requests, []
+                self.conn.send_bytes(PICKLED + pickle.dumps(reqs))
+        except (BrokenPipeError, OSError):
+            return False
+        return True
+
+    def read_replies(self) -> list[bytes] | None:
+        """Every whole reply the worker has sent, or None if its end of the pipe closed (it died).
+        One read takes what the pipe holds (often two replies at once); the framing is
+        multiprocessing's (a 4-byte big-endian signed length, -1 for an 8-byte one), as the
+        worker's ``send_bytes`` writes it. ``Connection.recv_bytes`` cost two reads and a BytesIO
+        per reply. A reply not yet whole waits in ``inbox`` for the next read."""
+        try:
+            data = os.read(self.conn.fileno(), READ_BYTES)
+        except OSError:
+            data = b""
+        if not data:
+            return None
+        self.heard = True
+        if self.inbox:
+            data, self.inbox = self.inbox + data, b""
+        replies = []
+        start, end = 0, len(data)
+        while end - start >= 4:
+            n, head = int.from_bytes(data[start:start + 4], "big", signed=True), 4
+            if n == -1:  # over 2 GiB (a pickled request's reply, in theory)
+                if end - start < 12:
+                    break
+                n, head = int.from_bytes(data[start + 4:start + 12], "big"), 12
+            if end - start < head + n:
+                break
+            replies.append(data[start + head:start + head + n])
+            start += head + n
+        self.inbox = data[start:]
+        return replies
+
+    def kill(self) -> None:
+        """SIGKILL it (a hung step or reset): its pipe closes, and the pool's reader sees it die."""
+        self.killed = True
+        self.process.kill()
+
+    def mark_dead(self) -> None:
+        """Its pipe closed: stop watching it, and say in ``dead`` how it ended."""
+        self.unwatch()
+        self.process.join(0.5)  # to learn its exit code; it closed its pipe, so it is exiting
+        code = self.process.exitcode
+        how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+        self.dead = f"worker {self.index} died ({how})"
+
+    def retire(self) -> None:
+        """Stop watching it and tell it to quit (after what it was sent); its requests' futures
+        are cancelled. :meth:`stop` joins it later."""
+        self.unwatch()
+        with contextlib.suppress(Exception):
+            self.conn.send_bytes(QUIT)
+        for _, _, fut in self.waiting:
+            fut.cancel()
+        self.waiting.clear()
+
+    @staticmethod
+    def stop(links: list[WorkerLink]) -> None:
+        """Tell ``links``' workers to quit, then join them (``CLOSE_WAIT_S`` in all, then killed:
+        a worker hung in a step never reads the message)."""
+        for link in links:
+            with contextlib.suppress(Exception):
+                link.conn.send_bytes(QUIT)
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        for link in links:
+            link.process.join(timeout=max(0.0, deadline - time.monotonic()))
+            if link.process.is_alive():
+                link.process.kill()
+                link.process.join()
+            link.conn.close()
+            for _, _, fut in link.waiting:
+                fut.cancel()
