@@ -132,6 +132,22 @@ def test_placement_holds_when_workers_are_equally_busy():
     assert placement_rule(p, knobs, Limits(num_units=8, cpus=2), Memory()) is None
 
 
+def test_placement_holds_on_saturated_cores_unless_envs_wait_at_a_barrier():
+    # worker 0 busy 1.6 s, worker 1 0.4 s, as above, on cores 95% busy
+    costs = np.array([0.004, 0.001] * 4)
+    knobs = Knobs("process", workers=2, placement=tuple((np.arange(8) % 2).tolist()))
+
+    def window(barrier):
+        p = profile(n=8, steps=100.0, wall=costs * 100, mean_step=costs, backend="process",
+                    placement=np.arange(8) % 2, window=2.0)
+        p.system["cpu_util_mean"] = 95.0
+        p.waits["barrier"][:] = barrier
+        return p
+
+    assert placement_rule(window(0.0), knobs, Limits(num_units=8, cpus=2), Memory()) is None  # async
+    assert placement_rule(window(0.3), knobs, Limits(num_units=8, cpus=2), Memory()).knob == "placement"  # lockstep
+
+
 def test_a_placement_that_measures_slower_is_reverted_and_its_knob_frozen():
     from ebrl.runtime.resources.controller import FROZEN_EPOCHS, postpone_trials
 

@@ -16,10 +16,9 @@ hysteresis, and says why. Knobs the user set (``fixed``) are never touched.
 - **Placement of envs on worker processes** (:func:`placement_rule`). When the idlest worker is
   busy ``imbalance_above`` (a fraction) less than the busiest, the envs are re-placed by
   longest-processing-time first on their measured cost per step, if that balances the predicted
-  load better; the new placement keeps as many envs where they are as it can. (Under ``async``
-  with every worker saturated the measured busy times are even and nothing moves: a busy worker
-  spinning through cheap envs loses no throughput; under the lockstep schedules an unbalanced
-  worker idles at every barrier.)
+  load better; the new placement keeps as many envs where they are as it can. It holds on
+  saturated cores when no env waits at a barrier: balancing then frees no core a worker could
+  use, while under the lockstep schedules an unbalanced worker idles at every barrier.
 - **SM split** (:func:`sm_split_rule`, GPU with green contexts): generation gets the fewest SMs
   that keep the mean env wait for an action under ``act_wait_target_s``
   (:func:`~ebrl.runtime.resources.gpu.plan_sm_split`), training the rest.

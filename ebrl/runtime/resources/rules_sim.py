@@ -87,6 +87,12 @@ def placement_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: 
         return None
     if np.isnan(profile.mean_step_s).any():
         return None
+    util = profile.system.get("cpu_util_mean")
+    if util is not None and util >= SATURATED_ABOVE and not profile.waits["barrier"].any():
+        # no env waits at a barrier and no core is idle: a balanced placement frees no core a
+        # worker could use (an idle worker's core runs another process), so moves cost rebuilds
+        # and buy nothing. Under a lockstep schedule the busiest worker is the critical path.
+        return None
     w = knobs.workers
     current = np.asarray(knobs.placement)
     busy = np.bincount(current, weights=profile.wall_s, minlength=w) / profile.window_s
