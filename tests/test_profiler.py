@@ -177,7 +177,7 @@ def test_env_waits_count_what_the_timeline_draws():
     calls, so they agree (the barrier is counted apart from the action wait it is drawn in)."""
     import numpy as np
 
-    from ebrl.runtime.waits import EnvWaits
+    from ebrl.runtime.driver.loop import EnvWaits
 
     tl = Timeline()
     w = EnvWaits(2, tl)

@@ -575,7 +575,7 @@ def test_fewer_workers_retire_only_after_their_envs_have_moved_off():
 
     from ebrl.config import Offload, SimBackend
     from ebrl.runtime.resources.knobs import Decision
-    from ebrl.runtime.moves import Moves
+    from ebrl.runtime.driver.recovery import Moves
     from ebrl.runtime.resources.manager import ResourceManager
 
     class Pool:  # the surface of a pool whose envs move between workers, no envs
@@ -592,7 +592,7 @@ def test_fewer_workers_retire_only_after_their_envs_have_moved_off():
 
     cfg = ebrl.RunConfig(num_envs=8, sim={"backend": "process"})
     pool = Pool()
-    driver = SimpleNamespace(moves=Moves(cfg, pool, None, None, None))
+    driver = SimpleNamespace(moves=Moves(pool, None, None))
     gen = SimpleNamespace(max_wait_s=0.002, batch_target=8, offload_mode=Offload.INLINE, actuators=dict)
     profiler = SimpleNamespace(take=lambda: profile(n=8, placement=pool.placement), close=lambda: None)
     mgr = ResourceManager(cfg, profiler, pool, driver, gen, virtual=False)

@@ -179,7 +179,7 @@ def test_a_move_decided_from_a_stale_placement_is_skipped(monkeypatch):
     """A decision made while an earlier move was in flight read the old placement, so it may
     ask to move an env to where it already is: that move is skipped, not a crash."""
     import ebrl.runtime.run as run_module
-    from ebrl.runtime.drivers import Driver
+    from ebrl.runtime.driver import Driver
 
     class StaleMoves(Driver):
         stale: dict | None = None

@@ -126,6 +126,8 @@ class Generator:
         self.version = 0
         self._state = state  # where the count of live envs comes from; else ``live`` below
         self._live = live
+        if state is not None:
+            state.watch(self.poke)  # fewer live envs: the ones waiting may now be everyone
         self.batch_sizes: Counter = Counter()
         self.costs = BatchCosts()  # seconds per call against batch size: the controller's batch target
         self.max_request_wait_s = 0.0
@@ -199,7 +201,7 @@ class Generator:
             self._wake.set()
 
     def poke(self) -> None:
-        """The count of live envs changed: the 'everyone waits' rule may now hold."""
+        """The count of live envs changed (:meth:`RunState.watch`): 'everyone waits' may now hold."""
         if self._pending and self._due():
             self._wake.set()
 

@@ -191,7 +191,6 @@ class Learner:
                     "rank_env_steps": [int(r[2]) for r in rows]}
         if self.job["stopping"]:
             self.state.stop()  # every rank stops at the same update
-            rollout.poke()
             return False
         if not rollout.steps_per_env.any():  # a rank must have stored a step to bring its (empty) batch
             raise RuntimeError(f"rank {dp.rank} ended before recording any step: it cannot take part in updates")

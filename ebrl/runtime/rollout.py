@@ -77,6 +77,7 @@ class RolloutQueue:
         self.lockstep = lockstep
         self.stats = stats
         self.state = state if state is not None else RunState(budget=0, active=num_envs)
+        self.state.watch(self.poke)
         self.num_envs = num_envs
         self.capacity = num_envs if lockstep else (max_lag + 1) * batch_segments  # closed segments
         self.schema = fields
@@ -262,7 +263,7 @@ class RolloutQueue:
             self.free.append(s)
 
     def poke(self) -> None:
-        """Envs parked or finished: 'every env is parked' may now hold (fewer parked never makes an update due)."""
+        """Envs parked, finished or stopped (:meth:`RunState.watch`): an update may now be due."""
         self._wake()
 
     def finish(self) -> None:

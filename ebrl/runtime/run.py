@@ -29,7 +29,7 @@ from ebrl.envs.chunks import chunked_env_fn
 from ebrl.policies.base import acting_copy
 from ebrl.policies.expects import check_policy_spaces
 from ebrl.runtime.children import fork_server_scope
-from ebrl.runtime.drivers import Driver
+from ebrl.runtime.driver import Driver
 from ebrl.runtime.env_facts import EnvFacts, inspect_env
 from ebrl.runtime.errors import raise_first
 from ebrl.runtime.fields import transition_fields
@@ -192,7 +192,7 @@ async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop
                     trainer, learner, stats, metrics, every_s=cfg.eval_every_s, episodes=cfg.eval_episodes,
                     log_dir=cfg.log_dir), name="ebrl-eval"))
             if stop is not None:
-                helpers.append(tg.create_task(_watch_stop(stop, state, rollout)))
+                helpers.append(tg.create_task(_watch_stop(stop, state)))
             learn = tg.create_task(learner.run(), name="ebrl-learner")
             drive = tg.create_task(driver.run(), name="ebrl-driver")
             await learn
@@ -283,11 +283,10 @@ def start_decisions(cfg: RunConfig, step: StepProfile | None, policy, virtual: b
     return decisions
 
 
-async def _watch_stop(stop: asyncio.Event, state: RunState, rollout: RolloutQueue) -> None:
+async def _watch_stop(stop: asyncio.Event, state: RunState) -> None:
     await stop.wait()
     log.info("stop_requested")
-    state.stop()
-    rollout.poke()  # a learner waiting for data wakes, and ends after the update in flight
+    state.stop()  # a learner waiting for data wakes (the rollout watches the state), and ends after the update in flight
 
 
 async def _report(progress: Progress, stats: RunStats, learner: Learner, every_s: float) -> None:

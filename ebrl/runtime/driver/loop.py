@@ -3,8 +3,8 @@ every schedule and backend, with no coroutine, future or Python object per env s
 (:meth:`Driver._steps`, PufferLib's and EnvPool's send/recv):
 
 1. ``block = await pool.recv()``: it is recorded into the rollout storage (one write per
-   field) and its episodes tracked (:class:`~ebrl.runtime.episodes.Episodes`); NaN/inf rows
-   and failed envs go to :class:`~ebrl.runtime.recovery.Recovery`, which resets or rebuilds
+   field) and its episodes tracked (:class:`~ebrl.runtime.driver.episodes.Episodes`); NaN/inf rows
+   and failed envs go to :class:`~ebrl.runtime.driver.recovery.Recovery`, which resets or rebuilds
    them and answers whether they are back: only the driver releases envs;
 2. released envs claim steps from the budget; those that would open a segment on a full
    queue park (backpressure), the rest make one request (:meth:`Generator.request`);
@@ -14,8 +14,9 @@ every schedule and backend, with no coroutine, future or Python object per env s
 The schedules differ only in what is released together (:class:`~ebrl.config.Schedule`):
 under ``async`` every unit (an env, or a vector env) goes on alone, as soon as its step is
 back; under ``sync`` and ``pipelined`` a lockstep group goes on once all of its units are
-back. :class:`~ebrl.runtime.waits.EnvWaits` observes the path: each env's waits by cause,
-for the profiler and (when given) the :class:`~ebrl.telemetry.timeline.Timeline`.
+back. :class:`EnvWaits` observes the path: each env's waits by cause, for the profiler and
+(when given) the :class:`~ebrl.telemetry.timeline.Timeline`, from the same calls, so the
+controller's profile and a trace cannot disagree.
 
 Every transition is counted exactly once: simulated, then trained, dropped with a reason, or
 still in flight when the run stops.
@@ -32,19 +33,17 @@ import numpy as np
 
 from ebrl.config import RunConfig
 from ebrl.policies.base import ActResult
-from ebrl.runtime.episodes import Episodes
+from ebrl.runtime.driver.episodes import Episodes
+from ebrl.runtime.driver.recovery import Moves, Recovery
 from ebrl.runtime.errors import EnvStepError, raise_first
 from ebrl.runtime.generation import Generator
-from ebrl.runtime.moves import Moves
-from ebrl.telemetry.timeline import Timeline
-from ebrl.runtime.recovery import Recovery
 from ebrl.runtime.rollout import RolloutQueue
 from ebrl.runtime.schedules import Barrier, is_lockstep
 from ebrl.runtime.sim import Block, SimPool
 from ebrl.runtime.state import RunState
 from ebrl.runtime.stats import RunStats
-from ebrl.runtime.waits import EnvWaits
 from ebrl.spaces import all_finite, index, part
+from ebrl.telemetry.timeline import Timeline
 
 
 class Driver:
@@ -60,7 +59,7 @@ class Driver:
         self.parked: deque[np.ndarray] = deque()  # blocks of envs waiting for queue space
         self.episodes = Episodes(cfg, pool, rollout, stats)
         self.recovery = Recovery(cfg, pool, rollout, stats, state, self.episodes)
-        self.moves = Moves(cfg, pool, rollout, self.episodes, self.recovery)  # the controller's, at episode ends
+        self.moves = Moves(pool, self.episodes, self.recovery)  # the controller's, at episode ends
         self.waits = EnvWaits(cfg.num_envs, timeline)  # where each env's time goes: the profiler's and the timeline's
         self._loop: asyncio.AbstractEventLoop | None = None
         self._done: asyncio.Future | None = None
@@ -102,9 +101,7 @@ class Driver:
             self._done.set_exception(exc)
 
     def _finish(self, n: int) -> None:
-        self.state.active -= n
-        self.generator.poke()
-        self.rollout.poke()
+        self.state.finish(n)
         if self.state.active <= 0 and not self._done.done():
             self._done.set_result(None)
 
@@ -196,10 +193,8 @@ class Driver:
         if self.lockstep:
             self.barrier.leave(ids)
         self.parked.append(ids)
-        self.state.parked += len(ids)
         self.waits.parked(ids, self._loop.time())
-        self.generator.poke()
-        self.rollout.poke()
+        self.state.park(len(ids))
 
     def counters(self) -> dict[str, np.ndarray]:
         """Per env, the seconds waited so far by cause (:meth:`EnvWaits.counters`)."""
@@ -218,7 +213,7 @@ class Driver:
             if self.lockstep:
                 self.barrier.rejoin(ids)
             self._release(ids)
-        self.generator.poke()
+        self.state.changed()
 
     # ---------------------------------------------------------------- faults
 
@@ -253,3 +248,77 @@ class Driver:
                 pass
         task.close()  # never started: neither coroutine may be left unawaited
         back.close()
+
+
+class EnvWaits:
+    """Per-env wait seconds by cause, and the timeline's spans (see module docstring)."""
+
+    def __init__(self, num_envs: int, timeline: Timeline | None = None):
+        self.timeline = timeline
+        self.lanes = [f"env {i}" for i in range(num_envs)]
+        # when each env became ready (or parked), and when its step was submitted
+        self.t_ready = np.zeros(num_envs)
+        self.t_sub = np.zeros(num_envs)
+        # seconds since the start: the round trip of its sim steps (the step, plus any wait for a
+        # lane or worker), waits for an action, for the lockstep group's last member (the
+        # barrier) and for queue space (backpressure)
+        self.sim = np.zeros(num_envs)
+        self.action = np.zeros(num_envs)
+        self.barrier = np.zeros(num_envs)
+        self.blocked = np.zeros(num_envs)
+
+    def _spans(self, ids: np.ndarray, name: str, since: np.ndarray, now: float) -> None:
+        if self.timeline is not None:
+            for i in ids.tolist():
+                self.timeline.record(self.lanes[i], name, since[i], now)
+
+    def _waited(self, ids: np.ndarray, name: str, since: np.ndarray, into: np.ndarray, now: float) -> None:
+        """Envs ``ids`` waited from ``since`` to ``now``: counted in ``into``, drawn as ``name``."""
+        self._spans(ids, name, since, now)
+        into[ids] += now - since[ids]
+
+    def ready(self, ids: np.ndarray | slice, now: float) -> None:
+        """Envs ``ids`` are ready for their next step (after a reset, a rebuild or a move)."""
+        self.t_ready[ids] = now
+
+    def stepped(self, ids: np.ndarray, now: float) -> None:
+        """Their steps came back: ready now."""
+        self._waited(ids, "sim", self.t_sub, self.sim, now)
+        self.t_ready[ids] = now
+
+    def failed(self, ids: np.ndarray, now: float) -> None:
+        """Their step failed (recovery takes them until they are ready again)."""
+        self._spans(ids, "fail", self.t_sub, now)
+
+    def passed_barrier(self, ids: np.ndarray, now: float) -> None:
+        """A lockstep group goes on: the time since each member came back was the barrier.
+        ``t_ready`` stays at the arrival (the timeline's ``act`` spans the barrier too), so the
+        action wait, measured from ``t_ready`` when the actions come, is credited it back now."""
+        barrier = now - self.t_ready[ids]
+        self.barrier[ids] += barrier
+        self.action[ids] -= barrier
+
+    def submitted(self, ids: np.ndarray, now: float) -> None:
+        """Their actions came and their steps went to the pool."""
+        self._waited(ids, "act", self.t_ready, self.action, now)
+        self.t_sub[ids] = now
+
+    def parked(self, ids: np.ndarray, now: float) -> None:
+        """They wait for queue space (backpressure) from now on."""
+        self._waited(ids, "act", self.t_ready, self.action, now)
+        self.t_ready[ids] = now
+
+    def unparked(self, ids: np.ndarray, now: float) -> None:
+        """The learner took segments: they may go on."""
+        self._waited(ids, "blocked", self.t_ready, self.blocked, now)
+        self.t_ready[ids] = now
+
+    def counters(self, parked: np.ndarray, now: float) -> dict[str, np.ndarray]:
+        """Per env, the seconds waited so far: for the step (``sim``), for the action, at the
+        lockstep barrier, and parked by backpressure, a park in progress (envs ``parked``)
+        counted up to ``now``: a long update holds them across profile windows, and each window
+        should see its share."""
+        blocked = self.blocked.copy()
+        blocked[parked] += now - self.t_ready[parked]
+        return {"sim": self.sim.copy(), "action": self.action.copy(), "barrier": self.barrier.copy(),
+                "backpressure": blocked}

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ebrl.config import NonFinite, RunConfig
-from ebrl.runtime.episodes import Episodes
+from ebrl.runtime.driver.episodes import Episodes
 from ebrl.runtime.errors import EnvStepError, NonFiniteError, NonFiniteReset, TimedOut, TooManyEnvFailures
 from ebrl.runtime.rollout import RolloutQueue
 from ebrl.runtime.sim import Block, SimPool
@@ -195,29 +195,73 @@ class Recovery:
 
     # ---------------------------------------------------------------- resets
 
-    async def reset_unit(self, unit: int) -> None:
-        """Reset every env of ``unit`` from fresh seeds; their observations go to the rollout."""
-        ids, seed = self.unit_ids(unit), self.episodes.reset_seed
+    async def reset_unit(self, unit: int, env_ids: list[int] | None = None) -> None:
+        """Start new episodes for envs ``env_ids`` of ``unit`` (default: all) from fresh seeds:
+        the one path of every reset."""
+        ids = self.unit_ids(unit) if env_ids is None else np.asarray(env_ids)
+        seeds = [self.episodes.reset_seed(i) for i in ids.tolist()]
         if self.V == 1:
-            obs, _ = await self._timed(unit, "reset", self.pool.reset(unit, seed=seed(unit)))
-            self.rollout.set_obs(ids, batch_of_one(self.checked_reset(unit, obs)))
-        else:
-            obs, _ = await self._timed(unit, "reset", self.pool.reset(unit, [seed(i) for i in ids.tolist()]))
-            self.rollout.set_obs(ids, self.checked_reset(unit, stack([obs[r] for r in range(self.V)])))
+            arg = seeds[0]
+        else:  # every row, or some: {row: seed}
+            arg = seeds if env_ids is None else {i - unit * self.V: s for i, s in zip(ids.tolist(), seeds)}
+        got, _ = await self._timed(unit, "reset", self.pool.reset(unit, arg))
+        self.observe(unit, ids, got)
+
+    def observe(self, unit: int, ids: np.ndarray, got: Any) -> None:
+        """New episodes' first observations (a plain env's, or a vector env's ``{row: obs}``),
+        checked, into the rollout."""
+        obs = batch_of_one(got) if self.V == 1 else stack([got[i - unit * self.V] for i in ids.tolist()])
+        self.rollout.set_obs(ids, self.checked_reset(unit, obs))
 
     async def reset_rows(self, unit: int, env_ids: list[int]) -> bool:
         """Reset some envs of a unit after dropped NaN steps or actions (a failed reset, or one
         with NaN/inf, rebuilds the unit as a failed step does). True: the unit may go on."""
-        seed = self.episodes.reset_seed
         try:
-            if self.V == 1:
-                obs, _ = await self._timed(unit, "reset", self.pool.reset(unit, seed=seed(unit)))
-                self.rollout.set_obs(np.array(env_ids), batch_of_one(self.checked_reset(unit, obs)))
-            else:
-                got, _ = await self._timed(unit, "reset",
-                                           self.pool.reset(unit, {i - unit * self.V: seed(i) for i in env_ids}))
-                obs = self.checked_reset(unit, stack([got[i - unit * self.V] for i in env_ids]))
-                self.rollout.set_obs(np.array(env_ids), obs)
+            await self.reset_unit(unit, env_ids)
         except EnvStepError as exc:
             return await self.recover(unit, exc)
+        return True
+
+
+class Moves:
+    """Placement changes due at episode ends (see module docstring)."""
+
+    def __init__(self, pool: SimPool, episodes: Episodes, recovery: Recovery):
+        self.pool, self.episodes, self.recovery = pool, episodes, recovery
+        self.wanted: dict[int, int] = {}  # env -> worker: the controller's, done at the env's next episode end
+        self.under_way: set[int] = set()  # envs whose move started (the pool's placement is not yet theirs)
+        self.done = 0  # moves made
+
+    @property
+    def pending(self) -> bool:
+        """Moves wanted or under way: a placement read now would be stale."""
+        return bool(self.wanted or self.under_way)
+
+    def due(self, block: Block) -> list[tuple[int, int]]:
+        """``(env, worker)`` for each env of ``block`` whose episode just ended and that is
+        wanted elsewhere; those moves are under way from now on."""
+        start = []
+        for i in block.ids[block.terminated | block.truncated].tolist():
+            target = self.wanted.pop(i, None)
+            if target is None:
+                continue
+            if int(self.pool.placement[i]) == target:  # a decision made while an earlier move was in flight
+                log.info("env_move_skipped", env=i, where=target)
+                continue
+            self.under_way.add(i)
+            start.append((i, target))
+        return start
+
+    async def move(self, env_id: int, worker: int) -> bool:
+        """Rebuild env ``env_id`` in ``worker`` and start its next episode there. True: the env
+        may go on (moved, or left where it was by a failed move)."""
+        try:  # a new episode where it goes: seeded and observed as every reset is
+            obs, _ = await self.pool.migrate(env_id, worker, seed=self.episodes.reset_seed(env_id))
+            self.recovery.observe(env_id, np.array([env_id]), obs)
+            self.done += 1
+            log.info("env_migrated", env=env_id, worker=worker)
+        except EnvStepError as exc:
+            log.warning("env_migration_failed", env=env_id, worker=worker, error=exc.detail)
+        finally:
+            self.under_way.discard(env_id)
         return True
