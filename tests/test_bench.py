@@ -24,7 +24,7 @@ def test_list_names_every_suite(capsys):
 
 # the real simulators build slowly (a LIBERO env with a camera: ~4 s, steps 0.1 s; ManiSkill's
 # demonstrations, SFT and three RL runs): more time
-SLOW = {"embodied": 300, "sft-rl": 300}
+SLOW = {"embodied": 300, "libero": 300, "sft-rl": 300}
 
 
 @pytest.mark.parametrize("suite", [pytest.param(s, marks=pytest.mark.timeout(SLOW[s])) if s in SLOW else s

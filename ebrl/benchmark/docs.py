@@ -24,7 +24,7 @@ from ebrl.benchmark.figures import spread
 from ebrl.benchmark.report import fmt_ratio, fmt_spread, results_markdown
 
 ORDER = ("overhead", "longtail", "longtail-user", "heterogeneous", "mujoco-state", "startup", "startup-mock",
-         "mujoco-pixels", "vector-gpu", "embodied", "controller", "convergence", "embodied-learning", "vla", "sft-rl", "lag", "policies",
+         "mujoco-pixels", "vector-gpu", "embodied", "libero", "controller", "convergence", "embodied-learning", "vla", "sft-rl", "lag", "policies",
          "scaling", "gpu-split", "soak", "step-cost")
 
 
@@ -210,7 +210,7 @@ def ratio_rows(rep: dict) -> list[str]:
 
 
 def embodied_table(rep: dict) -> str:
-    """``ebrl bench embodied``: per real-simulator workload and schedule, end-to-end env steps/s
+    """``ebrl bench embodied`` (and ``libero``): per workload and schedule, end-to-end env steps/s
     (RLinf's metric: env steps over iteration time, rollout and training) and rollout env
     steps/s, then the ratios and the targets."""
     meta = rep["meta"]
@@ -225,7 +225,7 @@ def embodied_table(rep: dict) -> str:
     lines += ratio_rows(rep)
     lines += ["", f"Median (min-max) over {meta.get('rounds')} alternating rounds, every run a fresh process at the "
               f"defaults; {meta['date'][:10]}, commit {meta.get('commit', '?')}; raw rows in "
-              "[docs/benchmarks/embodied.json](docs/benchmarks/embodied.json)."]
+              f"[docs/benchmarks/{meta['suite']}.json](docs/benchmarks/{meta['suite']}.json)."]
     return "\n".join(lines)
 
 
@@ -448,7 +448,7 @@ def tables(reports: dict[str, dict]) -> dict[str, str]:
     """Every table a page may hold, by its block name (a suite's only where its JSON is here)."""
     out = {"summary": summary_table(reports)}
     for name, make in (("step-cost", step_cost_table), ("controller", controller_table),
-                       ("convergence", convergence_table), ("embodied", embodied_table),
+                       ("convergence", convergence_table), ("embodied", embodied_table), ("libero", embodied_table),
                        ("embodied-learning", convergence_table), ("vla", vla_table), ("sft-rl", sft_rl_table),
                        ("lag", lag_table), ("policies", policies_table), ("scaling", scaling_table)):
         if name in reports:

@@ -44,7 +44,6 @@ import psutil
 import ebrl
 from ebrl.benchmark.figures import (MACHINE, STEADY_AT_MOST, Target, check_targets, steadiness, suite_ratios,
                                     summarize_rows)
-from ebrl.benchmark.fresh import call_fresh
 from ebrl.benchmark.limits import physical_limit
 from ebrl.benchmark.loader import load_suite
 from ebrl.benchmark.spec import Suite
@@ -221,6 +220,8 @@ def run_suite_rounds(suite: Suite, quick: bool, *, source: tuple[str, str | None
     """Every round of ``suite``. ``source``: the suite's name and folder, so each run can load it
     again in a fresh process; without it (a suite made in code) or with ``in_process``, every
     run is in this process after an untimed warm-up run."""
+    from ebrl.benchmark.fresh import call_fresh  # here: `python -m ebrl.benchmark.fresh` imports this package first
+
     whole = suite
     fresh = source is not None and not in_process
     rows, limits, sizes = [], {}, {}
