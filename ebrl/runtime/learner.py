@@ -102,6 +102,7 @@ class Learner:
         self._timeline = timeline  # records lane "learner", "update" (arg: steps trained) per update
         self.checkpoint = checkpoint
         self.dp = dp  # one rank of a data-parallel job (ebrl.distributed), or None
+        self._rounds, self._said_done = 0, False  # a data-parallel rank: updates joined, done announced
         self.job: dict[str, Any] = {}  # the job's counters at the latest update's header (data-parallel)
         self._last = (0.0, 0, 0, 0)  # loop time, env steps, generated rows, generation batches at the last row
 
@@ -162,7 +163,6 @@ class Learner:
         rollout = self.rollout
         while not rollout.steps_per_env.any() and not (rollout.finished or self.state.stopping):
             await asyncio.sleep(JOINT_POLL_S)
-        self._said_done, self._rounds = False, 0
 
     async def _joint_due(self) -> bool:
         """This rank's part of a job-wide update: ask for one when this queue is due (every rank

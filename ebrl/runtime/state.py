@@ -52,7 +52,7 @@ class RunState:
             self.budget += n
 
     def park(self, n: int) -> None:
-        """``n`` envs wait for queue space (``-n``: they may go on)."""
+        """``n`` envs wait for queue space (the driver unparks them as the learner frees it)."""
         self.parked += n
         self.changed()
 

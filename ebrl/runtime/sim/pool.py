@@ -158,7 +158,7 @@ class SimPool:
             spaces = self.spaces
             if spaces is None and first is self.remote:  # env 0 built once, in a probe's child, to read them
                 spaces = await self._probe_spaces()
-            spaces = await first.start(spaces) or spaces
+            spaces = await first.start(spaces)
             if other is not None:
                 await other.start(spaces, set())
         except BaseException:
@@ -238,7 +238,7 @@ class SimPool:
         await self.remote.grow(n)
 
     def resize_workers(self, n: int) -> None:
-        """Retire the workers past ``n`` (their envs must have moved off first), or start up to ``n``."""
+        """Retire the workers past ``n`` (their envs must have moved off first; :meth:`grow` adds)."""
         self.remote.resize(n)
 
     def worker_pids(self) -> list[int]:

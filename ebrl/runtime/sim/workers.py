@@ -79,7 +79,8 @@ class WorkerHost:
     def worker_pids(self) -> list[int]:  # the live ones' (CPU affinity is set per process)
         return [w.process.pid for w in self._workers if w.dead is None and w.process.pid is not None]
 
-    async def start(self, spaces: tuple[gym.Space, gym.Space], hosted: set[int] | None = None) -> None:
+    async def start(self, spaces: tuple[gym.Space, gym.Space], hosted: set[int] | None = None
+                    ) -> tuple[gym.Space, gym.Space]:
         """Start the workers and build every env in its worker (with ``hosted`` empty: none, until
         :meth:`grow` and :meth:`adopt`). A build that raises fails the start with that env's
         :class:`EnvStepError`; one past ``build_timeout_s`` kills its worker (respawned empty),
@@ -88,7 +89,7 @@ class WorkerHost:
         self.spaces, n, self._num_workers = spaces, self._num_workers, 0
         if hosted is not None and not hosted:
             self._placement[:] = NOWHERE
-            return
+            return spaces
         try:
             await self.grow(n)
             # every worker builds its envs in order, the workers in parallel
@@ -96,6 +97,7 @@ class WorkerHost:
         except BaseException:
             self.close()
             raise
+        return spaces
 
     async def _build(self, pending: dict[int, asyncio.Future]) -> None:
         """Await the start's builds; one running past ``build_timeout_s`` (or a worker that never
@@ -321,7 +323,8 @@ class WorkerHost:
             await self._request_to(worker, "drop", env_id, None)
 
     def _check_idle(self, env_id: int) -> None:
-        if self._check_open() or self._busy[env_id] or env_id in self._moving:
+        self._check_open()
+        if self._busy[env_id] or env_id in self._moving:
             raise ValueError(f"env {env_id} is stepping or migrating: move it between steps")
 
     async def adopt(self, env_id: int, worker: int, seed: int | None = None) -> tuple[Any, dict]:
