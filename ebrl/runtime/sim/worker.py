@@ -38,6 +38,7 @@ import numpy as np
 
 from ebrl.runtime.children import child_context, portable
 from ebrl.runtime.children import start as start_child
+from ebrl.runtime.errors import EnvStepError
 from ebrl.runtime.sim.block import STEPS, WALL, StepRows, release_shared, shm_alloc
 from ebrl.runtime.sim.stepping import EnvFn, close_quietly, describe, reset_env, step_unit
 from ebrl.runtime.threads import CLOSE_WAIT_S, ignore_stop_signals
@@ -208,7 +209,7 @@ class WorkerLink:
         self.killed = False  # killed for a hung step (its death is on the way)
         self.inbox = b""  # the start of a reply not yet whole (see read_replies)
         self.spawned_at = time.perf_counter()
-        self.heard = False  # it has sent something (its READY first): it started (see ProcessSimPool.abandon)
+        self.heard = False  # it has sent something (its READY first): it started (see WorkerHost.abandon)
 
     @classmethod
     def spawn(cls, start_method: str | None, loop: asyncio.AbstractEventLoop | None, index: int, env_fn: EnvFn,
@@ -245,6 +246,15 @@ class WorkerLink:
         self.requests.append((op, env_id, arg))
         self.waiting.append((env_id, op, fut))
         return fut
+
+    def answered(self, replies: list[tuple[int, bool, Any]]) -> None:
+        """Settle the futures of the requests these replies answer (in the order they were sent)."""
+        for env_id, ok, payload in replies:
+            _, op, fut = self.waiting.popleft()
+            if not ok and isinstance(payload, tuple):  # (the part of the request that failed, why)
+                op, payload = payload
+            if not fut.done():
+                fut.set_result(payload) if ok else fut.set_exception(EnvStepError(env_id, op, payload))
 
     def flush(self, sent_at: np.ndarray) -> bool:
         """Send the queued steps (one message; ``sent_at`` of their envs gets the send time) and

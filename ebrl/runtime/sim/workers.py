@@ -64,13 +64,8 @@ class WorkerHost:
         self._flush_scheduled = False
         self._closed = False
 
-    @property
-    def workers(self) -> int:  # a dead one still counts: it holds its envs' places
-        return self._num_workers
-
-    @property
-    def placement(self) -> np.ndarray:  # env -> worker (a copy; NOWHERE: not hosted here)
-        return self._placement.copy()
+    workers = property(lambda self: self._num_workers)  # a dead one still counts: it holds its envs' places
+    placement = property(lambda self: self._placement.copy())  # env -> worker (a copy; NOWHERE: not hosted here)
 
     def _spawn(self, w: int) -> WorkerLink:
         return WorkerLink.spawn(self.start_method, self._loop, w, self.env_fn, self.num_envs, self.reply_hold_s,
@@ -100,8 +95,7 @@ class WorkerHost:
         return spaces
 
     async def _build(self, pending: dict[int, asyncio.Future]) -> None:
-        """Await the start's builds; one running past ``build_timeout_s`` (or a worker that never
-        started serving) gets its worker killed. See :meth:`start`."""
+        """Await the start's builds, killing the worker of one past ``build_timeout_s`` (or not serving by then)."""
         limit = self.build_timeout_s
         while pending:
             await asyncio.wait(pending.values(), timeout=min(0.25, (limit or 1.0) / 4),
@@ -184,12 +178,7 @@ class WorkerHost:
             if worker.dead is not None:
                 break
             if kind == PICKLED:
-                for env_id, ok, payload in pickle.loads(body):
-                    _, op, fut = worker.waiting.popleft()
-                    if not ok and isinstance(payload, tuple):  # (the part of the request that failed, why)
-                        op, payload = payload
-                    if not fut.done():
-                        fut.set_result(payload) if ok else fut.set_exception(EnvStepError(env_id, op, payload))
+                worker.answered(pickle.loads(body))
             elif kind != READY:  # READY: it is serving (read_replies marked it heard)
                 errors: list[tuple[int, str]] = []
                 if kind == ERRORS:
@@ -294,13 +283,13 @@ class WorkerHost:
             return False
         return self._kill_for(env_id)
 
-    def _request(self, op: str, env_id: int, arg: Any) -> asyncio.Future:
+    def _request(self, op: str, env_id: int, arg: Any, worker: WorkerLink | None = None) -> asyncio.Future:
+        """Send request ``op`` to ``worker`` (default: the env's, which must not be migrating)."""
         self._check_open()
-        if env_id in self._moving:
-            raise ValueError(f"env {env_id} is migrating")
-        return self._request_to(self._workers[self._placement[env_id]], op, env_id, arg)
-
-    def _request_to(self, worker: WorkerLink, op: str, env_id: int, arg: Any) -> asyncio.Future:
+        if worker is None:
+            if env_id in self._moving:
+                raise ValueError(f"env {env_id} is migrating")
+            worker = self._workers[self._placement[env_id]]
         fut = worker.request(op, env_id, arg)
         self._schedule_flush()
         return fut
@@ -320,7 +309,7 @@ class WorkerHost:
         worker = self._workers[self._placement[env_id]]
         self._placement[env_id] = NOWHERE
         if worker.dead is None:
-            await self._request_to(worker, "drop", env_id, None)
+            await self._request("drop", env_id, None, worker)
 
     def _check_idle(self, env_id: int) -> None:
         self._check_open()
@@ -340,7 +329,7 @@ class WorkerHost:
         source, target = (None if old == NOWHERE else self._workers[old]), self._workers[worker]
         if source is not None and any(e == env_id for e, _, _ in source.waiting):
             raise ValueError(f"env {env_id} has a reset or rebuild in flight")
-        adopt = self._request_to(target, "adopt", env_id, seed)
+        adopt = self._request("adopt", env_id, seed, target)
         self._moving[env_id] = worker
         try:
             out = await adopt
@@ -348,7 +337,7 @@ class WorkerHost:
             raise EnvStepError(env_id, exc.op, f"in worker {worker}: {exc.detail}") from None
         except asyncio.CancelledError:
             if target.dead is None and not self._closed:  # it may have built the env: it must not keep it
-                self._request_to(target, "drop", env_id, None).add_done_callback(forget)
+                self._request("drop", env_id, None, target).add_done_callback(forget)
             raise
         finally:
             del self._moving[env_id]
@@ -356,7 +345,7 @@ class WorkerHost:
         self._lost.pop(env_id, None)
         self.migrations += 1
         if source is not None and source.dead is None:
-            self._request_to(source, "drop", env_id, None).add_done_callback(forget)
+            self._request("drop", env_id, None, source).add_done_callback(forget)
         return out
 
     def resize(self, n: int) -> None:
