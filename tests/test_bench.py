@@ -24,11 +24,17 @@ def test_list_names_every_suite(capsys):
 
 # the real simulators build slowly (a LIBERO env with a camera: ~4 s, steps 0.1 s; ManiSkill's
 # demonstrations, SFT and three RL runs): more time
-SLOW = {"embodied": 300, "libero": 300, "sft-rl": 300}
+SLOW = {"embodied": 300, "libero": 300, "sft-rl": 300, "paper-regime": 300}
+# ManiSkill and LIBERO builds on two runners: past make test's budget, so make test-slow runs it
+IN_TEST_SLOW = {"paper-regime"}
 
 
-@pytest.mark.parametrize("suite", [pytest.param(s, marks=pytest.mark.timeout(SLOW[s])) if s in SLOW else s
-                                   for s in sorted(list_suites())])
+def _suite_param(s: str):
+    marks = ([pytest.mark.timeout(SLOW[s])] if s in SLOW else []) + ([pytest.mark.slow] if s in IN_TEST_SLOW else [])
+    return pytest.param(s, marks=marks)
+
+
+@pytest.mark.parametrize("suite", [_suite_param(s) for s in sorted(list_suites())])
 def test_suite_runs_quick_and_reports_every_field(suite, tmp_path, capsys):
     # in this process: a fresh interpreter per run (the default) costs seconds of imports each;
     # the next test runs the default path

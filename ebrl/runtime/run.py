@@ -23,8 +23,9 @@ import torch
 
 from ebrl.algos.needs import resolve_run_config
 from ebrl.algos.minibatch import MinibatchAlgo
-from ebrl.config import DEFAULT_MAX_WAIT_S, ConfigError, LearnerMode, RunConfig, SegmentCut, SimBackend
+from ebrl.config import DEFAULT_MAX_WAIT_S, ConfigError, LearnerMode, Offload, RunConfig, SegmentCut, SimBackend
 from ebrl.distributed import DataParallel, combine_results, rank_config, reseed_sampling, weight_hash
+from ebrl.emulated import EmulatedStreams, emulator_of
 from ebrl.envs.chunks import chunked_env_fn
 from ebrl.policies.base import acting_copy
 from ebrl.policies.expects import check_policy_spaces
@@ -40,7 +41,7 @@ from ebrl.runtime.resources.gpu import GpuStreams
 from ebrl.runtime.resources.knobs import Decision
 from ebrl.runtime.resources.manager import ResourceManager
 from ebrl.runtime.resources.profiler import LiveProfiler
-from ebrl.runtime.resources.rules_start import learner_start, sim_start
+from ebrl.runtime.resources.rules_start import START, learner_start, sim_start
 from ebrl.runtime.rollout import RolloutQueue
 from ebrl.runtime.schedules import effective_lag, generation_target, is_lockstep
 from ebrl.runtime.probe import EnvProbe, StepProfile
@@ -123,6 +124,10 @@ async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop
     chosen = {d.knob: d.new for d in start}
     backend = SimBackend(chosen.get("backend", SimBackend.INLINE if virtual else cfg.sim.backend))
     mode = LearnerMode(chosen.get("learner", LearnerMode.THREAD if virtual else cfg.learner))
+    emulator = emulator_of(trainer.policy)
+    if emulator is not None and mode is LearnerMode.PROCESS:
+        raise ConfigError("learner", cfg.learner.value, "a policy on an emulated device trains in a thread of this "
+                          "process, beside the generator on the same device: set learner='auto' or 'thread'")
     old_threads = torch.get_num_threads()
     if cfg.torch_threads is not None:
         torch.set_num_threads(cfg.torch_threads)
@@ -143,7 +148,7 @@ async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop
         reseed_sampling(acting, cfg.seed)
     generator = Generator(acting, batch_target=generation_target(cfg),
                           max_wait_s=_or(cfg.generation.max_wait_s, DEFAULT_MAX_WAIT_S), state=state,
-                          offload=cfg.generation.offload,
+                          offload=Offload(chosen.get("offload", cfg.generation.offload)),
                           on_batch=rollout.mark_inflight, timeline=timeline, streams=streams)
     checkpoint = None
     if cfg.log_dir is not None:  # periodic checkpoints if asked for; always one if the learner process dies
@@ -174,10 +179,12 @@ async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop
         await pool.start()
         # after the forks above (learner process, sim workers): the writer's thread must not be forked
         metrics.open()
+        # cores, and GPUs via pynvml (an emulated device answers as one)
+        gpus = (lambda: None) if emulator is None else emulator.nvml
         if not virtual:  # a virtual run's hardware use means nothing, and its history stays deterministic
-            metrics.system = SystemSampler()
+            metrics.system = SystemSampler(nvml=gpus())
         profiler = LiveProfiler(pool, driver, generator, learner, loop.time,
-                                system=None if virtual else SystemSampler())  # cores, and GPUs via pynvml
+                                system=None if virtual else SystemSampler(nvml=gpus()))
         manager = ResourceManager(cfg, profiler, pool, driver, generator, virtual, streams, learner,
                                   learner_threads=learner_threads, start=start)
         async with asyncio.TaskGroup() as tg:
@@ -259,7 +266,12 @@ def policy_device(policy) -> torch.device | None:
 
 def gpu_streams(policy) -> GpuStreams | None:
     """Generation and training streams (green contexts where they work) for a policy on a CUDA
-    device; None for one on the CPU."""
+    device or an emulated one; None for one on the CPU."""
+    emulator = emulator_of(policy)
+    if emulator is not None:
+        streams = EmulatedStreams.of(emulator)
+        log.info("gpu_streams", **streams.describe())
+        return streams
     device = policy_device(policy)
     if device is None or device.type != "cuda":
         return None
@@ -277,9 +289,15 @@ def start_decisions(cfg: RunConfig, step: StepProfile | None, policy, virtual: b
     AUTO's backend and lanes from the probe's ``step``, and AUTO's learner mode. A virtual run
     makes none: it steps inline and trains in a thread."""
     decisions = [] if step is None else sim_start(step, cfg.sim, cfg.num_envs, usable_cpus())
+    emulator = emulator_of(policy)
+    device = policy_device(policy)
+    where = (f"the emulated device {emulator.profile.name}" if emulator is not None
+             else None if device is None else device.type)
     if cfg.learner is LearnerMode.AUTO and not virtual:
-        device = policy_device(policy)
-        decisions.append(learner_start(None if device is None else device.type, usable_cpus()))
+        decisions.append(learner_start(where, usable_cpus()))
+    if cfg.generation.offload is Offload.AUTO and not virtual and where not in (None, "cpu"):
+        decisions.append(Decision(START, "offload", "auto", "thread",
+                                  f"the policy runs on {where}: a call waits for the device, off the event loop"))
     return decisions
 
 

@@ -1,0 +1,427 @@
+"""An emulated accelerator: a VLA's generation and training take device time from a latency
+model calibrated from published figures, while a small model on the CPU computes their outputs.
+
+The paper's regime is simulation on CPU cores beside a GPU that generates and trains. Without a
+GPU, :class:`EmulatedPolicy` wraps a small policy (its actions, log-probs, values and gradients
+are real, so shapes, publication and accounting stay real) and makes each call wait for the
+time the modelled device would take: the calling thread sleeps until the device is done, as a
+host thread waits on a CUDA synchronise, leaving the CPU to the simulators.
+
+The model (:class:`DeviceProfile`), per call:
+
+- a policy call of ``B`` rows: ``act_fixed_s + act_per_row_s * B / share``, the line through a
+  published batch curve; for a flow policy the denoising steps' part scales with their number
+  (their published share of a call);
+- a training step of ``b`` samples (one minibatch's forward, backward and optimiser step):
+  ``train_fixed_s + train_per_sample_s * b / share``, the line through published samples/s;
+- ``share``: the SMs of the call's side over the device's (1 on one shared stream). The per-row
+  part fills the SMs it is given and scales with 1/share; the fixed part is latency-bound
+  (small kernels, launches, memory traffic) and does not.
+
+Calls queue the way kernels queue on streams (:class:`EmulatedDevice`): on one shared stream
+(``mode="one-stream"``) generation and training run one after another in submission order; with
+an SM split (``mode="split"``, the green contexts of :mod:`ebrl.runtime.resources.gpu`) each side
+has its own queue and runs on its share, concurrently. The device reports busy time and
+utilisation through an NVML-shaped facade (:meth:`EmulatedDevice.nvml`), which
+:class:`ebrl.telemetry.system.SystemSampler` reads as it reads a GPU, and the controller splits
+its SMs through :class:`EmulatedStreams` as it splits a GPU's.
+
+What it cannot show: memory-bandwidth contention between the two sides, kernel-launch overhead
+on the host, the driver's placement of SMs (a real split is an upper bound, see
+:mod:`ebrl.runtime.resources.gpu`), and host-to-device copies. The figures and their sources
+are in ``docs/gpu.md``.
+
+    >>> device = EmulatedDevice(PROFILES["pi0-h200"], clock=FakeClock())
+    >>> round(device.profile.act_s(16) * 1e3, 1)      # ms: π0, batch 16, 10 denoising steps, all SMs
+    175.4
+    >>> call = device.submit("generation", device.profile.act_s(1))
+    >>> round(call.end * 1e3, 1), device.busy_s["generation"] == device.profile.act_s(1)
+    (24.7, True)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ebrl.runtime.resources.gpu import GpuStreams, SmSplit, StreamMode, clamp_split, plan_sm_split
+
+SIDES = ("generation", "training")
+MODES = ("split", "one-stream")
+
+
+def fit_line(points: dict[float, float]) -> tuple[float, float]:
+    """``(intercept, slope)`` of the least-squares line through ``{x: y}``, both at least 0.
+
+        >>> fit_line({1: 3.0, 2: 5.0, 4: 9.0})
+        (1.0, 2.0)
+    """
+    x = np.array(list(points), float)
+    y = np.array(list(points.values()), float)
+    slope = float(np.sum((x - x.mean()) * (y - y.mean())) / np.sum((x - x.mean()) ** 2))
+    return max(0.0, float(y.mean() - slope * x.mean())), max(0.0, slope)
+
+
+# ---------------------------------------------------------------- published figures (docs/gpu.md)
+
+# π0 (3.5B: SigLIP, Gemma 2B, a 300M action expert), three 224px views, 10 denoising steps, BF16,
+# torch.compile and CUDA graphs, one H200: milliseconds per call against the batch size.
+# github.com/sunxxuns/openpi-1, README.md at eb1e501, "Batch size scaling (latency)".
+PI0_H200_MS = {1: 25.3, 2: 34.4, 4: 53.4, 8: 94.1, 16: 175.1, 32: 340.5, 64: 655.9}
+# The same model's batch-1 call split by stage from a profiler trace (MI300X, the same fork at
+# 39a5930): ViT 4.1 ms, prefill 10.7, the 10 denoising steps 11.2, other 1.1; total 27.1.
+PI0_DENOISE_SHARE = 11.2 / 27.1
+PI0_DENOISE_STEPS = 10
+# π0 (3.3B) training, 8 H200s under DDP (SDPA attention), sequence 512: samples/s of all 8
+# against the batch per GPU. The same fork, BENCHMARK_H200.md at 02f0e52.
+PI0_H200_TRAIN_SAMPLES_PER_S = {4: 218.0, 8: 279.0, 16: 320.0}
+PI0_H200_GPUS = 8
+# π0 on an RTX 4090 (Triton kernels, CUDA graphs), 10 flow steps, chunk 50, a 20-token prompt:
+# 23.6, 32.9, 39.2 ms for 1, 2, 3 views (Ma et al. 2025, arXiv 2510.26742; github.com/Dexmal/realtime-vla).
+PI0_4090_MS_3_VIEWS = 39.2
+# OpenVLA (7B) "runs at approximately 6Hz on one NVIDIA RTX 4090 GPU" in BF16, without
+# compilation or speculative decoding (Kim et al. 2024, arXiv 2406.09246, section 4.5).
+OPENVLA_4090_HZ = 6.0
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """One model on one device: what its calls cost (see the module docstring)."""
+
+    name: str
+    total_sms: int
+    sm_granularity: int
+    act_fixed_s: float
+    act_per_row_s: float
+    train_fixed_s: float
+    train_per_sample_s: float
+    denoise_steps: int = 0  # the steps the act figures were measured with (0: not a flow model)
+    denoise_share: float = 0.0  # their share of a call
+    sources: str = ""
+
+    def act_s(self, rows: int, share: float = 1.0, steps: int | None = None) -> float:
+        """Device seconds of a policy call of ``rows`` rows on ``share`` of the SMs (``steps``
+        denoising steps, default the measured ones)."""
+        scale = 1.0
+        if steps is not None and self.denoise_steps:
+            scale = 1.0 - self.denoise_share + self.denoise_share * steps / self.denoise_steps
+        return scale * (self.act_fixed_s + self.act_per_row_s * rows / share)
+
+    def value_s(self, rows: int, share: float = 1.0) -> float:
+        """A value forward: the call without its denoising steps (the critic reads the prefix)."""
+        return self.act_s(rows, share, steps=0)
+
+    def train_s(self, samples: int, share: float = 1.0) -> float:
+        """Device seconds of one training step (forward, backward, optimiser) on ``samples``."""
+        return self.train_fixed_s + self.train_per_sample_s * samples / share
+
+
+def _pi0_profiles() -> dict[str, DeviceProfile]:
+    act_fixed, act_per_row = fit_line({b: ms / 1e3 for b, ms in PI0_H200_MS.items()})
+    # one GPU's step time against its batch: b samples at (samples/s of 8 GPUs) / 8
+    train_fixed, train_per_sample = fit_line({b: b / (sps / PI0_H200_GPUS)
+                                              for b, sps in PI0_H200_TRAIN_SAMPLES_PER_S.items()})
+    h200 = DeviceProfile("pi0-h200", total_sms=132, sm_granularity=8, act_fixed_s=act_fixed,
+                         act_per_row_s=act_per_row, train_fixed_s=train_fixed, train_per_sample_s=train_per_sample,
+                         denoise_steps=PI0_DENOISE_STEPS, denoise_share=PI0_DENOISE_SHARE,
+                         sources="openpi-1 eb1e501 (batch curve), 39a5930 (stage split), 02f0e52 (DDP training)")
+    # the RTX 4090 (128 SMs, compute capability 8.9: green contexts in 4s): its published batch-1
+    # call, with the H200 curve's shape (no batch curve of a 4090 is published) and training
+    # scaled by the same ratio
+    scale = PI0_4090_MS_3_VIEWS / 1e3 / h200.act_s(1)
+    rtx = replace(h200, name="pi0-4090", total_sms=128, sm_granularity=4, act_fixed_s=act_fixed * scale,
+                  act_per_row_s=act_per_row * scale, train_fixed_s=train_fixed * scale,
+                  train_per_sample_s=train_per_sample * scale,
+                  sources="Dexmal realtime-vla (batch 1, 3 views), the pi0-h200 curve's shape")
+    # OpenVLA: 6 Hz at batch 1 on a 4090, autoregressive (no denoising steps); the π0 curve's
+    # shape for its batches, training scaled by the call's ratio to π0's on the same card
+    openvla_scale = (1.0 / OPENVLA_4090_HZ) / rtx.act_s(1)
+    openvla = replace(rtx, name="openvla-4090", act_fixed_s=rtx.act_fixed_s * openvla_scale,
+                      act_per_row_s=rtx.act_per_row_s * openvla_scale, train_fixed_s=rtx.train_fixed_s * openvla_scale,
+                      train_per_sample_s=rtx.train_per_sample_s * openvla_scale, denoise_steps=0, denoise_share=0.0,
+                      sources="OpenVLA paper section 4.5 (6 Hz on a 4090), the pi0-h200 curve's shape")
+    return {p.name: p for p in (h200, rtx, openvla)}
+
+
+PROFILES: dict[str, DeviceProfile] = _pi0_profiles()
+
+
+# ---------------------------------------------------------------- the device
+
+
+class FakeClock:
+    """A clock that moves only when slept on (tests and doctests): ``clock()`` and ``sleep(s)``."""
+
+    def __init__(self, t: float = 0.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.t += max(0.0, s)
+
+
+@dataclass
+class CallRecord:
+    """One call the device ran: its side, when it was submitted, started and ended (clock seconds)."""
+
+    side: str
+    submitted: float
+    start: float
+    end: float
+    modelled_s: float  # the model's duration (end - start)
+    returned: float | None = None  # when the calling thread got its result (EmulatedPolicy sets it)
+
+
+class EmulatedDevice:
+    """One emulated GPU running ``profile``. ``mode``: ``"split"`` (each side its own queue on
+    its share of the SMs, set by :meth:`set_split`) or ``"one-stream"`` (one queue, all SMs).
+    ``clock``: seconds (``time.perf_counter``); a :class:`FakeClock` makes it deterministic.
+
+    Shared by the generator's and the learner's copy of a policy: copying returns the same device."""
+
+    def __init__(self, profile: DeviceProfile | str, mode: str = "split", clock: Callable[[], float] | None = None,
+                 gen_sms: int | None = None, keep_calls: int = 100_000):
+        self.profile = PROFILES[profile] if isinstance(profile, str) else profile
+        if mode not in MODES:
+            raise ValueError(f"emulated device mode must be one of {MODES}, got {mode!r}")
+        self.mode = mode
+        self.clock = clock or time.perf_counter
+        self._sleep = getattr(clock, "sleep", time.sleep)
+        self._lock = threading.Lock()
+        self._free_at = {side: 0.0 for side in SIDES}  # when each queue's last call ends
+        self.busy_s = {side: 0.0 for side in SIDES}  # modelled device seconds, summed
+        self.calls: list[CallRecord] = []  # the latest keep_calls calls
+        self.overruns = 0  # calls whose small model's CPU work took longer than the device's time
+        self._keep = keep_calls
+        self.split: SmSplit | None = None
+        if mode == "split":
+            p = self.profile
+            self.split = (plan_sm_split(p.total_sms, None, 0, 1.0, None, p.sm_granularity) if gen_sms is None
+                          else clamp_split(p.total_sms, gen_sms, p.sm_granularity))
+
+    def __deepcopy__(self, memo: dict) -> EmulatedDevice:
+        return self  # one device, whichever copy of the policy calls it
+
+    def share(self, side: str) -> float:
+        """The fraction of the SMs ``side``'s calls run on now."""
+        if self.split is None:
+            return 1.0
+        sms = self.split.generation if side == "generation" else self.split.training
+        return sms / self.profile.total_sms
+
+    def set_split(self, gen_sms: int) -> SmSplit:
+        """Generation gets ``gen_sms`` SMs (rounded as green contexts are), training the rest;
+        calls already queued keep the share they were given."""
+        if self.mode != "split":
+            raise ValueError("a one-stream device has no SM split")
+        with self._lock:
+            self.split = clamp_split(self.profile.total_sms, gen_sms, self.profile.sm_granularity, reason="resplit")
+        return self.split
+
+    def submit(self, side: str, seconds: float | Callable[[float], float], at: float | None = None) -> CallRecord:
+        """Queue a call of ``side`` submitted at ``at`` (default now) that takes ``seconds`` of
+        device time (or ``seconds(share)``); returns its record (``.end``: when it ends)."""
+        if side not in SIDES:
+            raise ValueError(f"side must be one of {SIDES}, got {side!r}")
+        with self._lock:
+            now = self.clock() if at is None else at
+            modelled = seconds(self.share(side)) if callable(seconds) else float(seconds)
+            queue = side if self.mode == "split" else SIDES[0]  # one stream: one queue for both
+            start = max(now, self._free_at[queue])
+            end = start + modelled
+            self._free_at[queue] = end
+            self.busy_s[side] += modelled
+            record = CallRecord(side, now, start, end, modelled)
+            self.calls.append(record)
+            if len(self.calls) > self._keep:
+                del self.calls[: len(self.calls) - self._keep]
+        return record
+
+    def wait_until(self, end: float) -> None:
+        """Block the calling thread until clock time ``end`` (a host thread waiting on the device)."""
+        left = end - self.clock()
+        if left > 0:
+            self._sleep(left)
+
+    def busy_between(self, t0: float, t1: float) -> float:
+        """Seconds in ``[t0, t1]`` during which any call ran (what NVML's utilisation counts)."""
+        with self._lock:
+            spans = sorted((max(c.start, t0), min(c.end, t1)) for c in self.calls if c.end > t0 and c.start < t1)
+        busy, reach = 0.0, t0
+        for s, e in spans:
+            if e > reach:
+                busy += e - max(s, reach)
+                reach = e
+        return busy
+
+    def held_errors(self) -> list[float]:
+        """Per returned call: how far the time its caller was held past the call's start
+        (``returned - start``) is from the model's duration, relative to it (sleep overshoot, or
+        the small model's CPU work running past the device's time)."""
+        with self._lock:
+            return [abs((c.returned - c.start) - c.modelled_s) / c.modelled_s
+                    for c in self.calls if c.returned is not None and c.modelled_s > 0]
+
+    def nvml(self) -> _Nvml:
+        """An object with the ``pynvml`` functions :class:`~ebrl.telemetry.system.SystemSampler`
+        calls, reporting this device (utilisation since the facade's previous query)."""
+        return _Nvml(self)
+
+    def describe(self) -> dict[str, Any]:
+        split = self.split
+        return {"profile": self.profile.name, "mode": self.mode, "total_sms": self.profile.total_sms,
+                "gen_sms": split and split.generation, "train_sms": split and split.training,
+                "busy_s": {k: round(v, 3) for k, v in self.busy_s.items()}}
+
+
+class _Nvml:
+    """The ``pynvml`` calls the system sampler makes, answered by an emulated device."""
+
+    NVMLError = RuntimeError
+
+    def __init__(self, device: EmulatedDevice):
+        self.device = device
+        self._last = device.clock()
+
+    def nvmlInit(self) -> None:
+        self._last = self.device.clock()
+
+    def nvmlShutdown(self) -> None:
+        pass
+
+    def nvmlDeviceGetCount(self) -> int:
+        return 1
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> EmulatedDevice:
+        return self.device
+
+    def nvmlDeviceGetUtilizationRates(self, handle: EmulatedDevice) -> SimpleNamespace:
+        now = handle.clock()
+        window, self._last = now - self._last, now
+        busy = handle.busy_between(now - window, now) if window > 0 else 0.0
+        return SimpleNamespace(gpu=round(100.0 * busy / window, 1) if window > 0 else 0.0, memory=0.0)
+
+    def nvmlDeviceGetMemoryInfo(self, handle: EmulatedDevice) -> SimpleNamespace:
+        return SimpleNamespace(used=0, total=0, free=0)  # memory is not modelled
+
+
+# ---------------------------------------------------------------- what the runtime sees
+
+
+@dataclass
+class EmulatedStreams(GpuStreams):
+    """:class:`~ebrl.runtime.resources.gpu.GpuStreams` for an emulated device: mode
+    ``green-contexts`` for a split device (the controller's SM-quota rule resplits it),
+    ``one-stream`` otherwise. No CUDA stream exists: entering a side does nothing, and weights
+    need no event (the small model's copies are made on the CPU)."""
+
+    emulator: EmulatedDevice | None = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, device: EmulatedDevice) -> EmulatedStreams:
+        p = device.profile
+        mode = StreamMode.GREEN_CONTEXTS if device.mode == "split" else StreamMode.ONE_STREAM
+        return cls(mode, total_sms=p.total_sms, split=device.split, granularity=p.sm_granularity,
+                   fallback_reason=f"emulated device {p.name}", emulator=device)
+
+    def resplit(self, gen_sms: int) -> bool:
+        if self.mode is not StreamMode.GREEN_CONTEXTS:
+            return False
+        old = self.split
+        self.split = self.emulator.set_split(gen_sms)
+        return old is None or self.split.generation != old.generation
+
+    def describe(self) -> dict:
+        return {**super().describe(), "emulated": self.emulator.describe()}
+
+
+class EmulatedPolicy(nn.Module):
+    """``policy`` (a small model on the CPU: the numbers) whose calls take ``device`` time (the
+    clock): ``act`` on the generation side, ``evaluate`` (one training step's minibatch, or a
+    forward without gradients) and ``value`` on the training side. Every other attribute is the wrapped policy's.
+
+    A call returns when both are done: the small model's CPU work and the device's modelled
+    time from the call's start. The device counts in ``overruns`` the calls whose CPU work took
+    longer than it would have (the emulation is then slower than the device it models)."""
+
+    def __init__(self, policy: nn.Module, device: EmulatedDevice):
+        super().__init__()
+        self.policy = policy
+        self.emulator = device
+        self._steps = getattr(policy, "denoise_steps", None)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)  # parameters, buffers, submodules
+        except AttributeError:
+            return getattr(super().__getattr__("policy"), name)
+
+    def _on_device(self, side: str, seconds: Callable[[float], float], fn: Callable[[], Any]) -> Any:
+        device = self.emulator
+        call = device.submit(side, seconds)
+        out = fn()
+        if device.clock() > call.end:
+            device.overruns += 1
+        device.wait_until(call.end)
+        call.returned = device.clock()
+        return out
+
+    def act(self, obs: Any):
+        rows = _rows(obs)
+        return self._on_device("generation", lambda share: self.emulator.profile.act_s(rows, share, self._steps),
+                               lambda: self.policy.act(obs))
+
+    def evaluate(self, obs: Any, actions: torch.Tensor):
+        """A training step's minibatch (with gradients); without them a forward (a proximal
+        policy's log-probs), which costs what a policy call of those rows costs."""
+        rows, profile = int(actions.shape[0]), self.emulator.profile
+        cost = ((lambda share: profile.train_s(rows, share)) if torch.is_grad_enabled()
+                else (lambda share: profile.act_s(rows, share, self._steps)))
+        return self._on_device("training", cost, lambda: self.policy.evaluate(obs, actions))
+
+    def value(self, obs: Any) -> torch.Tensor:
+        rows = _rows(obs)
+        return self._on_device("training", lambda share: self.emulator.profile.value_s(rows, share),
+                               lambda: self.policy.value(obs))
+
+
+def _rows(obs: Any) -> int:
+    while isinstance(obs, dict):
+        obs = next(iter(obs.values()))
+    return int(len(obs))
+
+
+def emulator_of(policy: Any) -> EmulatedDevice | None:
+    """The emulated device a policy runs on, or None for a real one."""
+    return getattr(policy, "emulator", None) if isinstance(policy, EmulatedPolicy) else None
+
+
+def emulated(policy: nn.Module, profile: DeviceProfile | str = "pi0-h200", mode: str = "split",
+             gen_sms: int | None = None) -> EmulatedPolicy:
+    """``policy`` on a new emulated device running ``profile`` (``"pi0-h200"``, ``"pi0-4090"``,
+    ``"openvla-4090"`` or a :class:`DeviceProfile`), ``mode`` ``"split"`` or ``"one-stream"``.
+
+        >>> import gymnasium as gym
+        >>> from ebrl.policies import MLPPolicy
+        >>> small = MLPPolicy.from_spaces(gym.spaces.Box(-1, 1, (3,)), gym.spaces.Box(-1, 1, (2,)), hidden=(8,))
+        >>> policy = emulated(small, "pi0-h200", mode="one-stream")
+        >>> policy.emulator.describe()["profile"], emulator_of(policy) is policy.emulator
+        ('pi0-h200', True)
+    """
+    if isinstance(profile, str) and profile not in PROFILES:
+        raise ValueError(f"no emulated device profile {profile!r}: one of {sorted(PROFILES)}")
+    return EmulatedPolicy(policy, EmulatedDevice(profile, mode=mode, gen_sms=gen_sms))
+
+
+__all__ = ["PROFILES", "DeviceProfile", "EmulatedDevice", "EmulatedPolicy", "EmulatedStreams", "FakeClock",
+           "emulated", "emulator_of", "fit_line"]

@@ -1,0 +1,166 @@
+"""The emulated accelerator: its model against the published figures, its queues, its
+utilisation as NVML reports it, and a run whose policy generates and trains on it."""
+
+import copy
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+import ebrl
+from ebrl.algos import PPO
+from ebrl.config import ConfigError
+from ebrl.emulated import (PI0_H200_MS, PI0_H200_TRAIN_SAMPLES_PER_S, PROFILES, DeviceProfile, EmulatedDevice,
+                           EmulatedStreams, FakeClock, emulated, emulator_of)
+from ebrl.policies import MLPPolicy
+from ebrl.runtime.resources.gpu import StreamMode
+from ebrl.telemetry.system import SystemSampler
+from ebrl.testing import Latency, MockEnv
+
+# a device fast enough for a test run: 2 ms a call plus 0.1 ms a row, 3 ms a training step plus 0.05 ms a sample
+FAST = DeviceProfile("test", total_sms=132, sm_granularity=8, act_fixed_s=2e-3, act_per_row_s=1e-4,
+                     train_fixed_s=3e-3, train_per_sample_s=5e-5)
+
+
+def small_policy(seed=0):
+    return MLPPolicy.from_spaces(gym.spaces.Box(-1, 1, (3,)), gym.spaces.Box(-1, 1, (3,)), hidden=(16,), seed=seed)
+
+
+def test_the_pi0_profile_is_the_least_squares_line_through_the_published_figures():
+    p = PROFILES["pi0-h200"]
+    for rows, ms in PI0_H200_MS.items():  # the published curve is close to a line: within 3% everywhere
+        assert p.act_s(rows) * 1e3 == pytest.approx(ms, rel=0.03)
+    for b, sps in PI0_H200_TRAIN_SAMPLES_PER_S.items():  # one GPU's step of b samples at (8 GPUs' samples/s) / 8
+        assert p.train_s(b) == pytest.approx(b / (sps / 8), rel=0.02)
+    # the other cards' batch-1 calls are their published figures
+    assert PROFILES["pi0-4090"].act_s(1) == pytest.approx(0.0392)
+    assert 1.0 / PROFILES["openvla-4090"].act_s(1) == pytest.approx(6.0)
+    # fewer denoising steps cost less: only their share of the call scales
+    assert p.act_s(1, steps=0) == pytest.approx(p.act_s(1) * (1 - 11.2 / 27.1))
+
+
+def test_one_stream_runs_the_sides_in_submission_order_and_a_split_runs_them_at_once():
+    for mode, gen_start in (("one-stream", 1.0), ("split", 0.5)):
+        device = EmulatedDevice(FAST, mode=mode, clock=FakeClock())
+        train_end = device.submit("training", 1.0, at=0.0).end
+        gen_end = device.submit("generation", 0.25, at=0.5).end
+        assert train_end == 1.0
+        assert gen_end == gen_start + 0.25  # one stream: after the training call; split: at once
+        assert device.busy_s == {"generation": 0.25, "training": 1.0}
+
+
+def test_a_split_gives_each_side_its_share_and_the_fixed_part_no_faster():
+    device = EmulatedDevice(FAST, mode="split", clock=FakeClock(), gen_sms=32)
+    assert (device.split.generation, device.split.training) == (32, 96)
+    share = device.share("generation")
+    assert share == pytest.approx(32 / 132)
+    end = device.submit("generation", lambda s: FAST.act_s(10, s), at=0.0).end
+    assert end == pytest.approx(2e-3 + 10 * 1e-4 * 132 / 32)
+    device.set_split(64)
+    assert device.share("training") == pytest.approx(64 / 132)
+    with pytest.raises(ValueError, match="one-stream"):
+        EmulatedDevice(FAST, mode="one-stream").set_split(32)
+
+
+def test_nvml_reports_the_share_of_the_window_any_call_ran():
+    clock = FakeClock()
+    device = EmulatedDevice(FAST, mode="split", clock=clock)
+    nvml = device.nvml()
+    device.submit("training", 0.5, at=0.0)
+    device.submit("generation", 0.25, at=0.25)  # overlaps the training call: busy is their union
+    clock.sleep(1.0)
+    handle = nvml.nvmlDeviceGetHandleByIndex(0)
+    assert nvml.nvmlDeviceGetUtilizationRates(handle).gpu == pytest.approx(50.0)
+    clock.sleep(1.0)
+    assert nvml.nvmlDeviceGetUtilizationRates(handle).gpu == 0.0  # the next window: idle
+    sampler = SystemSampler(nvml=device.nvml())
+    assert sampler.num_gpus == 1 and "gpu0_sm_util" in sampler.sample()
+    sampler.close()
+
+
+def test_the_policy_returns_the_small_models_numbers_after_the_modelled_time():
+    clock = FakeClock()
+    policy = emulated(small_policy(), FAST, mode="one-stream")
+    policy.emulator.clock, policy.emulator._sleep = clock, clock.sleep
+    reference = small_policy()
+    obs = np.zeros((4, 3), np.float32)
+    out = policy.act(obs)
+    assert clock() == pytest.approx(FAST.act_s(4))
+    np.testing.assert_array_equal(out.actions, reference.act(obs).actions)
+    with torch.no_grad():  # a forward on the training side costs a call of those rows
+        policy.evaluate(torch.zeros(8, 3), torch.zeros(8, 3))
+    assert clock() == pytest.approx(FAST.act_s(4) + FAST.act_s(8))
+    policy.evaluate(torch.zeros(8, 3), torch.zeros(8, 3))  # with gradients: a training step
+    assert policy.emulator.busy_s["training"] == pytest.approx(FAST.act_s(8) + FAST.train_s(8))
+    # the acting copy shares the device; weights move between the copies under the same keys
+    acting = copy.deepcopy(policy)
+    assert acting.emulator is policy.emulator and emulator_of(acting) is policy.emulator
+    acting.load_state_dict(policy.state_dict())
+    assert policy.expected_spaces() == reference.expected_spaces()  # what it does not define is the small model's
+
+
+def test_emulated_streams_are_green_contexts_for_a_split_device_and_resplit_it():
+    streams = EmulatedStreams.of(EmulatedDevice(FAST, mode="split"))
+    assert streams.mode is StreamMode.GREEN_CONTEXTS and streams.split.generation == 32
+    assert streams.resplit(48) and streams.emulator.split.generation == 48
+    assert not streams.resplit(48)
+    with streams.generation(), streams.training():
+        assert streams.publish() is None
+    assert EmulatedStreams.of(EmulatedDevice(FAST, mode="one-stream")).mode is StreamMode.ONE_STREAM
+
+
+def _run(mode, **cfg):
+    policy = emulated(small_policy(), FAST, mode=mode)
+    trainer = ebrl.Trainer(env_fn=lambda i: MockEnv(dim=3, episode_len=20, latency=Latency.constant(0.001)),
+                           policy=policy, algo=PPO(minibatch_size=64, update_epochs=1),
+                           config=ebrl.RunConfig(num_envs=4, segment_len=16, total_env_steps=1200,
+                                                 resources={"epoch_s": 0.2}, **cfg))
+    return ebrl.run_sync(trainer), policy
+
+
+def test_a_run_generates_and_trains_on_the_device_and_the_controller_splits_its_sms():
+    result, policy = _run("split")
+    assert result.accounting_ok() and result.dropped == {} and result.updates >= 2
+    start = {d["knob"]: d for d in result.decisions if d["epoch"] < 0}
+    assert start["learner"]["new"] == "thread" and "emulated device test" in start["learner"]["reason"]
+    assert start["offload"]["new"] == "thread"  # a call waits for the device: never on the event loop
+    assert not [d for d in result.decisions if d["knob"] == "offload" and d["epoch"] >= 0]
+    # calls of ms against a 2 ms target for the env's wait: the quota rule grows generation's SMs
+    splits = [d for d in result.decisions if d["knob"] == "gen_sms"]
+    assert splits and splits[0]["old"] == 32 and splits[0]["new"] > 32
+    assert policy.emulator.split.generation == splits[-1]["new"]
+    device = policy.emulator
+    assert device.busy_s["generation"] > 0 and device.busy_s["training"] > 0
+    assert any("gpu0_sm_util" in p["system"] for p in result.profiles)  # the profiler reads the device
+
+
+def test_a_one_stream_device_makes_no_split_decision_and_refuses_a_learner_process():
+    result, _ = _run("one-stream")
+    assert result.accounting_ok() and not [d for d in result.decisions if d["knob"] == "gen_sms"]
+    with pytest.raises(ConfigError, match="emulated device"):
+        _run("one-stream", learner="process")
+
+
+def test_the_first_gpu_run_skips_without_cuda_and_the_comparison_reads_gpu_pi0s_json(tmp_path):
+    import importlib.util
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(["bash", str(root / "bench" / "gpu_first_run.sh")], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable})
+    assert done.returncode == 0 and "CUDA is not available" in done.stdout
+    spec = importlib.util.spec_from_file_location("emulator_vs_gpu", root / "bench" / "emulator_vs_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    measured = tmp_path / "gpu_pi0.json"
+    measured.write_text(json.dumps({"results": [{"path": "/tmp/pi0", "act_ms": {"8": 100.0, "1": 49.4},
+                                                 "update_s": 0.5}]}))
+    assert module.main([str(measured), "--out", str(tmp_path / "cmp.json")]) == 0
+    rows = json.loads((tmp_path / "cmp.json").read_text())["rows"]
+    assert [(r["call"], r["batch"]) for r in rows] == [("act", 1), ("act", 8), ("train step (LoRA)", 64)]
+    assert rows[0]["measured/modelled"] == pytest.approx(49.4 / (PROFILES["pi0-h200"].act_s(1) * 1e3))
