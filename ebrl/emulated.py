@@ -53,6 +53,7 @@ import torch
 from torch import nn
 
 from ebrl.runtime.resources.gpu import GpuStreams, SmSplit, StreamMode, clamp_split, plan_sm_split
+from ebrl.spaces import batch_size
 
 SIDES = ("generation", "training")
 MODES = ("split", "one-stream")
@@ -253,10 +254,14 @@ class EmulatedDevice:
         if left > 0:
             self._sleep(left)
 
+    def _records(self) -> list[CallRecord]:
+        """A copy of the call records: read outside the lock, which the calls' submits take."""
+        with self._lock:
+            return list(self.calls)
+
     def busy_between(self, t0: float, t1: float) -> float:
         """Seconds in ``[t0, t1]`` during which any call ran (what NVML's utilisation counts)."""
-        with self._lock:
-            spans = sorted((max(c.start, t0), min(c.end, t1)) for c in self.calls if c.end > t0 and c.start < t1)
+        spans = sorted((max(c.start, t0), min(c.end, t1)) for c in self._records() if c.end > t0 and c.start < t1)
         busy, reach = 0.0, t0
         for s, e in spans:
             if e > reach:
@@ -268,9 +273,8 @@ class EmulatedDevice:
         """Per returned call: how far the time its caller was held past the call's start
         (``returned - start``) is from the model's duration, relative to it (sleep overshoot, or
         the small model's CPU work running past the device's time)."""
-        with self._lock:
-            return [abs((c.returned - c.start) - c.modelled_s) / c.modelled_s
-                    for c in self.calls if c.returned is not None and c.modelled_s > 0]
+        return [abs((c.returned - c.start) - c.modelled_s) / c.modelled_s
+                for c in self._records() if c.returned is not None and c.modelled_s > 0]
 
     def nvml(self) -> _Nvml:
         """An object with the ``pynvml`` functions :class:`~ebrl.telemetry.system.SystemSampler`
@@ -296,8 +300,8 @@ class _Nvml:
     def nvmlInit(self) -> None:
         self._last = self.device.clock()
 
-    def nvmlShutdown(self) -> None:
-        pass
+    def nvmlShutdown(self) -> None:  # nothing was opened
+        return None
 
     def nvmlDeviceGetCount(self) -> int:
         return 1
@@ -377,7 +381,7 @@ class EmulatedPolicy(nn.Module):
         return out
 
     def act(self, obs: Any):
-        rows = _rows(obs)
+        rows = batch_size(obs)
         return self._on_device("generation", lambda share: self.emulator.profile.act_s(rows, share, self._steps),
                                lambda: self.policy.act(obs))
 
@@ -390,15 +394,9 @@ class EmulatedPolicy(nn.Module):
         return self._on_device("training", cost, lambda: self.policy.evaluate(obs, actions))
 
     def value(self, obs: Any) -> torch.Tensor:
-        rows = _rows(obs)
+        rows = batch_size(obs)
         return self._on_device("training", lambda share: self.emulator.profile.value_s(rows, share),
                                lambda: self.policy.value(obs))
-
-
-def _rows(obs: Any) -> int:
-    while isinstance(obs, dict):
-        obs = next(iter(obs.values()))
-    return int(len(obs))
 
 
 def emulator_of(policy: Any) -> EmulatedDevice | None:

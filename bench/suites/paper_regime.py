@@ -29,7 +29,6 @@ import math
 import statistics
 import time
 
-import numpy as np
 
 import ebrl
 from ebrl.algos import PPO
@@ -39,6 +38,7 @@ from ebrl.benchmark.fresh import call_fresh
 from ebrl.benchmark.suite import CpuMeter
 from ebrl.emulated import emulated
 from ebrl.envs import make
+from ebrl.envs.chunks import ActionChunk
 from ebrl.policies import FlowPolicy
 
 DESCRIPTION = ("the paper's regime, emulated device: real ManiSkill3 and LIBERO from state on the CPU, a "
@@ -66,11 +66,7 @@ TARGETS = {"async/sync": 1.3, "async/pipelined": 1.2, "SM split/one stream": 1.1
 
 def policy_for(env, mode: str, seed: int):
     """The small flow policy for ``env``'s spaces, acting in chunks of ``CHUNK``, on a new emulated device."""
-    import gymnasium as gym
-
-    a = env.action_space
-    chunk = gym.spaces.Box(np.broadcast_to(a.low, (CHUNK, *a.shape)), np.broadcast_to(a.high, (CHUNK, *a.shape)),
-                           dtype=np.float32)
+    chunk = ActionChunk(env, CHUNK).action_space  # the space run() gives the env (ebrl.envs.chunks.for_policy)
     small = FlowPolicy.from_spaces(env.observation_space, chunk, denoise_steps=DENOISE_STEPS, seed=seed)
     return emulated(small, PROFILE, mode=mode)
 

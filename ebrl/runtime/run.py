@@ -41,7 +41,7 @@ from ebrl.runtime.resources.gpu import GpuStreams
 from ebrl.runtime.resources.knobs import Decision
 from ebrl.runtime.resources.manager import ResourceManager
 from ebrl.runtime.resources.profiler import LiveProfiler
-from ebrl.runtime.resources.rules_start import START, learner_start, sim_start
+from ebrl.runtime.resources.rules_start import device_offload_start, learner_start, sim_start
 from ebrl.runtime.rollout import RolloutQueue
 from ebrl.runtime.schedules import effective_lag, generation_target, is_lockstep
 from ebrl.runtime.probe import EnvProbe, StepProfile
@@ -296,8 +296,7 @@ def start_decisions(cfg: RunConfig, step: StepProfile | None, policy, virtual: b
     if cfg.learner is LearnerMode.AUTO and not virtual:
         decisions.append(learner_start(where, usable_cpus()))
     if cfg.generation.offload is Offload.AUTO and not virtual and where not in (None, "cpu"):
-        decisions.append(Decision(START, "offload", "auto", "thread",
-                                  f"the policy runs on {where}: a call waits for the device, off the event loop"))
+        decisions.append(device_offload_start(where))
     return decisions
 
 

@@ -94,8 +94,8 @@ class ResourceManager:
         self._grow_to: int | None = None  # workers to start (forks run off the loop, in run())
         self.limits = Limits(num_units=cfg.num_envs // cfg.sim.vector_size, num_envs=cfg.num_envs,
                              cpus=len(self._cores) if self._cores else usable_cpus(),
-                             # a device policy's calls wait on the device: they stay off the loop
-                             fixed=fixed_knobs(cfg) | ({"offload"} if streams is not None else set()),
+                             # an offload decided at the start (a device policy's: rules_start) holds
+                             fixed=fixed_knobs(cfg) | {d.knob for d in start if d.knob == "offload"},
                              lane_wait_above=cfg.resources.lane_wait_above,
                              imbalance_above=cfg.resources.imbalance_above,
                              total_sms=self.streams.total_sms if self.streams else 0,

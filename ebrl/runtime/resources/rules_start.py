@@ -19,6 +19,8 @@ the epochs' own. Later epochs may change the backend, the lanes and the offload
   call warms up in the generator's thread, unmeasured; the next runs inline): inline when it
   took at most ``generation.inline_below_s`` of CPU, in the generator's thread otherwise: the
   line :func:`~ebrl.runtime.resources.rules_stages.offload_rule` keeps, so neither undoes the other.
+  A policy on a device (CUDA, or an emulated one) is decided at the start instead
+  (:func:`device_offload_start`): its calls wait for the device, in the thread, for the whole run.
 
     >>> from ebrl.config import SimConfig
     >>> from ebrl.runtime.probe import StepProfile
@@ -75,6 +77,14 @@ def learner_start(device: str | None, cpus: int) -> Decision:
     why = ("one core" if device == "cpu" else "the policy has no parameters" if device is None
            else f"training runs on {device}, on a stream of its own")
     return Decision(START, "learner", "auto", "thread", why)
+
+
+def device_offload_start(device: str) -> Decision:
+    """Where the calls of a policy on ``device`` run under ``generation.offload="auto"``: in the
+    generator's thread, held for the run (the manager fixes the knob when this decision is made):
+    a call waits for the device, and its wall time over its CPU time is that wait, not the GIL's."""
+    return Decision(START, "offload", "auto", "thread",
+                    f"the policy runs on {device}: a call waits for the device, off the event loop")
 
 
 def offload_start(cpu_s: float, line: float) -> Decision:
