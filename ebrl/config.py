@@ -176,15 +176,14 @@ class ResourceConfig:
     ``generation.max_wait_s``) from it. Values set explicitly are never changed."""
 
     adapt: bool = True  # False: profile only, change nothing
-    epoch_s: float = 1.0  # seconds (loop time) per profile window and controller decision
+    # seconds (loop time) a profile window lasts at least; it grows by this until it holds a few
+    # env steps per env (slow decisions: a VLA on a busy GPU), at most MAX_WINDOW_EPOCHS times
+    epoch_s: float = 1.0
     # sim lanes grow while envs wait for a lane longer than this fraction of their sim time
     lane_wait_above: float = 0.1
     # envs are re-placed on worker processes when the idlest worker is busy this fraction less
     # than the busiest (in the epoch's window)
     imbalance_above: float = 0.1
-    # GPU with green contexts: generation gets the fewest SMs that keep an env's mean wait for
-    # an action under this
-    act_wait_target_s: float = 0.002
     # torch threads of the learner process; None: starts at torch_threads and the controller may
     # add threads while training holds envs back and cores idle (kept only if faster)
     learner_threads: int | None = None
@@ -198,7 +197,6 @@ class ResourceConfig:
         _check_float("resources.epoch_s", self.epoch_s, 0.0, strict=True)
         _check_float("resources.lane_wait_above", self.lane_wait_above, 0.0)
         _check_float("resources.imbalance_above", self.imbalance_above, 0.0)
-        _check_float("resources.act_wait_target_s", self.act_wait_target_s, 0.0, strict=True)
         _check_int("resources.learner_threads", self.learner_threads, 1, optional=True)
         if not isinstance(self.affinity, bool):
             raise ConfigError("resources.affinity", self.affinity, "must be true or false")

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ebrl.runtime.resources.gpu import GpuStreams, SmSplit, StreamMode, clamp_split, plan_sm_split
+from ebrl.runtime.resources.gpu import GpuStreams, SmSplit, StreamMode, clamp_split, start_split
 from ebrl.spaces import batch_size
 
 SIDES = ("generation", "training")
@@ -201,13 +201,15 @@ class EmulatedDevice:
         self._lock = threading.Lock()
         self._free_at = {side: 0.0 for side in SIDES}  # when each queue's last call ends
         self.busy_s = {side: 0.0 for side in SIDES}  # modelled device seconds, summed
+        # each side's calls as they would run on the whole device: (fixed, per-SM-share) seconds
+        self.work_s = {side: [0.0, 0.0] for side in SIDES}
         self.calls: list[CallRecord] = []  # the latest keep_calls calls
         self.overruns = 0  # calls whose small model's CPU work took longer than the device's time
         self._keep = keep_calls
         self.split: SmSplit | None = None
         if mode == "split":
             p = self.profile
-            self.split = (plan_sm_split(p.total_sms, None, 0, 1.0, None, p.sm_granularity) if gen_sms is None
+            self.split = (start_split(p.total_sms, p.sm_granularity) if gen_sms is None
                           else clamp_split(p.total_sms, gen_sms, p.sm_granularity))
 
     def __deepcopy__(self, memo: dict) -> EmulatedDevice:
@@ -237,6 +239,11 @@ class EmulatedDevice:
         with self._lock:
             now = self.clock() if at is None else at
             modelled = seconds(self.share(side)) if callable(seconds) else float(seconds)
+            # a cost is fixed + scaled / share: two points give both parts (a number is all fixed)
+            scaled = seconds(0.5) - seconds(1.0) if callable(seconds) else 0.0
+            work = self.work_s[side]
+            work[0] += (seconds(1.0) if callable(seconds) else modelled) - scaled
+            work[1] += scaled
             queue = side if self.mode == "split" else SIDES[0]  # one stream: one queue for both
             start = max(now, self._free_at[queue])
             end = start + modelled
@@ -275,6 +282,20 @@ class EmulatedDevice:
         the small model's CPU work running past the device's time)."""
         return [abs((c.returned - c.start) - c.modelled_s) / c.modelled_s
                 for c in self._records() if c.returned is not None and c.modelled_s > 0]
+
+    def split_ceiling(self) -> float:
+        """The most an SM split could gain over one stream on the calls made so far: their time
+        one after another on the whole device over the least time any split (in granules) takes
+        for them with both sides' queues never empty. A bound, not a prediction: it ignores
+        that a side waits for the other's results."""
+        p = self.profile
+        (gen_fixed, gen_scaled), (train_fixed, train_scaled) = self.work_s["generation"], self.work_s["training"]
+        one_stream = gen_fixed + gen_scaled + train_fixed + train_scaled
+        g = p.sm_granularity
+        usable = p.total_sms // g * g
+        best = min(max(gen_fixed + gen_scaled * p.total_sms / gen, train_fixed + train_scaled * p.total_sms / (usable - gen))
+                   for gen in range(g, usable - g + 1, g))
+        return one_stream / best if best > 0 else 1.0
 
     def nvml(self) -> _Nvml:
         """An object with the ``pynvml`` functions :class:`~ebrl.telemetry.system.SystemSampler`

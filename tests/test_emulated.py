@@ -63,6 +63,24 @@ def test_a_split_gives_each_side_its_share_and_the_fixed_part_no_faster():
         EmulatedDevice(FAST, mode="one-stream").set_split(32)
 
 
+def test_the_split_ceiling_is_what_overlapping_the_fixed_parts_can_gain():
+    only_fixed = DeviceProfile("fixed", total_sms=132, sm_granularity=8, act_fixed_s=1.0, act_per_row_s=0.0,
+                               train_fixed_s=1.0, train_per_sample_s=0.0)
+    device = EmulatedDevice(only_fixed, mode="one-stream", clock=FakeClock())
+    device.submit("generation", lambda s: only_fixed.act_s(4, s))
+    device.submit("training", lambda s: only_fixed.train_s(4, s))
+    assert device.work_s == {"generation": [1.0, 0.0], "training": [1.0, 0.0]}
+    assert device.split_ceiling() == pytest.approx(2.0)  # latency-bound calls: two at once
+    only_scaled = DeviceProfile("scaled", total_sms=132, sm_granularity=8, act_fixed_s=0.0, act_per_row_s=0.25,
+                                train_fixed_s=0.0, train_per_sample_s=0.75)
+    device = EmulatedDevice(only_scaled, mode="split", clock=FakeClock())  # the shares it ran on do not matter
+    device.submit("generation", lambda s: only_scaled.act_s(4, s))
+    device.submit("training", lambda s: only_scaled.train_s(4, s))
+    assert device.work_s["generation"] == pytest.approx([0.0, 1.0]) and device.work_s["training"] == pytest.approx([0.0, 3.0])
+    # calls that fill the device gain nothing from a split, and lose the 4 SMs no granule of 8 holds
+    assert device.split_ceiling() == pytest.approx(128 / 132)
+
+
 def test_nvml_reports_the_share_of_the_window_any_call_ran():
     clock = FakeClock()
     device = EmulatedDevice(FAST, mode="split", clock=clock)
@@ -126,9 +144,9 @@ def test_a_run_generates_and_trains_on_the_device_and_the_controller_splits_its_
     assert start["learner"]["new"] == "thread" and "emulated device test" in start["learner"]["reason"]
     assert start["offload"]["new"] == "thread"  # a call waits for the device: never on the event loop
     assert not [d for d in result.decisions if d["knob"] == "offload" and d["epoch"] >= 0]
-    # calls of ms against a 2 ms target for the env's wait: the quota rule grows generation's SMs
+    # generation, on a quarter of the SMs, is busier than training (one epoch a segment): it gets more
     splits = [d for d in result.decisions if d["knob"] == "gen_sms"]
-    assert splits and splits[0]["old"] == 32 and splits[0]["new"] > 32
+    assert splits and splits[0]["old"] == 32 and splits[0]["new"] > 32 and "in proportion" in splits[0]["reason"]
     assert policy.emulator.split.generation == splits[-1]["new"]
     device = policy.emulator
     assert device.busy_s["generation"] > 0 and device.busy_s["training"] > 0

@@ -8,71 +8,75 @@ from types import SimpleNamespace
 
 import pytest
 
-from ebrl.runtime.resources.gpu import GpuStreams, SmSplit, StreamMode, clamp_split, plan_sm_split, sm_granularity
+from ebrl.runtime.resources.gpu import (GpuStreams, SmSplit, StreamMode, clamp_split, plan_sm_split, sm_granularity,
+                                        start_split)
 
-TARGET = 0.002  # 2 ms env wait for actions
-
-
-def plan(gen_now, act_wait, gen_latency=None, total=132, **kw):
-    return plan_sm_split(total, gen_latency, gen_now, TARGET, act_wait, **kw)
+def plan(gen_now, gen_busy, train_busy, total=132, **kw):
+    return plan_sm_split(total, gen_now, gen_busy, train_busy, **kw)
 
 
 # --- plan_sm_split ------------------------------------------------------------------------------
 
 def test_default_start_is_a_quarter_of_the_sms_in_granules():
-    s = plan(0, None)
+    s = start_split(132)
     assert (s.generation, s.training) == (32, 96) and "default" in s.reason
-    assert plan(0, 0.010).generation == 32  # no split yet: the default, whatever was measured
-    assert plan(0, None, total=78).generation == 16  # 72 usable / 4 = 18 -> nearest granule
+    assert plan(0, 1.0, 0.2).generation == 32  # no split yet: the start, whatever was measured
+    assert start_split(78).generation == 16  # 72 usable / 4 = 18 -> nearest granule
+    assert start_split(40, granularity=4).generation == 12  # 40 / 4 = 10 -> nearest multiple of 4
 
 
-def test_no_measurement_holds():
-    assert plan(48, None).generation == 48
+@pytest.mark.parametrize("gen_busy,train_busy", [(0.0, 1.0), (0.8, 0.0), (0.0, 0.0)])
+def test_a_side_that_did_not_run_holds(gen_busy, train_busy):
+    s = plan(48, gen_busy, train_busy)
+    assert s.generation == 48 and "did not run" in s.reason
 
 
-def test_grows_when_waits_are_above_target_by_their_ratio_at_most_double():
-    assert plan(32, 0.0025).generation == 40  # 1.25x of 32 = 40
-    assert plan(32, 0.0021).generation == 40  # 1.05x would be 33.6: at least one granule more
-    assert plan(32, 0.050).generation == 64  # 25x above target: bounded at double
-    s = plan(64, 0.050)
+def test_splits_in_proportion_to_each_sides_sm_seconds():
+    # generation half busy on 32 SMs (16 SM-s/s), training saturated on 96 (96): 128 * 16/112 = 18.3 -> 16
+    assert plan(32, 0.5, 1.0).generation == 16
+    # training a third busy on 64 SMs (21), generation saturated on 64 (64): 128 * 64/85 = 96
+    assert plan(64, 1.0, 1 / 3).generation == 96
+
+
+def test_both_sides_saturated_or_proportional_already_holds():
+    for gen_busy, train_busy in [(1.0, 1.0), (0.5, 0.5), (0.9, 0.95)]:
+        s = plan(32, gen_busy, train_busy)
+        assert s.generation == 32 and "holding" in s.reason
+
+
+def test_a_wanted_move_under_one_granule_holds():
+    # 128 * (0.8*32) / (0.8*32 + 96) = 26.9: 5 SMs from 32, under a granule of 8
+    assert plan(32, 0.8, 1.0).generation == 32
+    assert plan(32, 0.8, 1.0, granularity=4).generation == 28  # a granule of 4: it moves
+
+
+def test_a_move_is_at_most_a_doubling_or_a_halving():
+    assert plan(16, 1.0, 0.01).generation == 32
+    assert plan(64, 0.01, 1.0).generation == 32
+
+
+def test_bounds_say_so_in_the_reason():
+    s = plan(64, 1.0, 0.02)
     assert s.generation == 120 and s.training == 8 and "maximum" in s.reason  # training keeps one granule
-
-
-def test_shrinks_one_granule_when_well_below_target():
-    s = plan(48, 0.0009)
-    assert s.generation == 40 and "shrink" in s.reason
-    s = plan(8, 0.0001)
+    s = plan(16, 0.02, 1.0)
     assert s.generation == 8 and "minimum" in s.reason  # generation keeps one granule
 
 
-def test_does_not_shrink_when_one_forward_already_takes_half_the_target():
-    assert plan(48, 0.0001, gen_latency=0.0015).generation == 48
-    assert plan(48, 0.0001, gen_latency=0.0002).generation == 40
-
-
-@pytest.mark.parametrize("wait", [0.001, 0.0015, 0.002])
-def test_holds_in_the_band_between_half_target_and_target(wait):
-    s = plan(48, wait)
-    assert s.generation == 48 and "holding" in s.reason
-
-
 @pytest.mark.parametrize("total", [16, 24, 78, 108, 132, 144])
-@pytest.mark.parametrize("gen_now,wait", [(0, None), (8, 0.01), (40, 0.0001), (64, 0.003), (200, 0.01), (13, None)])
-def test_both_sides_are_granule_multiples_of_at_least_one_granule(total, gen_now, wait):
-    s = plan(gen_now, wait, total=total)
+@pytest.mark.parametrize("gen_now,gen_busy,train_busy",
+                         [(0, 0.0, 0.0), (8, 1.0, 0.1), (40, 0.1, 1.0), (64, 0.3, 0.9), (200, 1.0, 0.5), (13, 0.5, 0.5)])
+def test_both_sides_are_granule_multiples_of_at_least_one_granule(total, gen_now, gen_busy, train_busy):
+    s = plan(gen_now, gen_busy, train_busy, total=total)
     assert s.generation % 8 == 0 and s.training % 8 == 0
     assert s.generation >= 8 and s.training >= 8 and s.generation + s.training <= total
 
 
-def test_min_sms_and_other_granularities():
-    s = plan(16, 0.0001, min_sms=16)
-    assert s.generation == 16  # will not go below min_sms
-    s = plan_sm_split(40, None, 0, TARGET, None, granularity=4)
-    assert (s.generation, s.training) == (12, 28)  # 40 / 4 = 10 -> nearest multiple of 4
+def test_min_sms_and_too_few_sms():
+    assert plan(16, 0.01, 1.0, min_sms=16).generation == 16  # will not go below min_sms
     with pytest.raises(ValueError):
-        plan(0, None, total=12)  # cannot hold two granules of 8
+        start_split(12)  # cannot hold two granules of 8
     with pytest.raises(ValueError):
-        plan_sm_split(132, None, 32, 0.0, 0.001)
+        plan(8, 1.0, 1.0, total=12)
 
 
 def test_split_is_frozen_and_clamped():

@@ -391,6 +391,24 @@ def _sleepers(**config):
         config=ebrl.RunConfig(**{"num_envs": 16, "segment_len": 16, "total_env_steps": 30_000, **config}))
 
 
+def test_a_window_grows_until_it_holds_a_few_steps_per_env_and_no_longer_than_its_cap():
+    from ebrl.runtime.resources.knobs import MAX_WINDOW_EPOCHS, MIN_STEPS_PER_UNIT
+
+    # 8 envs of 0.3 s steps: about 27 steps/s, so a 0.5 s epoch holds 13, under the 32 a window needs
+    slow = ebrl.Trainer(env_fn=lambda i: MockEnv(latency=Latency.constant(0.3)),
+                        policy=MockPolicy(act_dim=4, base_cost_s=0.0003), algo=NoopAlgo(base_cost_s=0.005),
+                        config=ebrl.RunConfig(num_envs=8, segment_len=16, total_env_steps=800,
+                                              resources={"epoch_s": 0.5}))
+    result = run_virtual(slow)
+    assert result.accounting_ok() and sum(p["sim"]["steps"] for p in result.profiles) == result.env_steps
+    whole = result.profiles[:-1]  # the last is the run's partial end
+    assert len(whole) >= 3
+    for p in whole:
+        window = p["t_end"] - p["t_start"]
+        assert p["sim"]["steps"] >= MIN_STEPS_PER_UNIT * 8 and 1.0 <= window < 0.5 * MAX_WINDOW_EPOCHS
+        assert window == pytest.approx(round(window / 0.5) * 0.5, abs=1e-3)  # a whole number of epochs
+
+
 def test_sleeping_envs_converge_to_enough_lanes_within_three_epochs():
     result = run_virtual(_sleepers())  # 2 lanes to start with (virtual time has no probe)
     assert result.accounting_ok()
@@ -434,16 +452,20 @@ def test_profiles_account_for_every_step_and_the_time_of_every_env():
 # ---------------------------------------------------------------- GPU: the SM split, and the streams' wiring
 
 
-def test_sm_split_grows_generation_when_envs_wait_for_actions_and_is_never_set_without_green_contexts():
+def test_sm_split_follows_each_sides_busy_time_and_is_never_set_without_green_contexts():
     from ebrl.runtime.resources.rules_stages import sm_split_rule
 
-    limits = Limits(num_units=16, cpus=2, total_sms=132, sm_granularity=8, act_wait_target_s=0.002)
-    slow = profile(steps=100.0, action=0.5, gen={"gen_batches": 100, "gen_busy_s": 0.05})  # 5 ms per step
-    d = sm_split_rule(slow, Knobs("thread", gen_sms=32), limits, Memory())
-    assert d.knob == "gen_sms" and d.new == 64 and "grow generation" in d.reason  # at most doubled
-    fast = profile(steps=100.0, action=0.05, gen={"gen_batches": 100, "gen_busy_s": 0.01})  # 0.5 ms
-    assert sm_split_rule(fast, Knobs("thread", gen_sms=32), limits, Memory()).new == 24  # one granule less
-    assert sm_split_rule(slow, Knobs("thread", gen_sms=None), limits, Memory()) is None
+    limits = Limits(num_units=16, cpus=2, total_sms=132, sm_granularity=8)
+    # a 1 s window: training saturated, generation busy a third of it on a quarter of the SMs
+    p = profile(steps=100.0, gen={"gen_batches": 10, "gen_busy_s": 1 / 3, "updates": 1, "learner_busy_s": 1.0})
+    d = sm_split_rule(p, Knobs("thread", gen_sms=32), limits, Memory())
+    assert d.knob == "gen_sms" and d.new == 16 and "in proportion" in d.reason and "training gets 112" in d.reason
+    starved = profile(steps=100.0, gen={"gen_batches": 10, "gen_busy_s": 1.0, "updates": 1,
+                                         "learner_busy_s": 0.25})  # training waits for data
+    assert sm_split_rule(starved, Knobs("thread", gen_sms=32), limits, Memory()).new == 64  # at most doubled
+    rollout_only = profile(steps=100.0, gen={"gen_batches": 10, "gen_busy_s": 1.0})  # nothing to train on yet
+    assert sm_split_rule(rollout_only, Knobs("thread", gen_sms=32), limits, Memory()) is None
+    assert sm_split_rule(p, Knobs("thread", gen_sms=None), limits, Memory()) is None
 
 
 class FakeStreams:

@@ -15,12 +15,17 @@ alternating rounds:
 
 - ``async``: EBRL, the device split between generation and training by the controller's
   SM-quota rule (green contexts, emulated);
-- ``pipelined`` (RLinf's grouped pipeline) and ``sync`` (lockstep), on the same split device;
+- ``pipelined`` (RLinf's grouped pipeline) and ``sync`` (lockstep, RLinf's collocated mode) on
+  one shared stream: a lockstep schedule never generates while it trains, so one stream, which
+  gives whichever side runs every SM, is their best use of the device (a split would only idle
+  half of it);
 - ``async, one stream``: EBRL on one shared stream (generation and training queue in turn).
 
 Reported per run: decisions/s end to end (training included) and in rollout, the device's
 utilisation and each side's busy share, the controller's SM decisions, how far each call's
-held time is from the model (``held error``), and the calls whose CPU work outran the device.
+held time is from the model (``held error``), and the calls whose CPU work outran the device;
+and, from the one-stream run's calls, the most any SM split could gain on them
+(:meth:`~ebrl.emulated.EmulatedDevice.split_ceiling`).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import ebrl
 from ebrl.algos import PPO
 from ebrl.benchmark import Target, check_targets, spread, summarize_rows
 from ebrl.benchmark.figures import round_ratios
+from ebrl.benchmark.report import fmt_ratio
 from ebrl.benchmark.fresh import call_fresh
 from ebrl.benchmark.suite import CpuMeter
 from ebrl.emulated import emulated
@@ -57,7 +63,7 @@ def libero(i: int):
 
 
 WORKLOADS = {"maniskill-pickcube": (maniskill, 16), "libero-spatial": (libero, 8)}  # env_fn, num_envs
-RUNNERS = {"async": ("async", "split"), "pipelined": ("pipelined", "split"), "sync": ("sync", "split"),
+RUNNERS = {"async": ("async", "split"), "pipelined": ("pipelined", "one-stream"), "sync": ("sync", "one-stream"),
            "async, one stream": ("async", "one-stream")}
 QUICK_RUNNERS = ("async", "sync")
 TARGETS = {"async/sync": 1.3, "async/pipelined": 1.2, "SM split/one stream": 1.1,
@@ -95,7 +101,7 @@ def measure(workload: str, runner: str, num_envs: int, decisions: int, seed: int
             "held_error_p95": errors[int(0.95 * (len(errors) - 1))] if errors else math.nan,
             "calls": len(errors), "overruns": device.overruns, "gen_batch_mean": result.gen_batch_mean,
             "sm_decisions": [d for d in result.decisions if d["knob"] == "gen_sms"],
-            "final_split": device.describe(), "accounting_ok": result.accounting_ok(), **meter.read()}
+            "split_ceiling": device.split_ceiling(), "final_split": device.describe(), "accounting_ok": result.accounting_ok(), **meter.read()}
 
 
 def run(quick: bool = False, in_process: bool = False) -> dict:
@@ -121,9 +127,21 @@ def run(quick: bool = False, in_process: bool = False) -> dict:
                 ratios[f"{workload}: {name}"] = round_ratios(rows, workload, head, [base])
     figures = {f"{w}: held error p95": present["async"]["held_error_p95"] for w, present in summary.items()
                if "async" in present}
+    notes = []
+    for w in summary:
+        mine = [r for r in rows if r["case"] == w]
+        ceiling = spread(r["split_ceiling"] for r in mine if r["runner"] == "async, one stream")
+        if ceiling["n"]:
+            notes.append(f"{w}: the most any SM split could gain on the one-stream run's calls: {fmt_ratio(ceiling)}")
+        split = [r for r in mine if r["runner"] == "async"]
+        if split:
+            moves = [len(r["sm_decisions"]) for r in split]
+            ends = sorted({f"{r['final_split']['gen_sms']}/{r['final_split']['train_sms']}" for r in split})
+            notes.append(f"{w}: SM-quota decisions per async run: {', '.join(map(str, moves))}; "
+                         f"final split (generation/training SMs): {', '.join(ends)}")
     targets = (check_targets(ratios, {k: v for k, v in TARGETS.items() if not isinstance(v, Target)})
                + check_targets(figures, {"held error p95": TARGETS["held error p95"]}, unit=""))
-    return {"rows": rows, "summary": summary, "ratios": ratios, "figures": figures, "targets": targets,
+    return {"rows": rows, "summary": summary, "ratios": ratios, "figures": figures, "notes": notes, "targets": targets,
             "meta": {"device": f"emulated device ({PROFILE})", "rounds": rounds, "description": DESCRIPTION,
                      "fresh_processes": not in_process, "chunk": CHUNK, "denoise_steps": DENOISE_STEPS,
                      "segment_len": SEGMENT, "accounting_ok": all(r.get("accounting_ok", True) for r in rows)}}

@@ -129,6 +129,8 @@ def print_report(name: str, report: dict, json_path: Path) -> None:
         eff = limit.get("efficiency", {}).get("ebrl-async")
         console.print(f"{case}: stage capacity alone (env steps/s): {caps}; bottleneck {limit['bottleneck']}"
                       + (f"; async efficiency {eff:.0%}" if eff is not None else ""))
+    for note in report.get("notes", []):
+        console.print(note)
     for t in report.get("targets", []):
         mark = "[green]met[/green]" if t["met"] else "[red]missed[/red]"
         console.print(f"target {t['figure']} {t['target']}: {fmt_target_value(t)} -> {mark}")
@@ -156,6 +158,7 @@ def results_markdown(name: str, report: dict) -> str:
         effs = ", ".join(f"{k} {v:.0%}" for k, v in limit.get("efficiency", {}).items())
         lines.append(f"- {case}: stage capacities alone (env steps/s): {caps}; bottleneck **{limit['bottleneck']}**; "
                      f"shared-CPU bound {limit['shared_cpu_bound_steps_per_s']:,.0f}; efficiency: {effs}")
+    lines += [f"- {note}" for note in report.get("notes", [])]
     targets = report.get("targets", [])
     if targets:
         lines += ["", "| target | wanted | measured | |", "|---|---|---:|---|"]

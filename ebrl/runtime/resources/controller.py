@@ -19,9 +19,11 @@ hysteresis, and says why. Knobs the user set (``fixed``) are never touched.
   load better; the new placement keeps as many envs where they are as it can. It holds on
   saturated cores when no env waits at a barrier: balancing then frees no core a worker could
   use, while under the lockstep schedules an unbalanced worker idles at every barrier.
-- **SM split** (:func:`sm_split_rule`, GPU with green contexts): generation gets the fewest SMs
-  that keep the mean env wait for an action under ``act_wait_target_s``
-  (:func:`~ebrl.runtime.resources.gpu.plan_sm_split`), training the rest.
+- **SM split** (:func:`sm_split_rule`, GPU with green contexts): the SMs split in proportion to
+  the SM-seconds each side used (busy share times its SMs), so that on a saturated device
+  neither generation nor training waits on the other
+  (:func:`~ebrl.runtime.resources.gpu.plan_sm_split`); it holds in a window where one side did
+  not run (the first rollout).
 - **Learner threads** (:func:`threads_rule`): one more torch thread for the learner process
   while training holds envs back (backpressure) and cores idle.
 - **CPU affinity** (:func:`affinity_rule`): the event loop, the learner and the sim workers on

@@ -35,16 +35,16 @@ kept alive (or ``record_stream``-ed) until generation is done with it. Not yet r
 that an event made with the primary context current records on a green context's stream (CUDA
 asks for one context) is unverified; ``ebrl bench gpu-split`` exercises it.
 
-SM split (:func:`plan_sm_split`, pure): generation gets the fewest SMs that keep the env wait
-for actions under a target, training the rest. GPU telemetry (SM utilisation, memory) is
-already sampled by :class:`ebrl.telemetry.system.SystemSampler` (pynvml); nothing here reads it.
+SM split (:func:`plan_sm_split`, pure): the SMs split in proportion to the SM-seconds each side
+used in the last window, so that neither waits on the other. GPU telemetry (SM utilisation,
+memory) is sampled by :class:`ebrl.telemetry.system.SystemSampler` (pynvml); nothing here reads it.
 
-    >>> s = plan_sm_split(132, None, 0, wait_target_s=0.002, act_wait_s=None)  # H100/H200: 132 SMs
+    >>> s = start_split(132)  # H100/H200: 132 SMs
     >>> s.generation, s.training
     (32, 96)
-    >>> s = plan_sm_split(132, 0.0005, 32, wait_target_s=0.002, act_wait_s=0.005)  # waits too long
+    >>> s = plan_sm_split(132, 32, gen_busy=0.5, train_busy=1.0)  # training is the bottleneck
     >>> s.generation, s.training
-    (64, 64)
+    (16, 112)
     >>> from types import SimpleNamespace
     >>> streams = GpuStreams.create(torch_module=SimpleNamespace(cuda=SimpleNamespace(is_available=lambda: False)))
     >>> streams.mode, streams.fallback_reason, streams.publish()
@@ -58,7 +58,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 LAYOUTS = ("both", "training")
@@ -115,51 +115,51 @@ def clamp_split(total_sms: int, gen_sms: int, granularity: int = 8, min_sms: int
     return SmSplit(gen, usable - gen, reason)
 
 
-def plan_sm_split(total_sms: int, gen_latency_s: float | None, gen_sms_now: int, wait_target_s: float,
-                  act_wait_s: float | None, granularity: int = 8, min_sms: int | None = None) -> SmSplit:
-    """The next split of ``total_sms`` between generation and training.
+def start_split(total_sms: int, granularity: int = 8, min_sms: int | None = None) -> SmSplit:
+    """The split before anything is measured: a quarter of the SMs to generation (in granules,
+    rounded half up), training the rest."""
+    g, floor, usable = _bounds(total_sms, granularity, min_sms)
+    quarter = math.floor(usable / 4 / g + 0.5) * g
+    return clamp_split(total_sms, quarter, g, min_sms, "default start: a quarter of the SMs to generation")
 
-    - no split yet (``gen_sms_now <= 0``): a quarter of the SMs to generation;
-    - no measurement yet (``act_wait_s`` None): hold;
-    - the env wait for actions above ``wait_target_s``: grow generation by the ratio of the two,
-      at most double, at least one granule;
-    - below half the target: shrink generation by one granule, unless one generation forward
-      (``gen_latency_s``) already takes half the target (fewer SMs would only make it slower);
-    - between half the target and the target: hold (hysteresis).
+
+def plan_sm_split(total_sms: int, gen_sms_now: int, gen_busy: float, train_busy: float, granularity: int = 8,
+                  min_sms: int | None = None) -> SmSplit:
+    """The next split of ``total_sms``, from how busy each side was on its SMs in a window
+    (``gen_busy``, ``train_busy``: the share of the window its calls ran, 0 to 1).
+
+    Each side's demand is the SM-seconds it used, ``busy * sms``; the SMs are split in
+    proportion to the demands. When the device is the bottleneck this makes both sides take
+    equally long for their work, so neither waits on the other (a side that waits shows up as
+    idle, and gives SMs up). A move is at most a doubling or a halving of generation's SMs, and
+    a wanted change of under one granule is none (hysteresis).
+
+    - no split yet (``gen_sms_now <= 0``): :func:`start_split`;
+    - a side that did not run in the window: hold (the window says nothing of their balance:
+      the first rollout, before there is anything to train on, or an update alone at the end).
 
     Both sides are multiples of ``granularity`` and at least ``min_sms`` (default one granule);
     raises ``ValueError`` when ``total_sms`` cannot hold that.
     """
-    if wait_target_s <= 0:
-        raise ValueError(f"wait_target_s must be positive, got {wait_target_s}")
-    g, floor, usable = _bounds(total_sms, granularity, min_sms)
-    top = usable - floor
-
-    def out(gen: float, why: str) -> SmSplit:
-        split = clamp_split(total_sms, int(gen), g, min_sms, why)
-        if split.generation == top and gen > top:
-            split = SmSplit(split.generation, split.training, why + " (at the maximum)")
-        elif split.generation == floor and gen < floor:
-            split = SmSplit(split.generation, split.training, why + " (at the minimum)")
-        return split
-
     if gen_sms_now <= 0:
-        quarter = math.floor(usable / 4 / g + 0.5) * g  # rounded half up
-        return out(quarter, "default start: a quarter of the SMs to generation")
-    now = clamp_split(total_sms, gen_sms_now, g, min_sms).generation
-    if act_wait_s is None:
-        return out(now, "no measurement yet: holding")
-    wait_ms, target_ms = act_wait_s * 1e3, wait_target_s * 1e3
-    if act_wait_s > wait_target_s:
-        grown = max(now + g, _round_up(now * min(2.0, act_wait_s / wait_target_s), g))
-        return out(grown, f"env wait for actions {wait_ms:.2f} ms > target {target_ms:.2f} ms: grow generation")
-    if act_wait_s < wait_target_s / 2:
-        if gen_latency_s is not None and gen_latency_s >= wait_target_s / 2:
-            return out(now, f"env wait {wait_ms:.2f} ms is low, but one generation forward takes "
-                            f"{gen_latency_s * 1e3:.2f} ms, half the target or more: holding")
-        return out(now - g, f"env wait for actions {wait_ms:.2f} ms < half the target {target_ms:.2f} ms: "
-                            "shrink generation")
-    return out(now, f"env wait for actions {wait_ms:.2f} ms within [target/2, target]: holding")
+        return start_split(total_sms, granularity, min_sms)
+    g, floor, usable = _bounds(total_sms, granularity, min_sms)
+    now = clamp_split(total_sms, gen_sms_now, g, min_sms)
+    if not (gen_busy > 0 and train_busy > 0):
+        idle = "generation" if not gen_busy > 0 else "training"
+        return replace(now, reason=f"{idle} did not run in the window: holding")
+    gen_demand, train_demand = gen_busy * now.generation, train_busy * now.training
+    raw = usable * gen_demand / (gen_demand + train_demand)
+    want = min(max(raw, now.generation / 2), now.generation * 2)
+    gen = math.floor(want / g + 0.5) * g if abs(want - now.generation) >= g else now.generation  # hysteresis
+    why = (f"generation used {gen_demand:.1f} SMs on average (busy {gen_busy:.0%} of {now.generation}), training "
+           f"{train_demand:.1f} ({train_busy:.0%} of {now.training})")
+    split = clamp_split(total_sms, gen, g, min_sms, why)
+    if split.generation == now.generation:
+        return replace(split, reason=why + ": holding")
+    bound = (" (at the maximum)" if split.generation == usable - floor and raw > usable - floor
+             else " (at the minimum)" if split.generation == floor and raw < floor else "")
+    return replace(split, reason=f"{why}: split in proportion{bound}")
 
 
 def _device_index(cuda: Any, device: Any) -> int:
@@ -194,8 +194,7 @@ class GpuStreams:
     def create(cls, device: Any = None, gen_sms: int | None = None, torch_module: Any = None, *,
                max_mode: StreamMode | str = StreamMode.GREEN_CONTEXTS, layout: str = "both") -> GpuStreams:
         """The richest mode up to ``max_mode`` that works on ``device`` (default: the current
-        one). ``gen_sms``: generation's SMs for green contexts (default: :func:`plan_sm_split`'s
-        start). ``torch_module``: a stand-in for ``torch`` (tests)."""
+        one). ``gen_sms``: generation's SMs for green contexts (default: :func:`start_split`). ``torch_module``: a stand-in for ``torch`` (tests)."""
         max_mode = StreamMode(max_mode)
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -260,7 +259,7 @@ class GpuStreams:
         if getattr(self._torch.cuda, "GreenContext", None) is None:
             return "torch has no torch.cuda.GreenContext"
         try:
-            split = (plan_sm_split(self.total_sms, None, 0, 1.0, None, self.granularity) if gen_sms is None
+            split = (start_split(self.total_sms, self.granularity) if gen_sms is None
                      else clamp_split(self.total_sms, gen_sms, self.granularity))
         except ValueError as exc:
             return f"no green-context split: {exc}"

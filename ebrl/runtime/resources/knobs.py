@@ -10,6 +10,9 @@ from ebrl.config import GenerationConfig
 from ebrl.runtime.resources.profiler import EpochProfile
 
 MIN_STEPS_PER_UNIT = 4  # a window with fewer steps per unit says too little to act on
+# a profile window grows, one epoch_s at a time, until it holds MIN_STEPS_PER_UNIT steps per
+# unit or has lasted this many epochs (then it is a stalled window: an update held every env)
+MAX_WINDOW_EPOCHS = 30
 
 
 SATURATED_ABOVE = 90.0  # mean core use (%) over which the cores have no room left
@@ -45,7 +48,6 @@ class Limits:
     min_max_wait_s: float = 100e-6
     total_sms: int = 0  # the GPU's SMs (green contexts)
     sm_granularity: int = 8
-    act_wait_target_s: float = 0.002  # generation gets the fewest SMs that keep env waits for actions under this
     # a policy call of more CPU than this runs in a thread (inline it would stall the loop):
     # generation.inline_below_s, the line the start rule for AUTO draws too (rules_start.py)
     inline_up_to_s: float = GenerationConfig.inline_below_s

@@ -1,6 +1,8 @@
 """ResourceManager: every epoch, a profile, the controller's decisions, and the actuators.
 
-A task under the run's TaskGroup. Every ``resources.epoch_s`` (loop time) it takes an
+A task under the run's TaskGroup. Every ``resources.epoch_s`` (loop time), once the window
+holds ``MIN_STEPS_PER_UNIT`` env steps per env (or has lasted ``MAX_WINDOW_EPOCHS`` epochs: a
+slow policy's decisions fill a window in seconds, not one), it takes an
 :class:`~ebrl.runtime.resources.profiler.EpochProfile`, asks
 :func:`~ebrl.runtime.resources.controller.decide` (unless ``resources.adapt`` is false) and
 applies each decision where it acts:
@@ -40,7 +42,7 @@ from ebrl.config import Offload, RunConfig, SimBackend
 from ebrl.runtime.schedules import is_lockstep
 from ebrl.runtime.resources import affinity
 from ebrl.runtime.resources.controller import decide, postpone_trials
-from ebrl.runtime.resources.knobs import Decision, Knobs, Limits, Memory
+from ebrl.runtime.resources.knobs import MAX_WINDOW_EPOCHS, MIN_STEPS_PER_UNIT, Decision, Knobs, Limits, Memory
 from ebrl.runtime.resources.rules_sim import lpt_placement
 from ebrl.runtime.resources.gpu import GpuStreams, StreamMode
 from ebrl.runtime.resources.profiler import EpochProfile, LiveProfiler
@@ -100,7 +102,6 @@ class ResourceManager:
                              imbalance_above=cfg.resources.imbalance_above,
                              total_sms=self.streams.total_sms if self.streams else 0,
                              sm_granularity=self.streams.granularity if self.streams else 8,
-                             act_wait_target_s=cfg.resources.act_wait_target_s,
                              inline_up_to_s=cfg.generation.inline_below_s)
         self._resizable = pool.resizable and (pool.backend is SimBackend.THREAD or virtual or self.mixed)
         # envs move between workers only one by one (vector envs stay where they are built)
@@ -137,8 +138,12 @@ class ResourceManager:
         async with asyncio.TaskGroup() as tg:
             if self.generator.offload is Offload.AUTO and not self.virtual:
                 tg.create_task(self._start_offload(), name="ebrl-offload-start")
+            epoch_s = self.cfg.resources.epoch_s
             while True:
-                await asyncio.sleep(self.cfg.resources.epoch_s)
+                await asyncio.sleep(epoch_s)
+                if (self.profiler.steps_since() < MIN_STEPS_PER_UNIT * self.limits.num_units
+                        and self.profiler.window_s < MAX_WINDOW_EPOCHS * epoch_s * 0.999):
+                    continue  # too few env steps to judge by yet: the window grows
                 self.epoch()
                 if self._grow_to is not None:
                     await self._grow()

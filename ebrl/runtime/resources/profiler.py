@@ -227,6 +227,11 @@ class LiveProfiler:
         """Seconds since the last profile was taken (the window :meth:`take` would cover)."""
         return self.clock() - self._last["t"]
 
+    def steps_since(self) -> int:
+        """Env steps since the last profile was taken (the steps :meth:`take` would count)."""
+        costs = self.pool.costs()
+        return 0 if costs is None else int(costs[:, STEPS].sum() - self._last["costs"][:, STEPS].sum())
+
     def close(self) -> None:
         if self.system is not None:
             self.system.close()  # NVML, where it was initialised

@@ -163,13 +163,13 @@ def batch_target_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memor
 
 
 def sm_split_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> Decision | None:
-    """Green contexts: :func:`~ebrl.runtime.resources.gpu.plan_sm_split` on the mean wait for an
-    action per step and one batch's latency."""
+    """Green contexts: :func:`~ebrl.runtime.resources.gpu.plan_sm_split` on the share of the
+    window each side's calls ran (the generator's policy calls, the learner's updates)."""
     if knobs.gen_sms is None or "gen_sms" in limits.fixed or settling("gen_sms", profile, memory):
         return None
-    act_wait = profile.wait_s("action") / max(profile.total_steps, 1)
-    split = plan_sm_split(limits.total_sms, profile.gen_latency_s or None, knobs.gen_sms, limits.act_wait_target_s,
-                          act_wait, limits.sm_granularity)
+    gen_busy = min(1.0, profile.gen_busy_s / profile.window_s)
+    train_busy = min(1.0, profile.learner_busy_s / profile.window_s)
+    split = plan_sm_split(limits.total_sms, knobs.gen_sms, gen_busy, train_busy, limits.sm_granularity)
     if split.generation == knobs.gen_sms:
         return None
     return Decision(profile.epoch, "gen_sms", knobs.gen_sms, split.generation,
