@@ -25,10 +25,16 @@ def test_default_start_is_a_quarter_of_the_sms_in_granules():
     assert start_split(40, granularity=4).generation == 12  # 40 / 4 = 10 -> nearest multiple of 4
 
 
-@pytest.mark.parametrize("gen_busy,train_busy", [(0.0, 1.0), (0.8, 0.0), (0.0, 0.0)])
-def test_a_side_that_did_not_run_holds(gen_busy, train_busy):
-    s = plan(48, gen_busy, train_busy)
-    assert s.generation == 48 and "did not run" in s.reason
+@pytest.mark.parametrize("gen_busy", [0.8, 0.0])
+def test_a_window_without_training_holds(gen_busy):
+    s = plan(48, gen_busy, 0.0)
+    assert s.generation == 48 and "training did not run" in s.reason
+
+
+def test_a_window_of_training_alone_halves_generation_down_to_one_granule():
+    assert plan(48, 0.0, 1.0).generation == 24
+    assert plan(16, 0.0, 0.5).generation == 8
+    assert plan(8, 0.0, 1.0).generation == 8
 
 
 def test_splits_in_proportion_to_each_sides_sm_seconds():

@@ -90,6 +90,8 @@ def decide(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) 
         if d.knob in ON_TRIAL and profile.epoch == 0:
             continue  # the first window is start-up (first update, first calls): no baseline to judge by
         memory.settle_until[d.knob] = profile.epoch + 2  # judge a change on a window it ran through
+        if stalled:
+            d = replace(d, trial=False)  # no env rate to judge it against: the window's measurement decides
         if d.knob in ON_TRIAL and d.trial:
             memory.trials[d.knob] = Trial(d, profile.total_steps / profile.window_s, profile.epoch + 2)
         out.append(d)
@@ -144,4 +146,6 @@ def postpone_trials(memory: Memory, epoch: int) -> None:
 
 RULES = (lanes_rule, backend_rule, workers_rule, placement_rule, offload_rule, generation_rule, batch_target_rule, sm_split_rule,
          threads_rule, affinity_rule)
-STALL_RULES = (threads_rule,)  # the rules that judge a window in which few env steps ran
+# the rules that judge a window in which few env steps ran (an update held every env): they read
+# the learner's and the device's time, not the envs' steps
+STALL_RULES = (threads_rule, sm_split_rule)

@@ -135,8 +135,10 @@ def plan_sm_split(total_sms: int, gen_sms_now: int, gen_busy: float, train_busy:
     a wanted change of under one granule is none (hysteresis).
 
     - no split yet (``gen_sms_now <= 0``): :func:`start_split`;
-    - a side that did not run in the window: hold (the window says nothing of their balance:
-      the first rollout, before there is anything to train on, or an update alone at the end).
+    - training did not run in the window: hold (the first rollout has nothing to train on yet;
+      later, a learner waiting for data shows as training busy under 1 beside generation).
+      Generation that did not run (the envs held back by an update, or the run's last update)
+      used no SMs: its share halves at each such move, down to one granule.
 
     Both sides are multiples of ``granularity`` and at least ``min_sms`` (default one granule);
     raises ``ValueError`` when ``total_sms`` cannot hold that.
@@ -145,9 +147,8 @@ def plan_sm_split(total_sms: int, gen_sms_now: int, gen_busy: float, train_busy:
         return start_split(total_sms, granularity, min_sms)
     g, floor, usable = _bounds(total_sms, granularity, min_sms)
     now = clamp_split(total_sms, gen_sms_now, g, min_sms)
-    if not (gen_busy > 0 and train_busy > 0):
-        idle = "generation" if not gen_busy > 0 else "training"
-        return replace(now, reason=f"{idle} did not run in the window: holding")
+    if not train_busy > 0:
+        return replace(now, reason="training did not run in the window: holding")
     gen_demand, train_demand = gen_busy * now.generation, train_busy * now.training
     raw = usable * gen_demand / (gen_demand + train_demand)
     want = min(max(raw, now.generation / 2), now.generation * 2)

@@ -12,7 +12,7 @@ from ebrl.runtime.resources.profiler import EpochProfile
 MIN_STEPS_PER_UNIT = 4  # a window with fewer steps per unit says too little to act on
 # a profile window grows, one epoch_s at a time, until it holds MIN_STEPS_PER_UNIT steps per
 # unit or has lasted this many epochs (then it is a stalled window: an update held every env)
-MAX_WINDOW_EPOCHS = 30
+MAX_WINDOW_EPOCHS = 10
 
 
 SATURATED_ABOVE = 90.0  # mean core use (%) over which the cores have no room left
@@ -88,6 +88,7 @@ class Memory:
     settle_until: dict[str, int] = field(default_factory=dict)  # knob -> first epoch it may change again
     trials: dict[str, Trial] = field(default_factory=dict)  # knob -> its latest change, until judged
     saturated_target: bool = False  # the batch target was set once for saturated cores (never again: no flapping)
+    sm_wanted: int | None = None  # generation's SMs the last window wanted (the SM split moves on two in a row)
 
 
 def settling(knob: str, profile: EpochProfile, memory: Memory) -> bool:

@@ -164,16 +164,25 @@ def batch_target_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memor
 
 def sm_split_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> Decision | None:
     """Green contexts: :func:`~ebrl.runtime.resources.gpu.plan_sm_split` on the share of the
-    window each side's calls ran (the generator's policy calls, the learner's updates)."""
+    window each side's calls ran (the generator's policy calls, the learner's updates). It moves
+    when two windows in a row want a move the same way, as far as the nearer of the two: an RL
+    run has phases longer than a window (the first rollout, an update starting mid-window), and
+    one window of a phase change is not the balance of the run."""
     if knobs.gen_sms is None or "gen_sms" in limits.fixed or settling("gen_sms", profile, memory):
         return None
     gen_busy = min(1.0, profile.gen_busy_s / profile.window_s)
     train_busy = min(1.0, profile.learner_busy_s / profile.window_s)
     split = plan_sm_split(limits.total_sms, knobs.gen_sms, gen_busy, train_busy, limits.sm_granularity)
-    if split.generation == knobs.gen_sms:
+    now, wanted = knobs.gen_sms, memory.sm_wanted
+    memory.sm_wanted = split.generation if split.generation != now else None
+    if memory.sm_wanted is None or wanted is None or (wanted - now) * (split.generation - now) <= 0:
         return None
-    return Decision(profile.epoch, "gen_sms", knobs.gen_sms, split.generation,
-                    f"{split.reason}; training gets {split.training} of {limits.total_sms} SMs")
+    new = min(wanted, split.generation, key=lambda g: abs(g - now))
+    memory.sm_wanted = None  # the next move is judged from windows after this one
+    return Decision(profile.epoch, "gen_sms", now, new,
+                    f"{split.reason}, as the window before wanted ({wanted}); "
+                    f"training gets {limits.total_sms // limits.sm_granularity * limits.sm_granularity - new}"
+                    f" of {limits.total_sms} SMs")
 
 
 def threads_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> Decision | None:
