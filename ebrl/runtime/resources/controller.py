@@ -22,8 +22,8 @@ hysteresis, and says why. Knobs the user set (``fixed``) are never touched.
 - **SM split** (:func:`sm_split_rule`, GPU with green contexts): the SMs split in proportion to
   the SM-seconds each side used (busy share times its SMs), so that on a saturated device
   neither generation nor training waits on the other
-  (:func:`~ebrl.runtime.resources.gpu.plan_sm_split`); it holds in a window where one side did
-  not run (the first rollout).
+  (:func:`~ebrl.runtime.resources.gpu.plan_sm_split`). It moves on two windows in a row that
+  want it, and holds in a window without training (the first rollout).
 - **Learner threads** (:func:`threads_rule`): one more torch thread for the learner process
   while training holds envs back (backpressure) and cores idle.
 - **CPU affinity** (:func:`affinity_rule`): the event loop, the learner and the sim workers on
