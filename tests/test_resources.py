@@ -409,6 +409,25 @@ def test_a_window_grows_until_it_holds_a_few_steps_per_env_and_no_longer_than_it
         assert window == pytest.approx(round(window / 0.5) * 0.5, abs=1e-3)  # a whole number of epochs
 
 
+def test_a_window_in_which_an_update_holds_the_envs_closes_at_once():
+    from ebrl.runtime.resources.knobs import MIN_STEPS_PER_UNIT
+
+    # slow steps grow the windows; a 4 s update under sync holds every env (the generator pauses)
+    slow = ebrl.Trainer(env_fn=lambda i: MockEnv(latency=Latency.constant(0.3)),
+                        policy=MockPolicy(act_dim=4, base_cost_s=0.0003), algo=NoopAlgo(base_cost_s=4.0),
+                        config=ebrl.RunConfig(num_envs=8, segment_len=16, total_env_steps=512, schedule="sync",
+                                              sim={"num_threads": 8}, resources={"epoch_s": 0.5}))
+    result = run_virtual(slow)
+    assert result.accounting_ok()
+    held = [p for p in result.profiles[:-1] if p["learner"]["held_envs"] > 0.95]
+    assert len(held) >= 8  # the updates' windows: one epoch each, not one grown window
+    for p in held:
+        assert p["t_end"] - p["t_start"] == pytest.approx(0.5, abs=1e-3)
+        assert p["sim"]["steps"] < MIN_STEPS_PER_UNIT * 8  # stalled: only the stall rules judge it
+    grown = [p for p in result.profiles[:-1] if p["t_end"] - p["t_start"] > 0.75]
+    assert grown and all(p["learner"]["held_envs"] < 0.95 for p in grown)
+
+
 def test_sleeping_envs_converge_to_enough_lanes_within_three_epochs():
     result = run_virtual(_sleepers())  # 2 lanes to start with (virtual time has no probe)
     assert result.accounting_ok()

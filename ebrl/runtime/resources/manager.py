@@ -1,8 +1,9 @@
 """ResourceManager: every epoch, a profile, the controller's decisions, and the actuators.
 
 A task under the run's TaskGroup. Every ``resources.epoch_s`` (loop time), once the window
-holds ``MIN_STEPS_PER_UNIT`` env steps per env (or has lasted ``MAX_WINDOW_EPOCHS`` epochs: a
-slow policy's decisions fill a window in seconds, not one), it takes an
+holds ``MIN_STEPS_PER_UNIT`` env steps per env (or has lasted ``MAX_WINDOW_EPOCHS`` epochs, or
+training held the envs back for most of it: a slow policy's decisions fill a window in seconds,
+not one, but an update's hold is a window of its own), it takes an
 :class:`~ebrl.runtime.resources.profiler.EpochProfile`, asks
 :func:`~ebrl.runtime.resources.controller.decide` (unless ``resources.adapt`` is false) and
 applies each decision where it acts:
@@ -141,8 +142,8 @@ class ResourceManager:
             epoch_s = self.cfg.resources.epoch_s
             while True:
                 await asyncio.sleep(epoch_s)
-                if (self.profiler.steps_since() < MIN_STEPS_PER_UNIT * self.limits.num_units
-                        and self.profiler.window_s < MAX_WINDOW_EPOCHS * epoch_s * 0.999):
+                if not self.profiler.window_done(MIN_STEPS_PER_UNIT * self.limits.num_units,
+                                                 MAX_WINDOW_EPOCHS * epoch_s * 0.999):
                     continue  # too few env steps to judge by yet: the window grows
                 self.epoch()
                 if self._grow_to is not None:

@@ -227,10 +227,19 @@ class LiveProfiler:
         """Seconds since the last profile was taken (the window :meth:`take` would cover)."""
         return self.clock() - self._last["t"]
 
-    def steps_since(self) -> int:
-        """Env steps since the last profile was taken (the steps :meth:`take` would count)."""
-        costs = self.pool.costs()
-        return 0 if costs is None else int(costs[:, STEPS].sum() - self._last["costs"][:, STEPS].sum())
+    def window_done(self, min_steps: int, max_s: float) -> bool:
+        """Whether the window since the last profile should close now: it holds ``min_steps`` env
+        steps, or has lasted ``max_s``, or training held the envs back for most of it (parked on
+        a full queue, or a generator paused for an update). Such a window closes as it stands
+        (stalled): grown, it would mix an update's hold into the rollout's numbers."""
+        last, now = self._last, self._snapshot()
+        window = now["t"] - last["t"]
+        if now["costs"][:, STEPS].sum() - last["costs"][:, STEPS].sum() >= min_steps or window >= max_s:
+            return True
+        envs = max(len(now["backpressure"]), 1)
+        parked = float((now["backpressure"] - last["backpressure"]).sum()) / max(window * envs, 1e-9)
+        paused = (now["gen_paused"] - last["gen_paused"]) / max(window, 1e-9)
+        return max(parked, paused) > 0.5
 
     def close(self) -> None:
         if self.system is not None:
