@@ -291,10 +291,9 @@ class EmulatedDevice:
         p = self.profile
         (gen_fixed, gen_scaled), (train_fixed, train_scaled) = self.work_s["generation"], self.work_s["training"]
         one_stream = gen_fixed + gen_scaled + train_fixed + train_scaled
-        g = p.sm_granularity
-        usable = p.total_sms // g * g
-        best = min(max(gen_fixed + gen_scaled * p.total_sms / gen, train_fixed + train_scaled * p.total_sms / (usable - gen))
-                   for gen in range(g, usable - g + 1, g))
+        splits = (clamp_split(p.total_sms, gen, p.sm_granularity) for gen in range(1, p.total_sms, p.sm_granularity))
+        best = min(max(gen_fixed + gen_scaled * p.total_sms / s.generation,
+                       train_fixed + train_scaled * p.total_sms / s.training) for s in splits)
         return one_stream / best if best > 0 else 1.0
 
     def nvml(self) -> _Nvml:

@@ -99,10 +99,8 @@ class EpochProfile:
 
     @property
     def held_by_training(self) -> float:
-        """The share of the window the envs were held back by training: parked on a full queue
-        (``backpressure``), or waiting on a generator paused for an update (lockstep schedules)."""
-        parked = float(self.waits.get("backpressure", np.zeros(1)).sum()) / (self.window_s * max(self.steps.size, 1))
-        return min(1.0, max(parked, self.gen_paused_s / self.window_s))
+        """The share of the window the envs were held back by training (:func:`held_share`)."""
+        return held_share(self.waits.get("backpressure", np.zeros(1)), self.gen_paused_s, self.window_s)
 
     @property
     def sim_s(self) -> float:
@@ -197,6 +195,15 @@ class EpochProfile:
         return out
 
 
+def held_share(parked_s: np.ndarray, paused_s: float, window_s: float) -> float:
+    """The share of a window of ``window_s`` the envs were held back by training: parked on a
+    full queue (``parked_s``, per env), or waiting on a generator paused for an update
+    (``paused_s``, lockstep schedules)."""
+    window_s = max(window_s, 1e-9)
+    parked = float(parked_s.sum()) / (window_s * max(parked_s.size, 1))
+    return min(1.0, max(parked, paused_s / window_s))
+
+
 def _per_step(total: float, steps: int) -> float:
     return round(float(total) / steps * 1e6, 1) if steps else 0.0
 
@@ -236,10 +243,8 @@ class LiveProfiler:
         window = now["t"] - last["t"]
         if now["costs"][:, STEPS].sum() - last["costs"][:, STEPS].sum() >= min_steps or window >= max_s:
             return True
-        envs = max(len(now["backpressure"]), 1)
-        parked = float((now["backpressure"] - last["backpressure"]).sum()) / max(window * envs, 1e-9)
-        paused = (now["gen_paused"] - last["gen_paused"]) / max(window, 1e-9)
-        return max(parked, paused) > 0.5
+        return held_share(now["backpressure"] - last["backpressure"], now["gen_paused"] - last["gen_paused"],
+                          window) > 0.5
 
     def close(self) -> None:
         if self.system is not None:

@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 from ebrl.runtime.resources.affinity import split_plan
-from ebrl.runtime.resources.gpu import plan_sm_split
+from ebrl.runtime.resources.gpu import clamp_split, plan_sm_split
 from ebrl.runtime.resources.knobs import SATURATED_ABOVE, Decision, Knobs, Limits, Memory, settling
 from ebrl.runtime.resources.profiler import EpochProfile
 
@@ -181,7 +181,7 @@ def sm_split_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: M
     memory.sm_wanted = None  # the next move is judged from windows after this one
     return Decision(profile.epoch, "gen_sms", now, new,
                     f"{split.reason}, as the window before wanted ({wanted}); "
-                    f"training gets {limits.total_sms // limits.sm_granularity * limits.sm_granularity - new}"
+                    f"training gets {clamp_split(limits.total_sms, new, limits.sm_granularity).training}"
                     f" of {limits.total_sms} SMs")
 
 
