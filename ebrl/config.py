@@ -81,6 +81,16 @@ class LearnerMode(enum.StrEnum):
     PROCESS = "process"  # a child process (CPU: keeps the event loop's GIL free of training)
 
 
+class StreamMode(enum.StrEnum):
+    """How generation and training share a GPU (``ebrl.runtime.resources.gpu``); a richer mode
+    falls back to the next where the device or torch lacks it."""
+
+    GREEN_CONTEXTS = "green-contexts"  # an SM split (green contexts), re-split by the controller
+    PRIORITY_STREAMS = "priority-streams"  # two streams on every SM, generation's kernels first
+    ONE_STREAM = "one-stream"  # one stream: the sides' kernels in submission order
+    CPU = "cpu"  # no streams
+
+
 class NonFinite(enum.StrEnum):
     """What to do with NaN or inf in an observation or reward."""
 
@@ -190,8 +200,12 @@ class ResourceConfig:
     # pin the event loop, the learner and the sim workers to separate cores (os.sched_setaffinity)
     # when there are enough cores for it; kept only if it measures faster. False: never pin
     affinity: bool = True
+    # how generation and training share a GPU. Priority streams are work-conserving: a side
+    # that idles leaves every SM to the other. A green-context split does not (docs/gpu.md)
+    gpu_streams: StreamMode = StreamMode.PRIORITY_STREAMS
 
     def __post_init__(self) -> None:
+        self.gpu_streams = _coerce_enum("resources.gpu_streams", self.gpu_streams, StreamMode)
         if not isinstance(self.adapt, bool):
             raise ConfigError("resources.adapt", self.adapt, "must be true or false")
         _check_float("resources.epoch_s", self.epoch_s, 0.0, strict=True)

@@ -18,16 +18,19 @@ The model (:class:`DeviceProfile`), per call:
   part fills the SMs it is given and scales with 1/share; the fixed part is latency-bound
   (small kernels, launches, memory traffic) and does not.
 
-Calls queue the way kernels queue on streams (:class:`EmulatedDevice`): on one shared stream
-(``mode="one-stream"``) generation and training run one after another in submission order; with
-an SM split (``mode="split"``, the green contexts of :mod:`ebrl.runtime.resources.gpu`) each side
-has its own queue and runs on its share, concurrently. The device reports busy time and
+Calls queue the way kernels queue on streams (:class:`EmulatedDevice`), in the run's
+``resources.gpu_streams`` mode: on two priority streams (the default) each side has its own
+queue on every SM and generation's kernels go first; on one stream generation and training run
+one after another in submission order; with an SM split (green contexts, see
+:mod:`ebrl.runtime.resources.gpu`) each side runs on its share, concurrently. The device reports busy time and
 utilisation through an NVML-shaped facade (:meth:`EmulatedDevice.nvml`), which
 :class:`ebrl.telemetry.system.SystemSampler` reads as it reads a GPU, and the controller splits
 its SMs through :class:`EmulatedStreams` as it splits a GPU's.
 
-What it cannot show: memory-bandwidth contention between the two sides, kernel-launch overhead
-on the host, the driver's placement of SMs (a real split is an upper bound, see
+What it cannot show: memory-bandwidth and cache contention between the two sides (on priority
+streams too: a real GPU's concurrent kernels slow each other), how long a high-priority kernel
+waits for the other side's running blocks, kernel-launch overhead on the host, the driver's
+placement of SMs (a real split is an upper bound, see
 :mod:`ebrl.runtime.resources.gpu`), and host-to-device copies. The figures and their sources
 are in ``docs/gpu.md``.
 
@@ -56,7 +59,7 @@ from ebrl.runtime.resources.gpu import GpuStreams, SmSplit, StreamMode, clamp_sp
 from ebrl.spaces import batch_size
 
 SIDES = ("generation", "training")
-MODES = ("split", "one-stream")
+MODES = (StreamMode.PRIORITY_STREAMS, StreamMode.GREEN_CONTEXTS, StreamMode.ONE_STREAM)
 
 
 def fit_line(points: dict[float, float]) -> tuple[float, float]:
@@ -181,36 +184,60 @@ class CallRecord:
     end: float
     modelled_s: float  # the model's duration (end - start)
     returned: float | None = None  # when the calling thread got its result (EmulatedPolicy sets it)
+    sm_s: float = 0.0  # its part that scales with the SMs, on all of them (what it holds them for)
+    work_s: float = field(init=False)  # its time on its SMs alone, before priority streams stretch it
+
+    def __post_init__(self) -> None:
+        self.work_s = self.modelled_s
 
 
 class EmulatedDevice:
-    """One emulated GPU running ``profile``. ``mode``: ``"split"`` (each side its own queue on
-    its share of the SMs, set by :meth:`set_split`) or ``"one-stream"`` (one queue, all SMs).
-    ``clock``: seconds (``time.perf_counter``); a :class:`FakeClock` makes it deterministic.
+    """One emulated GPU running ``profile``, its sides sharing it as ``mode`` says
+    (:class:`~ebrl.config.StreamMode`, as :class:`~ebrl.runtime.resources.gpu.GpuStreams` does on a GPU):
 
+    - ``"priority-streams"`` (the default): each side has its own queue on every SM, and
+      generation's kernels go first. A generation call runs as if alone; a training call runs
+      at the pace of the SMs generation leaves it: generation's scaled part holds the SMs, its
+      fixed (latency-bound) part does not. Work-conserving: a side alone has every SM.
+    - ``"green-contexts"``: each side its own queue on its share of the SMs (:meth:`set_split`),
+      the two at once.
+    - ``"one-stream"``: one queue, all SMs, calls in submission order.
+
+    ``clock``: seconds (``time.perf_counter``); a :class:`FakeClock` makes it deterministic.
     Shared by the generator's and the learner's copy of a policy: copying returns the same device."""
 
-    def __init__(self, profile: DeviceProfile | str, mode: str = "split", clock: Callable[[], float] | None = None,
-                 gen_sms: int | None = None, keep_calls: int = 100_000):
+    def __init__(self, profile: DeviceProfile | str, mode: StreamMode | str = StreamMode.PRIORITY_STREAMS,
+                 clock: Callable[[], float] | None = None, gen_sms: int | None = None, keep_calls: int = 100_000):
         self.profile = PROFILES[profile] if isinstance(profile, str) else profile
-        if mode not in MODES:
-            raise ValueError(f"emulated device mode must be one of {MODES}, got {mode!r}")
-        self.mode = mode
         self.clock = clock or time.perf_counter
         self._sleep = getattr(clock, "sleep", time.sleep)
         self._lock = threading.Lock()
         self._free_at = {side: 0.0 for side in SIDES}  # when each queue's last call ends
-        self.busy_s = {side: 0.0 for side in SIDES}  # modelled device seconds, summed
+        self.busy_s = {side: 0.0 for side in SIDES}  # modelled device seconds of each side's work, summed
         # each side's calls as they would run on the whole device: (fixed, per-SM-share) seconds
         self.work_s = {side: [0.0, 0.0] for side in SIDES}
         self.calls: list[CallRecord] = []  # the latest keep_calls calls
+        self._stretchable: list[CallRecord] = []  # priority streams: training calls a generation call may still slow
         self.overruns = 0  # calls whose small model's CPU work took longer than the device's time
         self._keep = keep_calls
-        self.split: SmSplit | None = None
-        if mode == "split":
-            p = self.profile
-            self.split = (start_split(p.total_sms, p.sm_granularity) if gen_sms is None
-                          else clamp_split(p.total_sms, gen_sms, p.sm_granularity))
+        self.mode, self.split = StreamMode.PRIORITY_STREAMS, None
+        self.set_mode(mode, gen_sms)
+
+    def set_mode(self, mode: StreamMode | str, gen_sms: int | None = None) -> None:
+        """Share the device as ``mode`` says from now on (``gen_sms``: a split's start, default
+        :func:`~ebrl.runtime.resources.gpu.start_split`)."""
+        try:
+            mode = StreamMode(mode)
+        except ValueError:
+            mode = None
+        if mode not in MODES:
+            raise ValueError(f"emulated device mode must be one of {[str(m) for m in MODES]}, got {mode!r}")
+        p = self.profile
+        with self._lock:
+            self.mode = mode
+            self.split = None if mode is not StreamMode.GREEN_CONTEXTS else (
+                start_split(p.total_sms, p.sm_granularity) if gen_sms is None
+                else clamp_split(p.total_sms, gen_sms, p.sm_granularity))
 
     def __deepcopy__(self, memo: dict) -> EmulatedDevice:
         return self  # one device, whichever copy of the policy calls it
@@ -225,15 +252,16 @@ class EmulatedDevice:
     def set_split(self, gen_sms: int) -> SmSplit:
         """Generation gets ``gen_sms`` SMs (rounded as green contexts are), training the rest;
         calls already queued keep the share they were given."""
-        if self.mode != "split":
-            raise ValueError("a one-stream device has no SM split")
+        if self.mode is not StreamMode.GREEN_CONTEXTS:
+            raise ValueError(f"a {self.mode} device has no SM split")
         with self._lock:
             self.split = clamp_split(self.profile.total_sms, gen_sms, self.profile.sm_granularity, reason="resplit")
         return self.split
 
     def submit(self, side: str, seconds: float | Callable[[float], float], at: float | None = None) -> CallRecord:
         """Queue a call of ``side`` submitted at ``at`` (default now) that takes ``seconds`` of
-        device time (or ``seconds(share)``); returns its record (``.end``: when it ends)."""
+        device time (or ``seconds(share)``); returns its record (``.end``: when it ends; with
+        priority streams a training call's end moves later while generation calls arrive)."""
         if side not in SIDES:
             raise ValueError(f"side must be one of {SIDES}, got {side!r}")
         with self._lock:
@@ -244,21 +272,55 @@ class EmulatedDevice:
             work = self.work_s[side]
             work[0] += (seconds(1.0) if callable(seconds) else modelled) - scaled
             work[1] += scaled
-            queue = side if self.mode == "split" else SIDES[0]  # one stream: one queue for both
+            queue = SIDES[0] if self.mode is StreamMode.ONE_STREAM else side  # one stream: one queue for both
             start = max(now, self._free_at[queue])
-            end = start + modelled
-            self._free_at[queue] = end
+            record = CallRecord(side, now, start, start + modelled, modelled, sm_s=scaled)
             self.busy_s[side] += modelled
-            record = CallRecord(side, now, start, end, modelled)
             self.calls.append(record)
             if len(self.calls) > self._keep:
                 del self.calls[: len(self.calls) - self._keep]
+            if self.mode is StreamMode.PRIORITY_STREAMS:
+                self._stretch(now, record if side == "training" else None)
+            self._free_at[queue] = record.end
         return record
 
-    def wait_until(self, end: float) -> None:
-        """Block the calling thread until clock time ``end`` (a host thread waiting on the device)."""
-        left = end - self.clock()
-        if left > 0:
+    def _stretch(self, now: float, new_training: CallRecord | None) -> None:
+        """Priority streams: the ends of the training calls not yet done, each at the pace of the
+        SMs generation's calls leave it (a training call makes progress ``1 - d`` where
+        generation's calls hold a share ``d = sm_s / duration`` of the SMs); calls in order."""
+        pending = [c for c in self._stretchable if c.end > now] + ([new_training] if new_training else [])
+        self._stretchable = pending
+        if not pending:
+            return
+        gen = []
+        for c in reversed(self.calls):  # generation's calls end in the order they were submitted
+            if c.side == "generation":
+                if c.end <= pending[0].start:
+                    break
+                if c.sm_s > 0:
+                    gen.append(c)
+        free = pending[0].start
+        for call in pending:
+            call.start = start = max(call.submitted, free)
+            end = start + call.work_s
+            for _ in range(1000):  # a fixed point: the later the end, the more generation overlaps it
+                held = sum(g.sm_s / g.modelled_s * max(0.0, min(g.end, end) - max(g.start, start)) for g in gen)
+                new_end = start + call.work_s + held
+                if new_end - end < 1e-12:
+                    break
+                end = new_end
+            call.end = free = end
+            call.modelled_s = end - start
+        self._free_at["training"] = free
+
+    def wait(self, call: CallRecord) -> None:
+        """Block the calling thread until ``call`` ends (a host thread waiting on the device);
+        a call that generation's later calls stretched is waited for again."""
+        while True:
+            with self._lock:
+                left = call.end - self.clock()
+            if left <= 0:
+                return
             self._sleep(left)
 
     def _records(self) -> list[CallRecord]:
@@ -303,7 +365,7 @@ class EmulatedDevice:
 
     def describe(self) -> dict[str, Any]:
         split = self.split
-        return {"profile": self.profile.name, "mode": self.mode, "total_sms": self.profile.total_sms,
+        return {"profile": self.profile.name, "mode": str(self.mode), "total_sms": self.profile.total_sms,
                 "gen_sms": split and split.generation, "train_sms": split and split.training,
                 "busy_s": {k: round(v, 3) for k, v in self.busy_s.items()}}
 
@@ -344,18 +406,22 @@ class _Nvml:
 
 @dataclass
 class EmulatedStreams(GpuStreams):
-    """:class:`~ebrl.runtime.resources.gpu.GpuStreams` for an emulated device: mode
-    ``green-contexts`` for a split device (the controller's SM-quota rule resplits it),
-    ``one-stream`` otherwise. No CUDA stream exists: entering a side does nothing, and weights
-    need no event (the small model's copies are made on the CPU)."""
+    """:class:`~ebrl.runtime.resources.gpu.GpuStreams` for an emulated device, in the mode the
+    run asks for (``resources.gpu_streams``; ``cpu``, no streams, is one stream on a device). In
+    ``green-contexts`` the controller's SM-quota rule resplits it. No CUDA stream exists:
+    entering a side does nothing, and weights need no event (the small model's copies are made
+    on the CPU)."""
 
     emulator: EmulatedDevice | None = field(default=None, repr=False)
 
     @classmethod
-    def of(cls, device: EmulatedDevice) -> EmulatedStreams:
+    def of(cls, device: EmulatedDevice, mode: StreamMode | str | None = None) -> EmulatedStreams:
+        """Streams on ``device``, which is set to ``mode`` (default: as it is)."""
+        if mode is not None:
+            mode = StreamMode(mode)
+            device.set_mode(StreamMode.ONE_STREAM if mode is StreamMode.CPU else mode)
         p = device.profile
-        mode = StreamMode.GREEN_CONTEXTS if device.mode == "split" else StreamMode.ONE_STREAM
-        return cls(mode, total_sms=p.total_sms, split=device.split, granularity=p.sm_granularity,
+        return cls(device.mode, total_sms=p.total_sms, split=device.split, granularity=p.sm_granularity,
                    fallback_reason=f"emulated device {p.name}", emulator=device)
 
     def resplit(self, gen_sms: int) -> bool:
@@ -396,7 +462,7 @@ class EmulatedPolicy(nn.Module):
         out = fn()
         if device.clock() > call.end:
             device.overruns += 1
-        device.wait_until(call.end)
+        device.wait(call)
         call.returned = device.clock()
         return out
 
@@ -424,21 +490,21 @@ def emulator_of(policy: Any) -> EmulatedDevice | None:
     return getattr(policy, "emulator", None) if isinstance(policy, EmulatedPolicy) else None
 
 
-def emulated(policy: nn.Module, profile: DeviceProfile | str = "pi0-h200", mode: str = "split",
-             gen_sms: int | None = None) -> EmulatedPolicy:
+def emulated(policy: nn.Module, profile: DeviceProfile | str = "pi0-h200") -> EmulatedPolicy:
     """``policy`` on a new emulated device running ``profile`` (``"pi0-h200"``, ``"pi0-4090"``,
-    ``"openvla-4090"`` or a :class:`DeviceProfile`), ``mode`` ``"split"`` or ``"one-stream"``.
+    ``"openvla-4090"`` or a :class:`DeviceProfile`). A run shares the device between its sides
+    as ``resources.gpu_streams`` says, as it would a GPU.
 
         >>> import gymnasium as gym
         >>> from ebrl.policies import MLPPolicy
         >>> small = MLPPolicy.from_spaces(gym.spaces.Box(-1, 1, (3,)), gym.spaces.Box(-1, 1, (2,)), hidden=(8,))
-        >>> policy = emulated(small, "pi0-h200", mode="one-stream")
+        >>> policy = emulated(small, "pi0-h200")
         >>> policy.emulator.describe()["profile"], emulator_of(policy) is policy.emulator
         ('pi0-h200', True)
     """
     if isinstance(profile, str) and profile not in PROFILES:
         raise ValueError(f"no emulated device profile {profile!r}: one of {sorted(PROFILES)}")
-    return EmulatedPolicy(policy, EmulatedDevice(profile, mode=mode, gen_sms=gen_sms))
+    return EmulatedPolicy(policy, EmulatedDevice(profile))
 
 
 __all__ = ["PROFILES", "DeviceProfile", "EmulatedDevice", "EmulatedPolicy", "EmulatedStreams", "FakeClock",

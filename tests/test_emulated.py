@@ -2,6 +2,7 @@
 utilisation as NVML reports it, and a run whose policy generates and trains on it."""
 
 import copy
+from dataclasses import replace
 
 import gymnasium as gym
 import numpy as np
@@ -40,8 +41,8 @@ def test_the_pi0_profile_is_the_least_squares_line_through_the_published_figures
     assert p.act_s(1, steps=0) == pytest.approx(p.act_s(1) * (1 - 11.2 / 27.1))
 
 
-def test_one_stream_runs_the_sides_in_submission_order_and_a_split_runs_them_at_once():
-    for mode, gen_start in (("one-stream", 1.0), ("split", 0.5)):
+def test_one_stream_runs_the_sides_in_submission_order_and_a_split_or_priority_streams_at_once():
+    for mode, gen_start in (("one-stream", 1.0), ("green-contexts", 0.5), ("priority-streams", 0.5)):
         device = EmulatedDevice(FAST, mode=mode, clock=FakeClock())
         train_end = device.submit("training", 1.0, at=0.0).end
         gen_end = device.submit("generation", 0.25, at=0.5).end
@@ -50,8 +51,34 @@ def test_one_stream_runs_the_sides_in_submission_order_and_a_split_runs_them_at_
         assert device.busy_s == {"generation": 0.25, "training": 1.0}
 
 
+def test_priority_streams_run_generation_first_and_training_on_the_sms_it_leaves():
+    mixed = DeviceProfile("mixed", total_sms=132, sm_granularity=8, act_fixed_s=0.1, act_per_row_s=0.05,
+                          train_fixed_s=0.0, train_per_sample_s=0.25)
+    clock = FakeClock()
+    device = EmulatedDevice(mixed, clock=clock)
+    assert device.mode == "priority-streams" and device.split is None  # the default, as a GPU run's
+    train = device.submit("training", lambda s: mixed.train_s(4, s), at=0.0)
+    assert train.end == 1.0  # alone: every SM
+    gen = device.submit("generation", lambda s: mixed.act_s(4, s), at=0.5)
+    assert (gen.start, gen.end) == (0.5, pytest.approx(0.8))  # at once, as if alone
+    # generation held the SMs for its scaled part (0.2 s) and left them during its fixed part
+    assert train.end == pytest.approx(1.2) and train.modelled_s == pytest.approx(1.2)
+    device.wait(train)
+    assert clock() == pytest.approx(1.2)  # the caller waits for the stretched end
+    after = device.submit("generation", lambda s: mixed.act_s(4, s))
+    assert train.end == pytest.approx(1.2) and after.start == pytest.approx(1.2)  # a call done is not stretched
+    # the next training call queues behind the first and is stretched by the call still running
+    nxt = device.submit("training", lambda s: mixed.train_s(2, s), at=1.2)
+    assert nxt.start == pytest.approx(1.2) and nxt.end == pytest.approx(1.2 + 0.5 + 0.2)
+    assert device.busy_s == {"generation": pytest.approx(0.6), "training": pytest.approx(1.5)}  # each side's own work
+    only_fixed = EmulatedDevice(replace(mixed, act_per_row_s=0.0), clock=FakeClock())
+    train = only_fixed.submit("training", lambda s: mixed.train_s(4, s), at=0.0)
+    only_fixed.submit("generation", lambda s: only_fixed.profile.act_s(4, s), at=0.2)
+    assert train.end == 1.0  # latency-bound calls hold no SMs: both run at full pace
+
+
 def test_a_split_gives_each_side_its_share_and_the_fixed_part_no_faster():
-    device = EmulatedDevice(FAST, mode="split", clock=FakeClock(), gen_sms=32)
+    device = EmulatedDevice(FAST, mode="green-contexts", clock=FakeClock(), gen_sms=32)
     assert (device.split.generation, device.split.training) == (32, 96)
     share = device.share("generation")
     assert share == pytest.approx(32 / 132)
@@ -61,6 +88,8 @@ def test_a_split_gives_each_side_its_share_and_the_fixed_part_no_faster():
     assert device.share("training") == pytest.approx(64 / 132)
     with pytest.raises(ValueError, match="one-stream"):
         EmulatedDevice(FAST, mode="one-stream").set_split(32)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        EmulatedDevice(FAST, mode="split")
 
 
 def test_the_split_ceiling_is_what_overlapping_the_fixed_parts_can_gain():
@@ -73,7 +102,7 @@ def test_the_split_ceiling_is_what_overlapping_the_fixed_parts_can_gain():
     assert device.split_ceiling() == pytest.approx(2.0)  # latency-bound calls: two at once
     only_scaled = DeviceProfile("scaled", total_sms=132, sm_granularity=8, act_fixed_s=0.0, act_per_row_s=0.25,
                                 train_fixed_s=0.0, train_per_sample_s=0.75)
-    device = EmulatedDevice(only_scaled, mode="split", clock=FakeClock())  # the shares it ran on do not matter
+    device = EmulatedDevice(only_scaled, mode="green-contexts", clock=FakeClock())  # the shares it ran on do not matter
     device.submit("generation", lambda s: only_scaled.act_s(4, s))
     device.submit("training", lambda s: only_scaled.train_s(4, s))
     assert device.work_s["generation"] == pytest.approx([0.0, 1.0]) and device.work_s["training"] == pytest.approx([0.0, 3.0])
@@ -83,7 +112,7 @@ def test_the_split_ceiling_is_what_overlapping_the_fixed_parts_can_gain():
 
 def test_nvml_reports_the_share_of_the_window_any_call_ran():
     clock = FakeClock()
-    device = EmulatedDevice(FAST, mode="split", clock=clock)
+    device = EmulatedDevice(FAST, mode="green-contexts", clock=clock)
     nvml = device.nvml()
     device.submit("training", 0.5, at=0.0)
     device.submit("generation", 0.25, at=0.25)  # overlaps the training call: busy is their union
@@ -99,7 +128,8 @@ def test_nvml_reports_the_share_of_the_window_any_call_ran():
 
 def test_the_policy_returns_the_small_models_numbers_after_the_modelled_time():
     clock = FakeClock()
-    policy = emulated(small_policy(), FAST, mode="one-stream")
+    policy = emulated(small_policy(), FAST)
+    policy.emulator.set_mode("one-stream")
     policy.emulator.clock, policy.emulator._sleep = clock, clock.sleep
     reference = small_policy()
     obs = np.zeros((4, 3), np.float32)
@@ -118,27 +148,31 @@ def test_the_policy_returns_the_small_models_numbers_after_the_modelled_time():
     assert policy.expected_spaces() == reference.expected_spaces()  # what it does not define is the small model's
 
 
-def test_emulated_streams_are_green_contexts_for_a_split_device_and_resplit_it():
-    streams = EmulatedStreams.of(EmulatedDevice(FAST, mode="split"))
+def test_emulated_streams_set_the_devices_mode_and_resplit_green_contexts():
+    streams = EmulatedStreams.of(EmulatedDevice(FAST, mode="one-stream"), "green-contexts")
     assert streams.mode is StreamMode.GREEN_CONTEXTS and streams.split.generation == 32
+    assert streams.emulator.mode is StreamMode.GREEN_CONTEXTS
     assert streams.resplit(48) and streams.emulator.split.generation == 48
     assert not streams.resplit(48)
     with streams.generation(), streams.training():
         assert streams.publish() is None
-    assert EmulatedStreams.of(EmulatedDevice(FAST, mode="one-stream")).mode is StreamMode.ONE_STREAM
+    assert EmulatedStreams.of(EmulatedDevice(FAST)).mode is StreamMode.PRIORITY_STREAMS
+    cpu = EmulatedStreams.of(EmulatedDevice(FAST), "cpu")  # no streams on a device: one stream
+    assert cpu.mode is StreamMode.ONE_STREAM and cpu.split is None and not cpu.resplit(48)
 
 
-def _run(mode, **cfg):
-    policy = emulated(small_policy(), FAST, mode=mode)
+def _run(mode=None, **cfg):
+    policy = emulated(small_policy(), FAST)
+    resources = {"epoch_s": 0.2} | ({"gpu_streams": mode} if mode else {})
     trainer = ebrl.Trainer(env_fn=lambda i: MockEnv(dim=3, episode_len=20, latency=Latency.constant(0.001)),
                            policy=policy, algo=PPO(minibatch_size=64, update_epochs=1),
                            config=ebrl.RunConfig(num_envs=4, segment_len=16, total_env_steps=1200,
-                                                 resources={"epoch_s": 0.2}, **cfg))
+                                                 resources=resources, **cfg))
     return ebrl.run_sync(trainer), policy
 
 
-def test_a_run_generates_and_trains_on_the_device_and_the_controller_splits_its_sms():
-    result, policy = _run("split")
+def test_a_run_on_green_contexts_generates_and_trains_on_the_device_and_the_controller_splits_its_sms():
+    result, policy = _run("green-contexts")
     assert result.accounting_ok() and result.dropped == {} and result.updates >= 2
     start = {d["knob"]: d for d in result.decisions if d["epoch"] < 0}
     assert start["learner"]["new"] == "thread" and "emulated device test" in start["learner"]["reason"]
@@ -153,11 +187,15 @@ def test_a_run_generates_and_trains_on_the_device_and_the_controller_splits_its_
     assert any("gpu0_sm_util" in p["system"] for p in result.profiles)  # the profiler reads the device
 
 
-def test_a_one_stream_device_makes_no_split_decision_and_refuses_a_learner_process():
-    result, _ = _run("one-stream")
-    assert result.accounting_ok() and not [d for d in result.decisions if d["knob"] == "gen_sms"]
+def test_the_default_shares_the_device_on_priority_streams_and_makes_no_split_decision():
+    for mode in (None, "one-stream"):
+        result, policy = _run(mode)
+        assert result.accounting_ok() and not [d for d in result.decisions if d["knob"] == "gen_sms"]
+        assert policy.emulator.mode == (mode or "priority-streams") and policy.emulator.split is None
     with pytest.raises(ConfigError, match="emulated device"):
         _run("one-stream", learner="process")
+    with pytest.raises(ConfigError, match="resources.gpu_streams"):
+        _run("split")
 
 
 def test_the_first_gpu_run_skips_without_cuda_and_the_comparison_reads_gpu_pi0s_json(tmp_path):

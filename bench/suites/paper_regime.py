@@ -13,12 +13,13 @@ steps). PPO at its defaults, segments of 16 decisions, two updates' worth of dec
 Runners, every knob at its default except the named one, each run a fresh process, 3
 alternating rounds:
 
-- ``async``: EBRL, the device split between generation and training by the controller's
-  SM-quota rule (green contexts, emulated);
-- ``pipelined`` (RLinf's grouped pipeline) and ``sync`` (lockstep, RLinf's collocated mode) on
-  one shared stream: a lockstep schedule never generates while it trains, so one stream, which
-  gives whichever side runs every SM, is their best use of the device (a split would only idle
-  half of it);
+- ``async``: EBRL at its defaults: the device shared on two priority streams
+  (``resources.gpu_streams``), generation's kernels first;
+- ``pipelined`` (RLinf's grouped pipeline) and ``sync`` (lockstep, RLinf's collocated mode),
+  at the same defaults: a lockstep schedule never generates while it trains, so whichever side
+  runs has every SM;
+- ``async, SM split``: EBRL with the device split between generation and training by the
+  controller's SM-quota rule (green contexts, emulated);
 - ``async, one stream``: EBRL on one shared stream (generation and training queue in turn).
 
 Reported per run: decisions/s end to end (training included) and in rollout, the device's
@@ -63,28 +64,28 @@ def libero(i: int):
 
 
 WORKLOADS = {"maniskill-pickcube": (maniskill, 16), "libero-spatial": (libero, 8)}  # env_fn, num_envs
-RUNNERS = {"async": ("async", "split"), "pipelined": ("pipelined", "one-stream"), "sync": ("sync", "one-stream"),
-           "async, one stream": ("async", "one-stream")}
+RUNNERS = {"async": ("async", None), "pipelined": ("pipelined", None), "sync": ("sync", None),
+           "async, SM split": ("async", "green-contexts"), "async, one stream": ("async", "one-stream")}
 QUICK_RUNNERS = ("async", "sync")
 TARGETS = {"async/sync": 1.3, "async/pipelined": 1.2, "SM split/one stream": 1.1,
            "held error p95": Target(0.02, lower_is_better=True)}
 
 
-def policy_for(env, mode: str, seed: int):
+def policy_for(env, seed: int):
     """The small flow policy for ``env``'s spaces, acting in chunks of ``CHUNK``, on a new emulated device."""
     chunk = ActionChunk(env, CHUNK).action_space  # the space run() gives the env (ebrl.envs.chunks.for_policy)
     small = FlowPolicy.from_spaces(env.observation_space, chunk, denoise_steps=DENOISE_STEPS, seed=seed)
-    return emulated(small, PROFILE, mode=mode)
+    return emulated(small, PROFILE)
 
 
 def measure(workload: str, runner: str, num_envs: int, decisions: int, seed: int) -> dict:
     env_fn = WORKLOADS[workload][0]
     schedule, mode = RUNNERS[runner]
     probe = env_fn(0)
-    policy = policy_for(probe, mode, seed)
+    policy = policy_for(probe, seed)
     probe.close()
     cfg = ebrl.RunConfig(num_envs=num_envs, segment_len=SEGMENT, total_env_steps=decisions, schedule=schedule,
-                         seed=seed)
+                         seed=seed, resources={"gpu_streams": mode} if mode else {})
     trainer = ebrl.Trainer(env_fn, policy, PPO(seed=seed), cfg)
     device, meter = policy.emulator, CpuMeter()
     t0 = time.perf_counter()
@@ -122,7 +123,8 @@ def run(quick: bool = False, in_process: bool = False) -> dict:
     ratios = {}
     for workload, present in summary.items():
         for name, head, base in (("async/sync", "async", "sync"), ("async/pipelined", "async", "pipelined"),
-                                 ("SM split/one stream", "async", "async, one stream")):
+                                 ("SM split/one stream", "async, SM split", "async, one stream"),
+                                 ("priority streams/one stream", "async", "async, one stream")):
             if head in present and base in present:
                 ratios[f"{workload}: {name}"] = round_ratios(rows, workload, head, [base])
     figures = {f"{w}: held error p95": present["async"]["held_error_p95"] for w, present in summary.items()
@@ -133,11 +135,11 @@ def run(quick: bool = False, in_process: bool = False) -> dict:
         ceiling = spread(r["split_ceiling"] for r in mine if r["runner"] == "async, one stream")
         if ceiling["n"]:
             notes.append(f"{w}: the most any SM split could gain on the one-stream run's calls: {fmt_ratio(ceiling)}")
-        split = [r for r in mine if r["runner"] == "async"]
+        split = [r for r in mine if r["runner"] == "async, SM split"]
         if split:
             moves = [len(r["sm_decisions"]) for r in split]
             ends = sorted({f"{r['final_split']['gen_sms']}/{r['final_split']['train_sms']}" for r in split})
-            notes.append(f"{w}: SM-quota decisions per async run: {', '.join(map(str, moves))}; "
+            notes.append(f"{w}: SM-quota decisions per SM-split run: {', '.join(map(str, moves))}; "
                          f"final split (generation/training SMs): {', '.join(ends)}")
     targets = (check_targets(ratios, {k: v for k, v in TARGETS.items() if not isinstance(v, Target)})
                + check_targets(figures, {"held error p95": TARGETS["held error p95"]}, unit=""))

@@ -23,7 +23,8 @@ import torch
 
 from ebrl.algos.needs import resolve_run_config
 from ebrl.algos.minibatch import MinibatchAlgo
-from ebrl.config import DEFAULT_MAX_WAIT_S, ConfigError, LearnerMode, Offload, RunConfig, SegmentCut, SimBackend
+from ebrl.config import (DEFAULT_MAX_WAIT_S, ConfigError, LearnerMode, Offload, RunConfig, SegmentCut, SimBackend,
+                         StreamMode)
 from ebrl.distributed import DataParallel, combine_results, rank_config, reseed_sampling, weight_hash
 from ebrl.emulated import EmulatedStreams, emulator_of
 from ebrl.envs.chunks import chunked_env_fn
@@ -142,7 +143,7 @@ async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop
                            transition_fields(facts.observation_space, facts.action_space), lockstep,
                            state, cut_at_episode_end=cfg.segment_cut is SegmentCut.EPISODE)
     learner_threads = cfg.resources.learner_threads or cfg.torch_threads  # the learner process's
-    streams = gpu_streams(trainer.policy) if mode is LearnerMode.THREAD and not virtual else None
+    streams = gpu_streams(trainer.policy, cfg.resources.gpu_streams) if mode is LearnerMode.THREAD and not virtual else None
     acting = acting_copy(trainer.policy)  # shares a frozen backbone where the policy has one
     if dp is not None:  # the ranks' weights are one, their exploration noise is not
         reseed_sampling(acting, cfg.seed)
@@ -264,18 +265,18 @@ def policy_device(policy) -> torch.device | None:
     return None if first is None else first.device
 
 
-def gpu_streams(policy) -> GpuStreams | None:
-    """Generation and training streams (green contexts where they work) for a policy on a CUDA
-    device or an emulated one; None for one on the CPU."""
+def gpu_streams(policy, mode: StreamMode) -> GpuStreams | None:
+    """Generation and training streams in ``mode`` (or the richest mode below it that works)
+    for a policy on a CUDA device or an emulated one; None for one on the CPU."""
     emulator = emulator_of(policy)
     if emulator is not None:
-        streams = EmulatedStreams.of(emulator)
+        streams = EmulatedStreams.of(emulator, mode)
         log.info("gpu_streams", **streams.describe())
         return streams
     device = policy_device(policy)
     if device is None or device.type != "cuda":
         return None
-    streams = GpuStreams.create(device=device)
+    streams = GpuStreams.create(device=device, max_mode=mode)
     log.info("gpu_streams", **streams.describe())
     return streams
 

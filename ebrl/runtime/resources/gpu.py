@@ -56,19 +56,13 @@ memory) is sampled by :class:`ebrl.telemetry.system.SystemSampler` (pynvml); not
 from __future__ import annotations
 
 import contextlib
-import enum
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ebrl.config import StreamMode
+
 LAYOUTS = ("both", "training")
-
-
-class StreamMode(enum.StrEnum):
-    GREEN_CONTEXTS = "green-contexts"
-    PRIORITY_STREAMS = "priority-streams"
-    ONE_STREAM = "one-stream"
-    CPU = "cpu"
 
 
 RICHNESS = (StreamMode.CPU, StreamMode.ONE_STREAM, StreamMode.PRIORITY_STREAMS, StreamMode.GREEN_CONTEXTS)
