@@ -9,8 +9,9 @@
 #    bf16: act latency at batch 1, 8 and 32, a LoRA PPO update, a publication's size;
 # 3. bench/emulator_vs_gpu.py: those latencies against the emulated device's model (pi0-h200,
 #    ebrl.emulated), per batch size: how far the emulation is from this card;
-# 4. `ebrl bench paper-regime --quick`: the paper's regime on the emulated device, as a
-#    reference run on this machine's cores.
+# 4. bench/paper_regime_gpu.py: the paper's regime on this GPU (a published-size π0 beside
+#    ManiSkill3 on the CPU cores, async and sync) next to its emulated twin on a profile
+#    calibrated on this card: a check of the emulated device's scheduling model.
 #
 # Without CUDA it says so and exits 0. Each step has its own deadline; a step that fails is
 # reported and the next one runs.
@@ -41,9 +42,9 @@ step() {  # step NAME SECONDS COMMAND...
     [ $rc -eq 0 ] || status=1
 }
 
-step gpu-split 180 "$PY" -m ebrl bench gpu-split --out "$OUT"
+step gpu-split 150 "$PY" -m ebrl bench gpu-split --out "$OUT"
 step gpu-pi0 240 "$PY" bench/gpu_pi0.py --out "$OUT/gpu_pi0.json"
 step emulator-vs-gpu 30 "$PY" bench/emulator_vs_gpu.py "$OUT/gpu_pi0.json" --out "$OUT/emulator_vs_gpu.json"
-step paper-regime-quick 150 "$PY" -m ebrl bench paper-regime --quick --out "$OUT"
+step paper-regime-gpu 180 "$PY" bench/paper_regime_gpu.py --out "$OUT/paper_regime_gpu.json"
 echo "gpu_first_run: done, results in $OUT/ (exit $status)"
 exit $status

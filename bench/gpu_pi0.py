@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -34,6 +33,8 @@ from pathlib import Path
 import gymnasium as gym
 import numpy as np
 import torch
+
+from ebrl.benchmark.suite import median_call_s
 
 STATE, ACTIONS, EXECUTE = 8, 7, 5  # LIBERO's: 8 state dims, 7 action dims; πRL executes 5 of each chunk
 CAMERAS = {"agentview": (224, 224), "wrist": (224, 224)}
@@ -53,11 +54,6 @@ def observations(n: int, seed: int = 0) -> dict:
     return obs
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def peak_mb(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 1e6 if device.type == "cuda" else None
 
@@ -65,18 +61,6 @@ def peak_mb(device: torch.device) -> float | None:
 def reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-
-
-def timed(fn, device: torch.device, reps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def stored_batch(policy, obs: dict, segments: int):
@@ -121,7 +105,8 @@ def measure(path: Path, device: torch.device, dtype: str, batches: tuple[int, ..
         policy = PI0Policy.from_pretrained(path, obs_space, act_space, instruction=WORDS[0], dtype=dtype, lora_rank=32,
                                            gradient_checkpointing=checkpointing).to(device)
         if not checkpointing:
-            out["act_ms"] = {str(b): 1e3 * timed(lambda b=b: policy.act(observations(b)), device, reps) for b in batches}
+            out["act_ms"] = {str(b): 1e3 * median_call_s(lambda b=b: policy.act(observations(b)), device, reps)
+                             for b in batches}
             out["act_peak_mb"] = peak_mb(device)
             trainable = state_nbytes(published_state(policy))
             out["publication_mb"] = {"lora": trainable / 1e6, "whole": state_nbytes(policy.state_dict()) / 1e6}
@@ -129,7 +114,7 @@ def measure(path: Path, device: torch.device, dtype: str, batches: tuple[int, ..
         algo = PPO(minibatch_size=rows, update_epochs=1)
         reset_peak(device)
         key = "update_s_checkpointing" if checkpointing else "update_s"
-        out[key] = timed(lambda: algo.update(policy, batch), device, 1)
+        out[key] = median_call_s(lambda: algo.update(policy, batch), device, 1)
         out[key.replace("_s", "_peak_mb")] = peak_mb(device)
         del policy
     return out

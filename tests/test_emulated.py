@@ -102,7 +102,8 @@ def test_the_split_ceiling_is_what_overlapping_the_fixed_parts_can_gain():
     assert device.split_ceiling() == pytest.approx(2.0)  # latency-bound calls: two at once
     only_scaled = DeviceProfile("scaled", total_sms=132, sm_granularity=8, act_fixed_s=0.0, act_per_row_s=0.25,
                                 train_fixed_s=0.0, train_per_sample_s=0.75)
-    device = EmulatedDevice(only_scaled, mode="green-contexts", clock=FakeClock())  # the shares it ran on do not matter
+    # the shares it ran on do not matter
+    device = EmulatedDevice(only_scaled, mode="green-contexts", clock=FakeClock())
     device.submit("generation", lambda s: only_scaled.act_s(4, s))
     device.submit("training", lambda s: only_scaled.train_s(4, s))
     assert device.work_s["generation"] == pytest.approx([0.0, 1.0]) and device.work_s["training"] == pytest.approx([0.0, 3.0])
@@ -220,3 +221,26 @@ def test_the_first_gpu_run_skips_without_cuda_and_the_comparison_reads_gpu_pi0s_
     rows = json.loads((tmp_path / "cmp.json").read_text())["rows"]
     assert [(r["call"], r["batch"]) for r in rows] == [("act", 1), ("act", 8), ("train step (LoRA)", 64)]
     assert rows[0]["measured/modelled"] == pytest.approx(49.4 / (PROFILES["pi0-h200"].act_s(1) * 1e3))
+
+
+def test_the_gpu_twin_calibrates_a_profile_runs_real_and_emulated_and_compares_them(tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "paper_regime_gpu.py"
+    spec = importlib.util.spec_from_file_location("paper_regime_gpu", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "twin.json"
+    assert module.main(["--tiny", "--device", "cpu", "--env", "mock", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [(r["kind"], r["schedule"]) for r in report["runs"]] == [
+        ("real", "async"), ("real", "sync"), ("emulated", "sync"), ("emulated", "async")]
+    assert all(r["accounting_ok"] and r["env_steps"] == 2 * 8 * 2 and r["updates"] == 2 for r in report["runs"])
+    profile = report["profile"]  # the tiny model's own costs, fitted as the published figures are
+    calibration = report["calibration"]
+    assert set(calibration["act_s"]) == {"1", "4", "8"} and set(calibration["train_step_s"]) == {"4", "8"}
+    assert min(profile[k] for k in ("act_fixed_s", "act_per_row_s", "train_fixed_s", "train_per_sample_s")) >= 0
+    assert profile["act_fixed_s"] + profile["act_per_row_s"] > 0
+    assert set(report["emulated/real"]) == {"async", "sync"} and all(v > 0 for v in report["emulated/real"].values())

@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -75,6 +76,26 @@ class CpuMeter:
             total = sum(b) - sum(a)
             cores.append(busy / total if total > 0 else 0.0)
         return {"cpu_util": (self._cpu() - self._cpu0) / (wall * (os.cpu_count() or 1)), "core_util": cores}
+
+
+def median_call_s(fn, device, reps: int) -> float:
+    """Seconds per call of ``fn`` on a torch ``device``: the median of ``reps`` after a warm-up,
+    each between two synchronises of a CUDA device (its kernels run asynchronously)."""
+    import torch
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def measure_schedule(suite: Suite, env_fn, schedule: str, steps: int, seed: int, timeline=None) -> dict:

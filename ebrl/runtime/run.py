@@ -143,7 +143,8 @@ async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop
                            transition_fields(facts.observation_space, facts.action_space), lockstep,
                            state, cut_at_episode_end=cfg.segment_cut is SegmentCut.EPISODE)
     learner_threads = cfg.resources.learner_threads or cfg.torch_threads  # the learner process's
-    streams = gpu_streams(trainer.policy, cfg.resources.gpu_streams) if mode is LearnerMode.THREAD and not virtual else None
+    streams = (gpu_streams(trainer.policy, cfg.resources.gpu_streams) if mode is LearnerMode.THREAD and not virtual
+               else None)
     acting = acting_copy(trainer.policy)  # shares a frozen backbone where the policy has one
     if dp is not None:  # the ranks' weights are one, their exploration noise is not
         reseed_sampling(acting, cfg.seed)
