@@ -11,11 +11,12 @@ scheduling model (``ebrl.emulated``) against a measurement, on the first machine
    AdamW) at 4 and 8 samples, each the median of a few after a warm-up, fitted to a
    :class:`~ebrl.emulated.DeviceProfile` as the published figures are (``fit_line``).
 3. Runs, one after another in one process, in the order real async, real sync, emulated sync,
-   emulated async: ManiSkill3 ``PickCube-v1`` from state (``--env mock``: a mock env),
-   ``ENVS`` envs (``--tiny``: 2), ``SEGMENTS`` segments of ``SEGMENT`` decisions per env, PPO at its defaults
-   and every runtime knob at its default (the device shared on priority streams). The emulated
-   runs put a small :class:`~ebrl.policies.FlowPolicy` from state on an emulated device running
-   the calibrated profile.
+   emulated async: the ``paper-regime`` suite's ManiSkill3 ``PickCube-v1`` from state
+   (``--env mock``: a mock env), ``ENVS`` envs (``--tiny``: 2), ``SEGMENTS`` segments of
+   ``SEGMENT`` decisions per env, PPO at its defaults and every runtime knob at its default
+   (the device shared on priority streams). The emulated runs put the suite's small policy
+   (``policy_for``: chunks and denoising steps as the suite's) on an emulated device running the
+   calibrated profile.
 
 Written to ``--out`` (JSON): the profile, each run's env steps/s, updates and busy shares, and
 per schedule the emulated run's steps/s over the real one's; and async/sync on each. A check of
@@ -38,9 +39,12 @@ import gymnasium as gym
 import numpy as np
 import torch
 
+from ebrl.benchmark.loader import load_suite
 from ebrl.benchmark.suite import median_call_s
 
-ENVS, SEGMENT, SEGMENTS, CHUNK, DENOISE_STEPS = 8, 8, 2, 5, 10
+SUITE = load_suite("paper-regime")  # the workload, its chunks and its small policy: the emulated twin's
+CHUNK, DENOISE_STEPS = SUITE.CHUNK, SUITE.DENOISE_STEPS
+ENVS, SEGMENT, SEGMENTS = 8, 8, 2
 MAX_STATE = 32  # π0's max_state_dim: a longer state is cut to its first entries (the timing does not read it)
 WORD = "pick up the cube"
 CAMERAS = ("agentview", "wrist")
@@ -69,9 +73,7 @@ def make_env(kind: str):
         from ebrl.testing import Latency, MockEnv
 
         return MockEnv(dim=8, episode_len=50, latency=Latency.constant(0.002))
-    from ebrl.envs import make
-
-    return make("maniskill/PickCube-v1")
+    return SUITE.maniskill(0)
 
 
 class EnvFn:
@@ -142,9 +144,6 @@ def main(argv: list[str] | None = None) -> int:
         print("paper_regime_gpu: skipped: no CUDA device here (torch.cuda.is_available() is False); "
               "--tiny --device cpu --env mock runs the same steps on the CPU")
         return 0
-    from ebrl.emulated import emulated
-    from ebrl.envs.chunks import ActionChunk
-    from ebrl.policies import FlowPolicy
     from ebrl.policies.pi0 import PI0Policy
     from ebrl.testing import save_random_pi0
 
@@ -180,10 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         del real
     state_env = EnvFn(args.env, None)
     probe = state_env(0)
-    chunk = ActionChunk(probe, CHUNK).action_space
     for schedule in ("sync", "async"):
-        small = FlowPolicy.from_spaces(probe.observation_space, chunk, denoise_steps=DENOISE_STEPS, seed=0)
-        out["runs"].append({"kind": "emulated", **run_once(state_env, emulated(small, profile), schedule, envs, 0)})
+        out["runs"].append({"kind": "emulated", **run_once(state_env, SUITE.policy_for(probe, 0, profile), schedule,
+                                                            envs, 0)})
         print(json.dumps(out["runs"][-1]), flush=True)
     probe.close()
     rate = {(r["kind"], r["schedule"]): r["steps_per_s"] for r in out["runs"]}

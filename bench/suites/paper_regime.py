@@ -71,11 +71,12 @@ TARGETS = {"async/sync": 1.3, "async/pipelined": 1.2, "SM split/one stream": 1.1
            "held error p95": Target(0.02, lower_is_better=True)}
 
 
-def policy_for(env, seed: int):
-    """The small flow policy for ``env``'s spaces, acting in chunks of ``CHUNK``, on a new emulated device."""
+def policy_for(env, seed: int, profile=PROFILE):
+    """The small flow policy for ``env``'s spaces, acting in chunks of ``CHUNK``, on a new
+    emulated device running ``profile`` (a name or a :class:`~ebrl.emulated.DeviceProfile`)."""
     chunk = ActionChunk(env, CHUNK).action_space  # the space run() gives the env (ebrl.envs.chunks.for_policy)
     small = FlowPolicy.from_spaces(env.observation_space, chunk, denoise_steps=DENOISE_STEPS, seed=seed)
-    return emulated(small, PROFILE)
+    return emulated(small, profile)
 
 
 def measure(workload: str, runner: str, num_envs: int, decisions: int, seed: int) -> dict:
