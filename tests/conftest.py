@@ -1,9 +1,14 @@
 import faulthandler
+import os
 import sys
 import threading
+import time
+from pathlib import Path
 
 import pytest
 import uvloop
+
+EXIT_GRACE_S = 5.0  # for a thread or child told to stop to finish exiting
 
 
 @pytest.fixture(autouse=True)
@@ -28,14 +33,82 @@ def ebrl_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("ebrl-")]
 
 
+def ebrl_children() -> list[str]:
+    import multiprocessing
+
+    return [p.name for p in multiprocessing.active_children() if p.name.startswith("ebrl-")]
+
+
+def eventually_empty(what, grace_s: float = EXIT_GRACE_S) -> list:
+    """``what()`` once it is empty, or as it stands after ``grace_s`` (a thread or child already
+    told to stop may still be on its way out)."""
+    deadline = time.monotonic() + grace_s
+    while (left := what()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
 @pytest.fixture
 def no_leaks():
     """Fails a test that leaves an ebrl thread or a worker process behind."""
-    import multiprocessing
-
     yield
-    assert ebrl_threads() == []
-    assert [p for p in multiprocessing.active_children() if p.name.startswith("ebrl-")] == []
+    assert eventually_empty(ebrl_threads) == []
+    assert eventually_empty(ebrl_children) == []
+
+
+def live_descendants(pid: int) -> dict[tuple[int, str], str]:
+    """Every live process below ``pid``: (pid, start time) -> its command line. Read from
+    /proc/PID/task/*/children, which lists a task's children (Linux; elsewhere: none found)."""
+    found: dict[tuple[int, str], str] = {}
+    todo = [pid]
+    while todo:
+        for tasks in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
+            try:
+                kids = [int(k) for k in tasks.read_text().split()]
+            except OSError:
+                continue
+            for kid in kids:
+                try:
+                    stat = Path(f"/proc/{kid}/stat").read_text().rpartition(")")[2].split()
+                    cmd = Path(f"/proc/{kid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                except OSError:
+                    continue
+                if stat[0] not in ("Z", "X"):  # a zombie has died; its parent has not collected it yet
+                    found[(kid, stat[19])] = cmd.strip()[:200]
+                    todo.append(kid)
+    return found
+
+
+_started_by: dict[tuple[int, str], str] = {}  # a child process of this pytest process -> the test it appeared in
+
+
+@pytest.fixture(autouse=True)
+def _who_started_children(request):
+    yield
+    for proc in live_descendants(os.getpid()):
+        _started_by.setdefault(proc, request.node.nodeid)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _nothing_outlives_the_session():
+    """Fails the session if a process this pytest process started is still alive at its end
+    (after the session's helpers are stopped), naming it and the test it appeared in."""
+    yield
+    left = eventually_empty(lambda: live_descendants(os.getpid()))
+    if left:
+        pytest.fail("processes outlived the test session:\n" + "\n".join(
+            f"  pid {pid}: {cmd} (started in {_started_by.get((pid, start), 'a session fixture')})"
+            for (pid, start), cmd in left.items()), pytrace=False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _helpers_for_the_session(_nothing_outlives_the_session):
+    """The session holds one :func:`~ebrl.runtime.children.helpers_scope`, as a run does: the
+    fork server starts once for all the tests here and stops before the check above."""
+    from ebrl.runtime.children import helpers_scope
+
+    with helpers_scope():
+        yield
 
 
 @pytest.fixture

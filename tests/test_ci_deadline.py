@@ -84,3 +84,22 @@ def test_a_command_within_its_deadline_keeps_its_exit_code():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 7, proc.stderr
     assert "with-deadline" not in proc.stderr
+
+
+def test_a_command_that_leaves_a_process_behind_fails_and_the_process_is_killed():
+    # the parent starts a sleeper in the background and exits 0 at once
+    script = "import subprocess; p = subprocess.Popen(['sleep', '300']); print('pid', p.pid, flush=True)"
+    proc = subprocess.run([str(WITH_DEADLINE), "60", sys.executable, "-c", script],
+                          capture_output=True, text=True, timeout=120)
+    sleeper = int(proc.stdout.split("pid", 1)[1])
+    assert proc.returncode == 3, proc.stderr
+    assert "left processes behind" in proc.stderr and "sleep 300" in proc.stderr
+    assert not running(sleeper)
+
+
+def test_a_process_that_ends_within_the_grace_is_no_leftover():
+    script = "import subprocess; subprocess.Popen(['sleep', '1'])"
+    proc = subprocess.run([str(WITH_DEADLINE), "60", sys.executable, "-c", script],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "with-deadline" not in proc.stderr

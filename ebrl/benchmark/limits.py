@@ -46,25 +46,26 @@ def _proc_entry(env_fn, ids, seconds, queue):
 def sim_capacity(env_fn, num_envs: int, seconds: float) -> float:
     """Env steps/s of simulation alone with the whole machine: the better of one process per
     core (CPU-bound envs) and one thread per env (envs that release the GIL while stepping)."""
-    from ebrl.runtime.children import child_context, portable, start
+    from ebrl.runtime.children import child_context, helpers_scope, portable, start
 
     cpus = os.cpu_count() or 1
-    ctx, _ = child_context(None)  # fork-safe, as the runtime's own children
-    queue = ctx.Queue()
-    shares = [list(range(w, num_envs, cpus)) for w in range(min(cpus, num_envs))]
-    procs = [ctx.Process(target=_proc_entry, args=(portable(env_fn, ctx), ids, seconds, queue)) for ids in shares]
-    try:
-        for p in procs:
-            start(p, ctx)
-        # the envs' builds and the stepping, with a generous margin: nothing waits for ever
-        by_process = sum(queue.get(timeout=seconds + BUILD_MARGIN_S) for _ in procs) / seconds
-    finally:
-        for p in procs:
-            if p.pid is not None:
-                p.join(1.0)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
+    with helpers_scope():  # a fork server these children need ends with them
+        ctx, _ = child_context(None)  # fork-safe, as the runtime's own children
+        queue = ctx.Queue()
+        shares = [list(range(w, num_envs, cpus)) for w in range(min(cpus, num_envs))]
+        procs = [ctx.Process(target=_proc_entry, args=(portable(env_fn, ctx), ids, seconds, queue)) for ids in shares]
+        try:
+            for p in procs:
+                start(p, ctx)
+            # the envs' builds and the stepping, with a generous margin: nothing waits for ever
+            by_process = sum(queue.get(timeout=seconds + BUILD_MARGIN_S) for _ in procs) / seconds
+        finally:
+            for p in procs:
+                if p.pid is not None:
+                    p.join(1.0)
+                    if p.is_alive():
+                        p.kill()
+                        p.join()
     counter = [0] * num_envs
     threads = [threading.Thread(target=_step_envs, args=(env_fn, [i], seconds, counter, i)) for i in range(num_envs)]
     for t in threads:

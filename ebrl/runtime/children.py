@@ -19,8 +19,11 @@ classes defined in a script are sent by value (:func:`portable`, through cloudpi
 child need not import the user's ``__main__`` module again, and does not (:func:`start`): a
 script's top-level code runs once, in the script's own process.
 
-A fork server started for a run is stopped when that run ends (:func:`fork_server_scope`), so
-no process outlives ``run()``.
+The helper processes multiprocessing starts on demand, the fork server and the resource tracker
+(which unlinks shared memory left by a crashed process), are stopped when the last
+:func:`helpers_scope` that saw them start ends. ``run()`` holds one, and so does every owner of
+children (the probe, the sim workers, the learner process) for its own life, so that no process
+outlives ``run()``, nor a pool or probe built outside it.
 
     >>> ctx, why = child_context("spawn")
     >>> ctx.get_start_method(), why
@@ -31,9 +34,13 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
+import signal
 import sys
+import threading
+import time
 from collections.abc import Iterator
-from multiprocessing import forkserver
+from multiprocessing import forkserver, resource_tracker, util
 from importlib.machinery import ModuleSpec
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
@@ -50,8 +57,10 @@ DRIVER_LIBRARIES = ("libEGL", "libGLX", "libGL.so", "libOSMesa", "libgallium", "
 # what the fork server imports once, so that its children start in milliseconds
 PRELOAD = ["ebrl.runtime.probe", "ebrl.runtime.sim.worker", "ebrl.runtime.learner_process"]
 
-_scopes = 0  # fork_server_scope()s open now
-_started_here = False  # a scope started the fork server (it is stopped when the last scope closes)
+_scopes = 0  # helpers_scope()s open now
+_scopes_lock = threading.Lock()
+_running_before: tuple[bool, bool] = (True, True)  # fork server, resource tracker: running when the first opened
+STOP_WAIT_S = 5.0  # for a helper to exit once told; then it is killed
 
 
 def fork_hazard() -> str | None:
@@ -87,29 +96,77 @@ def child_context(start_method: str | None) -> tuple[BaseContext, str]:
 
 def fork_server() -> BaseContext:
     """The ``forkserver`` context, its server preloading ebrl's child code (started by the first
-    child; a :func:`fork_server_scope` stops it again)."""
-    global _started_here
+    child; the :func:`helpers_scope` open then stops it again)."""
     ctx = mp.get_context("forkserver")
-    if _scopes and forkserver._forkserver._forkserver_pid is None:  # noqa: SLF001 (no public probe)
-        _started_here = True
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
+def _helpers_running() -> tuple[bool, bool]:
+    return (forkserver._forkserver._forkserver_pid is not None,  # noqa: SLF001 (no public probe)
+            resource_tracker._resource_tracker._pid is not None)  # noqa: SLF001
+
+
 @contextlib.contextmanager
-def fork_server_scope() -> Iterator[None]:
-    """Around a run: a fork server that the run started is stopped when it ends (with every child
-    of the run reaped by then). Nested and concurrent runs share it; the last to end stops it."""
-    global _scopes, _started_here
-    _scopes += 1
+def helpers_scope() -> Iterator[None]:
+    """Around a run, or the life of an owner of children: the fork server and the resource
+    tracker, where they started inside, are stopped when the last open scope ends (every child
+    reaped by then). Nested and concurrent scopes (a learner process starts in a thread) share them."""
+    global _scopes, _running_before
+    with _scopes_lock:
+        if not _scopes:
+            _running_before = _helpers_running()
+        _scopes += 1
     try:
         yield
     finally:
-        _scopes -= 1
-        if not _scopes and _started_here:
-            _started_here = False
-            with contextlib.suppress(Exception):
-                forkserver._forkserver._stop()  # noqa: SLF001 (the stdlib's own way to end it)
+        with _scopes_lock:
+            _scopes -= 1
+            if not _scopes:
+                server_before, tracker_before = _running_before
+                if not server_before:
+                    _stop_forkserver()
+                if not tracker_before:
+                    _stop_resource_tracker()
+
+
+def _stop_forkserver() -> None:
+    """The stdlib's ``_stop``, with a deadline: close the server's alive pipe, wait, kill."""
+    server = forkserver._forkserver  # noqa: SLF001
+    with server._lock:  # noqa: SLF001
+        if server._forkserver_pid is None:  # noqa: SLF001
+            return
+        os.close(server._forkserver_alive_fd)  # noqa: SLF001
+        _reap(server._forkserver_pid, "fork server")  # noqa: SLF001
+        address = server._forkserver_address  # noqa: SLF001
+        if address and not util.is_abstract_socket_namespace(address):
+            with contextlib.suppress(OSError):
+                os.unlink(address)
+        server._forkserver_alive_fd = server._forkserver_pid = server._forkserver_address = None  # noqa: SLF001
+
+
+def _stop_resource_tracker() -> None:
+    """The resource tracker ends at end-of-file on its pipe, which every child forked meanwhile
+    also holds: one still alive would keep it waiting, so it gets a deadline too."""
+    tracker = resource_tracker._resource_tracker  # noqa: SLF001
+    with tracker._lock:  # noqa: SLF001
+        if tracker._pid is None:  # noqa: SLF001
+            return
+        os.close(tracker._fd)  # noqa: SLF001
+        _reap(tracker._pid, "resource tracker")  # noqa: SLF001
+        tracker._fd = tracker._pid = None  # noqa: SLF001
+
+
+def _reap(pid: int, what: str) -> None:
+    deadline = time.monotonic() + STOP_WAIT_S
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                log.warning("helper_process_killed", what=what, pid=pid, wait_s=STOP_WAIT_S)
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)  # killed: it is gone at once
+                return
+            time.sleep(0.01)
 
 
 def start(proc: BaseProcess, ctx: BaseContext) -> None:

@@ -10,6 +10,7 @@ and PPO: see the README's design section.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import signal
 import time
@@ -21,7 +22,7 @@ import torch
 from ebrl.algos.batch import Batch
 from ebrl.checkpoint import algo_state
 from ebrl.policies.base import load_published, published_state, state_nbytes
-from ebrl.runtime.children import child_context, portable
+from ebrl.runtime.children import child_context, helpers_scope, portable
 from ebrl.runtime.children import start as start_child
 from ebrl.runtime.errors import LearnerError
 from ebrl.runtime.threads import ignore_stop_signals
@@ -111,6 +112,8 @@ class LearnerProcess:
     def __init__(self, policy, algo, torch_threads: int | None, start_method: str | None = None,
                  start_timeout_s: float | None = None, update_timeout_s: float | None = None):
         ctx, _ = child_context(start_method)
+        self._helpers = contextlib.ExitStack()  # a fork server it needs ends with it
+        self._helpers.enter_context(helpers_scope())
         self.start_timeout_s, self.update_timeout_s = start_timeout_s, update_timeout_s
         self.ready = False
         self.conn, child = ctx.Pipe(duplex=True)
@@ -176,12 +179,11 @@ class LearnerProcess:
 
     def close(self, policy, algo) -> None:
         """Load the trained state into the caller's ``policy`` and ``algo``; end the process
-        (waiting ``ANSWER_WAIT_S`` at most for its answer: a hung or dead learner is killed)."""
+        (waiting ``ANSWER_WAIT_S`` at most for its answer: a hung or dead learner is killed). One
+        never asked anything trained nothing: it is killed at once, started up or not."""
         try:
-            if self.process.is_alive():
+            if self.process.is_alive() and self.ready:
                 _send(self.conn, ("close",))
-                if not self.ready and self.conn.poll(ANSWER_WAIT_S):
-                    self._recv()  # its start-up message ("ready",)
                 if not self.conn.poll(ANSWER_WAIT_S):
                     log.warning("learner_process_unanswered", wait_s=ANSWER_WAIT_S)
                     return
@@ -192,8 +194,9 @@ class LearnerProcess:
         except (LearnerError, BrokenPipeError, OSError) as exc:
             log.warning("learner_process_lost", error=str(exc))  # the run's own error says more
         finally:
-            self.process.join(timeout=5.0)
+            self.process.join(timeout=5.0 if self.ready else 0.0)
             if self.process.is_alive():
                 self.process.kill()
                 self.process.join()
             self.conn.close()
+            self._helpers.close()

@@ -36,6 +36,7 @@ to it, never joined on the loop).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import queue
 import time
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 from multiprocessing.context import BaseContext
 
 from ebrl.config import FaultConfig, SimBackend, SimConfig
-from ebrl.runtime.children import child_context, portable
+from ebrl.runtime.children import child_context, helpers_scope, portable
 from ebrl.runtime.children import start as start_child
 from ebrl.runtime.env_facts import EnvFacts
 from ebrl.runtime.errors import EnvStepError, TimedOut
@@ -89,6 +90,7 @@ class EnvProbe:
         self.measure = sim.backend is SimBackend.AUTO and sim.vector_size == 1
         self.proc = self.conn = self.thread = None
         self.beat = [BUILD, 0.0]  # a shared array for a child
+        self._helpers = contextlib.ExitStack()  # a fork server its child needs ends with it
 
     def _child_start(self) -> BaseContext | None:
         """The context to start the probe's child with, or None for a thread: a child where envs
@@ -112,6 +114,7 @@ class EnvProbe:
                 _probe_main, self.conn.far_end(), self.env_fn, self.measure, self.beat, False,
                 name="ebrl-sim-probe", may_hang=True))
             return self
+        self._helpers.enter_context(helpers_scope())
         self.beat = ctx.RawArray("d", 2)
         parent, child = ctx.Pipe(duplex=True)
         self.conn = _PipeConn(parent)
@@ -129,7 +132,7 @@ class EnvProbe:
         try:
             await asyncio.shield(starting)
         except BaseException:
-            starting.add_done_callback(lambda _: _end(proc, conn, 0.0))
+            starting.add_done_callback(lambda _: (_end(proc, conn, 0.0), self._helpers.close()))
             raise
         return self
 
@@ -156,10 +159,13 @@ class EnvProbe:
                 self.thread.cancel()
             return
         proc, conn = self.proc, self.conn
-        if exc[0] is None:  # it is exiting by itself: reaped off the loop
-            await in_thread(_end, proc, conn, _REAP_S, name="ebrl-sim-probe-reap")
-        else:  # a failure or a cancel: killed at once (a killed process is reaped in milliseconds)
-            _end(proc, conn, 0.0)
+        try:
+            if exc[0] is None:  # it is exiting by itself: reaped off the loop
+                await in_thread(_end, proc, conn, _REAP_S, name="ebrl-sim-probe-reap")
+            else:  # a failure or a cancel: killed at once (a killed process is reaped in milliseconds)
+                _end(proc, conn, 0.0)
+        finally:
+            self._helpers.close()
 
     async def _next(self) -> tuple:
         """The probe's next message, waiting under the current phase's deadline."""

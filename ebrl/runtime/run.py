@@ -30,7 +30,7 @@ from ebrl.emulated import EmulatedStreams, emulator_of
 from ebrl.envs.chunks import chunked_env_fn
 from ebrl.policies.base import acting_copy
 from ebrl.policies.expects import check_policy_spaces
-from ebrl.runtime.children import fork_server_scope
+from ebrl.runtime.children import helpers_scope
 from ebrl.runtime.driver import Driver
 from ebrl.runtime.env_facts import EnvFacts, inspect_env
 from ebrl.runtime.errors import raise_first
@@ -87,7 +87,7 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
                                   "derived from ebrl.algos.minibatch.MinibatchAlgo (PPO, DecoupledPPO, VTrace, GRPO)")
             cfg = rank_config(cfg, dp)
             dp.broadcast_module(trainer.policy)  # every rank starts from rank 0's weights
-        with fork_server_scope():  # a fork server this run starts (ebrl.runtime.children) ends with it
+        with helpers_scope():  # the fork server and resource tracker this run starts end with it
             result = await _run(trainer, cfg, dp, loop, virtual, called, stop=stop, progress=progress,
                                 timeline=timeline)
         clean = True

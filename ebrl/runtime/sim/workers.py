@@ -10,6 +10,7 @@ with ``add_reader`` (no thread in between); the protocol, and what runs in a wor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import pickle
 import time
 from multiprocessing import resource_tracker, shared_memory
@@ -18,6 +19,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
+from ebrl.runtime.children import helpers_scope
 from ebrl.runtime.errors import EnvStepError, Fault, TimedOut, WorkerDied
 from ebrl.runtime.sim.block import Outbox, StepRows, release_shared, shm_alloc
 from ebrl.runtime.sim.stepping import EnvFn
@@ -63,6 +65,7 @@ class WorkerHost:
         self.migrations = 0  # completed migrations
         self._flush_scheduled = False
         self._closed = False
+        self._helpers = contextlib.ExitStack()  # a fork server its workers need ends with it
 
     workers = property(lambda self: self._num_workers)  # a dead one still counts: it holds its envs' places
     placement = property(lambda self: self._placement.copy())  # env -> worker (a copy; NOWHERE: not hosted here)
@@ -81,6 +84,7 @@ class WorkerHost:
         :class:`EnvStepError`; one past ``build_timeout_s`` kills its worker (respawned empty),
         and that env's and its worker-mates' first resets fail for the driver to rebuild them."""
         self._loop = asyncio.get_running_loop()
+        self._helpers.enter_context(helpers_scope())
         self.spaces, n, self._num_workers = spaces, self._num_workers, 0
         if hosted is not None and not hosted:
             self._placement[:] = NOWHERE
@@ -398,3 +402,4 @@ class WorkerHost:
         self._workers, self._retired, self._starting = [], [], []
         release_shared(self.rows, self._blocks, unlink=True)
         self.rows = None
+        self._helpers.close()
