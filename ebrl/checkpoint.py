@@ -13,11 +13,13 @@ scripts::
     >>> from ebrl.policies import MLPPolicy
     >>> from ebrl.testing import MockEnv
     >>> make = lambda: ebrl.Trainer(lambda i: MockEnv(), MLPPolicy(3, 4, seed=0), PPO())
-    >>> path = os.path.join(tempfile.mkdtemp(), "checkpoint.pt")
+    >>> tmp = tempfile.TemporaryDirectory()
+    >>> path = os.path.join(tmp.name, "checkpoint.pt")
     >>> save_checkpoint(path, make(), env_steps=1000)
     >>> trainer = make()
     >>> load_checkpoint(path, trainer)["env_steps"]
     1000
+    >>> tmp.cleanup()
 """
 
 from __future__ import annotations

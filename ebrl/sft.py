@@ -27,13 +27,15 @@ the training split first.
     >>> from ebrl.sft import SFTConfig, sft
     >>> from ebrl.testing import InstructedReach
     >>> from ebrl.policies import MLPPolicy
-    >>> d = tempfile.mkdtemp() + "/demos"
+    >>> tmp = tempfile.TemporaryDirectory()
+    >>> d = tmp.name + "/demos"
     >>> _ = collect("mock/reach", d, episodes=4)
     >>> env = InstructedReach()
     >>> policy = MLPPolicy.from_spaces(env.observation_space, env.action_space, seed=0)
     >>> out = sft(policy, read_lerobot(d), env.observation_space, env.action_space, SFTConfig(epochs=3))
     >>> out["train_loss"][-1] < out["train_loss"][0], len(out["val_loss"])
     (True, 3)
+    >>> tmp.cleanup()
 """
 
 from __future__ import annotations

@@ -68,9 +68,45 @@ def test_a_mismatch_is_still_one_error():
         run_virtual(trainer)
 
 
-def test_process_backend_pickles_the_chunked_env_fn():
-    trainer = ebrl.Trainer(env_fn=lambda i: MockEnv(dim=A, episode_len=EPISODE), policy=flow(), algo=PPO(),
+def test_process_backend_pickles_the_chunked_env_fn(tmp_path, monkeypatch):
+    import os
+
+    pickled = []  # the pid pickling the user's env_fn, each time it is pickled
+
+    class EnvFn:
+        """The user's env_fn: a local class (pickled by value, as a lambda is). Each env it builds
+        leaves a file naming the process it was built in and, once closed, its single steps."""
+
+        def __init__(self, where):
+            self.where = where
+
+        def __call__(self, i):
+            env, steps = CountingEnv(dim=A, episode_len=EPISODE), [0]
+            built, step, close = self.where / f"env{i}-pid{os.getpid()}", env.step, env.close
+            built.write_text("")
+            env.step = lambda action: (steps.__setitem__(0, steps[0] + 1), step(action))[1]
+            env.close = lambda: (built.write_text(str(steps[0])), close())
+            return env
+
+        def __reduce__(self):
+            pickled.append(os.getpid())
+            return EnvFn, (self.where,)
+
+    # as where a renderer's driver is loaded: the workers start from a fork server, so the env_fn
+    # reaches them only pickled (a fork would copy it in memory)
+    monkeypatch.setattr("ebrl.runtime.children.fork_hazard", lambda: "libEGL (as if loaded)")
+    trainer = ebrl.Trainer(env_fn=EnvFn(tmp_path), policy=flow(), algo=PPO(),
                            config=ebrl.RunConfig(num_envs=2, segment_len=4, total_env_steps=32,
                                                  sim={"backend": "process", "num_workers": 1}))
     result = ebrl.run_sync(trainer)
     assert result.env_steps == 32 and result.accounting_ok()
+    assert pickled and set(pickled) == {os.getpid()}  # pickled here, to be sent
+    built: dict[str, list] = {}  # pid: the files of the envs built there (the start-up probe builds env 0 too)
+    for path in tmp_path.iterdir():
+        built.setdefault(path.name.split("-pid")[1], []).append(path)
+    worker = [files for pid, files in built.items() if pid != str(os.getpid()) and len(files) == 2]
+    assert len(worker) == 1 and sorted(p.name.split("-pid")[0] for p in worker[0]) == ["env0", "env1"], built
+    # the one worker built both envs from the copy it unpickled, and there each decision ran up to
+    # K single steps: the chunk wrapper came along inside the env_fn
+    steps = sum(int(p.read_text()) for p in worker[0])
+    assert 32 < steps <= 32 * K + 2 * K, steps

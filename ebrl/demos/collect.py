@@ -2,12 +2,14 @@
 
     >>> import tempfile
     >>> from ebrl.demos import collect, read_lerobot
-    >>> out = tempfile.mkdtemp() + "/reach"
+    >>> tmp = tempfile.TemporaryDirectory()
+    >>> out = tmp.name + "/reach"
     >>> summary = collect("mock/reach", out, episodes=3)
     >>> summary["episodes"], summary["success_once"] > 0.5
     (3, True)
     >>> read_lerobot(out).num_episodes
     3
+    >>> tmp.cleanup()
 """
 
 from __future__ import annotations

@@ -336,7 +336,11 @@ class Learner:
         def work() -> None:  # the learner's thread: idle between updates, so the algo is not mid-update
             state = None
             if algo:
-                state = self.remote.algo_state() if self.remote is not None else algo_state(self.algo)
+                try:
+                    state = self.remote.algo_state() if self.remote is not None else algo_state(self.algo)
+                except LearnerError:  # the learner process died while asked: its weights are still here
+                    write_checkpoint(cp.path, policy_state, None, cp.policy_class, **meta)
+                    raise
             write_checkpoint(cp.path, policy_state, state, cp.policy_class, **meta)
 
         await self.stage.aside(work)  # inline under virtual time

@@ -12,7 +12,8 @@ run in ``log_dir/wandb/`` under the same tag, against ``env_steps``.
     >>> import json, tempfile
     >>> from pathlib import Path
     >>> from ebrl.telemetry.metrics import MetricsLog, read_history, tag
-    >>> d = Path(tempfile.mkdtemp())
+    >>> tmp = tempfile.TemporaryDirectory()
+    >>> d = Path(tmp.name)
     >>> log = MetricsLog(d)
     >>> log.open()
     >>> log.record({"update": 1, "env_steps": 64, "mean_return": 2.5, "policy_loss": 0.1})
@@ -21,6 +22,7 @@ run in ``log_dir/wandb/`` under the same tag, against ``env_steps``.
     [{'update': 1, 'env_steps': 64, 'mean_return': 2.5, 'policy_loss': 0.1}]
     >>> tag("policy_loss"), tag("mean_return"), tag("cpu_util_mean", system=True)
     ('losses/policy_loss', 'charts/mean_return', 'system/cpu_util_mean')
+    >>> tmp.cleanup()
 """
 
 from __future__ import annotations

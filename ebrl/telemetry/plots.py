@@ -9,10 +9,12 @@ steps, with matplotlib's Agg backend.
     >>> import json, tempfile
     >>> from pathlib import Path
     >>> from ebrl.telemetry.plots import load_rows
-    >>> d = Path(tempfile.mkdtemp())
+    >>> tmp = tempfile.TemporaryDirectory()
+    >>> d = Path(tmp.name)
     >>> _ = (d / "history.jsonl").write_text('{"env_steps": 64, "mean_return": 1.0}\\n{"env_st')
     >>> load_rows(d)[0]
     [{'env_steps': 64, 'mean_return': 1.0}]
+    >>> tmp.cleanup()
 """
 
 from __future__ import annotations

@@ -36,8 +36,14 @@ long "act" bars.
     '0.93 0.09'
     >>> sorted(result.busy)   # generator, learner and mean per-env sim busy fractions
     ['generator', 'learner', 'sim']
-    >>> timeline.to_chrome_trace("/tmp/ebrl_trace.json")   # open in https://ui.perfetto.dev
-    >>> timeline.plot_gantt("/tmp/ebrl_gantt.png", title="sync, env 0 10x slower")
+    >>> import tempfile
+    >>> from pathlib import Path
+    >>> out = tempfile.TemporaryDirectory()   # or any directory of yours
+    >>> timeline.to_chrome_trace(Path(out.name) / "trace.json")   # open in https://ui.perfetto.dev
+    >>> timeline.plot_gantt(Path(out.name) / "gantt.png", title="sync, env 0 10x slower")
+    >>> sorted(p.name for p in Path(out.name).iterdir())
+    ['gantt.png', 'trace.json']
+    >>> out.cleanup()
 """
 
 from __future__ import annotations
