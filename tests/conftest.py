@@ -11,17 +11,46 @@ import uvloop
 EXIT_GRACE_S = 5.0  # for a thread or child told to stop to finish exiting
 
 
+def timeout_of(item) -> float:
+    marker = item.get_closest_marker("timeout")
+    return float(marker.args[0]) if marker and marker.args else float(item.config.getini("timeout") or 0)
+
+
 @pytest.fixture(autouse=True)
 def _stacks_before_timeout(request):
     """Every thread's stack on stderr a second before pytest-timeout ends a hung test. Its own
     dump goes to the terminal, which an xdist worker does not show; faulthandler writes from C,
     so it fires while the main thread sits in uvloop's loop."""
-    marker = request.node.get_closest_marker("timeout")
-    limit = float(marker.args[0]) if marker and marker.args else float(request.config.getini("timeout") or 0)
+    limit = timeout_of(request.node)
     if limit > 1:
         faulthandler.dump_traceback_later(limit - 1, file=sys.__stderr__)
     yield
     faulthandler.cancel_dump_traceback_later()
+
+
+# The slowest tests against their timeouts, at the end of every run: a test that uses much of its
+# timeout on a quiet machine fails on a busy one. Each test's timeout travels in its reports'
+# user_properties, which xdist's workers send to the process that prints the summary.
+_spent: dict[str, list[float]] = {}  # nodeid -> [seconds in setup, call and teardown, timeout]
+
+
+def pytest_runtest_setup(item):
+    item.user_properties.append(("timeout_s", timeout_of(item)))
+
+
+def pytest_runtest_logreport(report):
+    limit = dict(report.user_properties).get("timeout_s")
+    if limit:  # the timeout covers setup, call and teardown together
+        spent = _spent.setdefault(report.nodeid, [0.0, limit])
+        spent[0] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    slowest = sorted(_spent.items(), key=lambda kv: kv[1][0] / kv[1][1], reverse=True)[:10]
+    if slowest:
+        terminalreporter.write_sep("=", "the 10 tests nearest their timeouts")
+        for nodeid, (spent, limit) in slowest:
+            terminalreporter.write_line(f"{spent:7.1f} s of {limit:5.0f} s ({spent / limit:4.0%})  {nodeid}")
 
 
 def pytest_asyncio_loop_factories(config, item):
