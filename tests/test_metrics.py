@@ -269,14 +269,32 @@ def test_each_row_is_on_disk_as_soon_as_it_is_recorded(tmp_path):
 
 
 def test_process_tree_cpu_counts_the_children():
+    """A child computes a known amount of CPU time between two samples: the sample counts at least
+    that CPU time over the samples' interval, whatever share of a core the machine gave the child."""
+    import os
     import subprocess
     import time
 
-    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    burn_s = 0.1
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        "sys.stdin.readline()\n"
+        f"end = time.process_time() + {burn_s}\n"
+        "while time.process_time() < end:\n"
+        "    pass\n"
+        "print('done', flush=True)\n"
+        "sys.stdin.readline()\n")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
+        t0 = time.monotonic()
         sampler = SystemSampler(nvml=False, children_every_s=3600.0)  # lists the child once, now
-        time.sleep(0.5)  # this process sleeps: whatever proc_cpu_util shows is mostly the child's
-        assert sampler.sample()["proc_cpu_util"] > 5.0
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "done\n"  # it has computed burn_s since the sampler's first look
+        util = sampler.sample()["proc_cpu_util"]
+        span = time.monotonic() - t0  # holds the samples' interval
+        # /proc counts CPU time in clock ticks (user and system each truncated); percent rounded to 0.1
+        tick = 1.0 / os.sysconf("SC_CLK_TCK")
+        assert util >= 100.0 * (burn_s - 2 * tick) / span - 0.05, (util, span)
     finally:
         child.kill()
         child.wait()

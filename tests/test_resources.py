@@ -12,6 +12,7 @@ from ebrl.runtime.resources.knobs import Knobs, Limits, Memory
 from ebrl.runtime.resources.rules_sim import lanes_rule, lpt_placement, placement_rule, spread
 from ebrl.runtime.resources.rules_stages import generation_rule
 from ebrl.runtime.resources.profiler import WAIT_CAUSES, EpochProfile
+from ebrl.runtime.sim.block import STEPS, WALL
 from ebrl.testing import Latency, MockEnv, MockPolicy, NoopAlgo, run_virtual
 
 
@@ -429,7 +430,8 @@ def test_a_window_in_which_an_update_holds_the_envs_closes_at_once():
 
 
 def test_sleeping_envs_converge_to_enough_lanes_within_three_epochs():
-    result = run_virtual(_sleepers())  # 2 lanes to start with (virtual time has no probe)
+    # 2 lanes to start with (virtual time has no probe); 20k steps: the three epochs and a settled one
+    result = run_virtual(_sleepers(total_env_steps=20_000))
     assert result.accounting_ok()
     assert result.sim_size == 16
     settled = [p["epoch"] for p in result.profiles if p["sim"]["lanes"] == 16][0]
@@ -438,7 +440,7 @@ def test_sleeping_envs_converge_to_enough_lanes_within_three_epochs():
     assert result.profiles[-2]["sim"]["lane_wait_share"] < 0.05
     assert [d["knob"] for d in result.decisions] == ["lanes"] * len(result.decisions)
     # lanes only grew, and the run beat the same run with the controller off
-    fixed = run_virtual(_sleepers(resources={"adapt": False}))
+    fixed = run_virtual(_sleepers(total_env_steps=10_000, resources={"adapt": False}))  # its rate is steady
     assert fixed.decisions == [] and fixed.sim_size == 2 and len(fixed.profiles) > 3
     assert result.env_steps_per_s > 3 * fixed.env_steps_per_s
 
@@ -454,7 +456,7 @@ def test_a_run_reports_the_cost_curve_of_its_policy_calls():
 
 
 def test_explicit_lanes_are_kept():
-    result = run_virtual(_sleepers(sim={"num_threads": 3}))
+    result = run_virtual(_sleepers(total_env_steps=10_000, sim={"num_threads": 3}))  # six windows
     assert "lanes" not in {d["knob"] for d in result.decisions} and result.sim_size == 3
     assert all(p["sim"]["lanes"] == 3 for p in result.profiles)
 
@@ -584,13 +586,42 @@ def test_the_generator_counts_the_cpu_time_of_its_calls_inline_and_in_its_thread
 # ---------------------------------------------------------------- migrations, on real worker processes
 
 
-def test_measured_placement_migrates_envs_at_episode_ends_and_keeps_the_accounting_exact():
+def idle_machine_costs(monkeypatch, fix):
+    """``SimPool.costs`` (per env: steps, wall, CPU and queue seconds, which the controller's
+    profiles read) passed through ``fix(costs)``, which writes in the times these envs' steps
+    take on an idle machine: an injected clock for the steps, so that a test of a decision made
+    from them does not decide by the load of the machine it runs on. Step counts stay real."""
+    from ebrl.runtime.sim import SimPool
+
+    costs = SimPool.costs
+
+    def injected(pool):
+        out = costs(pool)
+        if out is not None:
+            fix(out)
+        return out
+
+    monkeypatch.setattr(SimPool, "costs", injected)
+
+
+def test_measured_placement_migrates_envs_at_episode_ends_and_keeps_the_accounting_exact(monkeypatch):
     """Sync schedule, 8 sleeping envs on 2 workers, the 4 slow ones all on worker 0 round-robin:
     worker 1 idles at every barrier, so the controller places by cost and envs move, each at an
-    episode end, rebuilt in its new worker. Every step is still counted once."""
+    episode end, rebuilt in its new worker. Every step is still counted once.
+
+    The steps' wall times reach the controller as their sleeps (an injected clock): measured, a
+    loaded machine adds its wake-up delays to every sleep, and the decision would follow the load.
+    How much the measured placement gains is the controller bench's ``placement/round-robin``
+    (bench/suites/controller.py)."""
     slow = {0, 2, 4, 6}
+    latency = np.array([0.006 if i in slow else 0.0005 for i in range(8)])
+
+    def sleeps(costs):
+        costs[:, WALL] = costs[:, STEPS] * latency
+
+    idle_machine_costs(monkeypatch, sleeps)
     trainer = ebrl.Trainer(
-        env_fn=lambda i: MockEnv(dim=3, episode_len=8, latency=Latency.constant(0.006 if i in slow else 0.0005)),
+        env_fn=lambda i: MockEnv(dim=3, episode_len=8, latency=Latency.constant(latency[i])),
         policy=MockPolicy(act_dim=3), algo=NoopAlgo(),
         config=ebrl.RunConfig(num_envs=8, segment_len=8, total_env_steps=1600, schedule="sync",
                               sim={"backend": "process", "num_workers": 2}, resources={"epoch_s": 0.25}))
@@ -600,17 +631,38 @@ def test_measured_placement_migrates_envs_at_episode_ends_and_keeps_the_accounti
     assert placed and placed[0]["old"] == [0, 1] * 4
     new = np.array(placed[0]["new"])
     assert sorted(np.bincount(new[list(slow)], minlength=2).tolist()) == [2, 2]  # two slow envs per worker
-    # a placement that measured slower is reverted (its own decision): every move is counted
-    moved = sum(a != b for d in placed for a, b in zip(d["old"], d["new"]))
-    assert result.migrations == moved > 0
-    assert result.profiles[-1]["sim"]["placement"] == placed[-1]["new"]
+    # the first placement's moves all happen (nothing is decided while envs wait to move); a later
+    # one (a revert, if the measured env steps/s fell) may still wait for episode ends when the run ends
+    first = sum(a != b for a, b in zip(placed[0]["old"], placed[0]["new"]))
+    decided = sum(a != b for d in placed for a, b in zip(d["old"], d["new"]))
+    assert 0 < first <= result.migrations <= decided
+    if result.migrations == decided:
+        assert result.profiles[-1]["sim"]["placement"] == placed[-1]["new"]
     assert sum(result.steps_per_env) == result.env_steps
 
 
-def test_sleeping_envs_on_too_few_workers_get_more_and_move_there_with_every_step_counted():
+def test_sleeping_envs_on_too_few_workers_get_more_and_move_there_with_every_step_counted(monkeypatch):
     """The issue's case: steps that sleep, put on worker processes (which step their envs one
     after another). The controller forks more workers, off the loop, and moves envs there at
-    their episode ends; every step is counted once."""
+    their episode ends; every step is counted once.
+
+    The workers reach the controller as busy through every window, as the driver keeps them on
+    an idle machine: measured, on a loaded machine the driver feeds them late and they idle, and
+    the decision would follow the load. Their CPU time (a sleep's: little) is measured."""
+    from ebrl.runtime.resources.profiler import LiveProfiler
+
+    take = LiveProfiler.take
+
+    def busy_workers(profiler):
+        p = take(profiler)
+        if p.placement is not None:  # each worker stepped its envs back to back, shared by their steps
+            on = np.asarray(p.placement)
+            per_worker = np.bincount(on, weights=p.steps, minlength=max(p.workers, 1))
+            with np.errstate(invalid="ignore", divide="ignore"):
+                p.wall_s = np.where(p.steps > 0, p.window_s * p.steps / per_worker[on], 0.0)
+        return p
+
+    monkeypatch.setattr(LiveProfiler, "take", busy_workers)
     trainer = ebrl.Trainer(
         env_fn=lambda i: MockEnv(dim=3, episode_len=8, latency=Latency.constant(0.004)),
         policy=MockPolicy(act_dim=3), algo=NoopAlgo(),
@@ -620,8 +672,11 @@ def test_sleeping_envs_on_too_few_workers_get_more_and_move_there_with_every_ste
     assert result.accounting_ok() and result.dropped == {}
     grown = [d for d in result.decisions if d["knob"] == "workers"]
     assert grown and grown[0]["new"] > grown[0]["old"] and "wait" in grown[0]["reason"]
-    assert result.sim_size == grown[-1]["new"] and result.migrations > 0
-    assert max(result.profiles[-1]["sim"]["placement"]) >= grown[0]["old"]  # envs run on the new workers
+    assert result.migrations > 0
+    # envs ran on the new workers (a revert, if the measured env steps/s fell, may move them back)
+    assert any(max(p["sim"]["placement"]) >= grown[0]["old"] for p in result.profiles)
+    if not any("reverted" in d["reason"] for d in grown):
+        assert result.sim_size == grown[-1]["new"]
     assert sum(result.steps_per_env) == result.env_steps
 
 

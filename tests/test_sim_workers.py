@@ -8,6 +8,7 @@ import os
 import pickle
 import signal
 import time
+import types
 
 import gymnasium as gym
 import numpy as np
@@ -18,7 +19,7 @@ from ebrl.runtime.errors import EnvStepError, PoolClosed
 from ebrl.runtime.sim import SimPool, StepRows
 from ebrl.runtime.sim import worker as sim_worker
 from ebrl.runtime.sim import workers as sim_workers
-from ebrl.runtime.sim.block import CPU, QUEUE, STEPS, WALL
+from ebrl.runtime.sim.block import CPU, QUEUE, STEPS, WALL, Outbox
 from ebrl.runtime.sim.stepping import reset_env, step_unit
 from ebrl.testing import Latency, MockEnv
 
@@ -38,11 +39,10 @@ def step_env(env, action):
 
 
 class Collector:
-    """Takes every block ``pool.recv()`` returns (until the pool closes) and when it arrived, and
-    can wait for ids."""
+    """Takes every block ``pool.recv()`` returns (until the pool closes), and can wait for ids."""
 
     def __init__(self, pool):
-        self.blocks, self.times, self.waiters = [], [], []
+        self.blocks, self.waiters = [], []
         self.task = asyncio.get_running_loop().create_task(self.pump(pool))
 
     async def pump(self, pool):
@@ -52,7 +52,6 @@ class Collector:
 
     def take(self, block):
         self.blocks.append(block)
-        self.times.append(time.perf_counter())
         for w in self.waiters:
             w()
 
@@ -122,46 +121,131 @@ async def test_steps_match_an_in_process_copy_of_each_env(no_leaks):
         pool.close()
 
 
-async def test_a_slow_env_does_not_hold_back_its_worker_mates(no_leaks):
+async def test_a_slow_env_does_not_hold_back_its_worker_mates(monkeypatch, no_leaks):
     lat = lambda i: Latency.constant(0.2 if i == 0 else 0.001)  # noqa: E731
     pool = ProcessSimPool(lambda i: MockEnv(latency=lat(i)), num_envs=4, num_workers=1)
+    delivered = []  # (ids, whether env 0's step was still out) as each block reached the outbox
+    put = Outbox.put
+
+    def put_recording(box, block):
+        delivered.append((block.ids.tolist(), bool(pool.remote._busy[0])))
+        put(box, block)
+
+    monkeypatch.setattr(Outbox, "put", put_recording)
     col = await started(pool)
     try:
         ids, actions = np.arange(4), np.zeros((4, 4), np.float32)
         pool.submit(ids, actions)  # warm-up: the worker learns env 0 is slow
         await col.wait(ids)
-        t0 = time.perf_counter()
+        start = len(delivered)
         pool.submit(ids, actions)  # one message: env 0 first in it
         blocks = await col.wait(ids)
-        start = len(col.blocks) - len(blocks)
         rows = by_id(blocks)
         slow = blocks.index(rows[0][0])
         for i in (1, 2, 3):
             assert blocks.index(rows[i][0]) < slow, f"env {i} waited for env 0"
-            assert col.times[start + blocks.index(rows[i][0])] - t0 < 0.1
         assert list(blocks[slow].ids) == [0]
+        # the fast envs reached the caller while env 0's step was still out (its reply not yet read),
+        # whatever the load: an order, not a time
+        fast = [out for ids_, out in delivered[start:] if 0 not in ids_]
+        assert sorted(i for ids_, _ in delivered[start:] if 0 not in ids_ for i in ids_) == [1, 2, 3]
+        assert fast and all(fast), delivered[start:]
     finally:
         pool.close()
 
 
-async def test_cheap_envs_come_back_in_one_reply_per_message(no_leaks):
-    pool = ProcessSimPool(lambda i: MockEnv(latency=Latency.constant(0.001)), num_envs=4, num_workers=1,
-                          reply_hold_s=0.05)
-    col = await started(pool)
-    try:
-        ids = np.arange(4)
-        for _ in range(5):
-            pool.submit(ids, np.zeros((4, 4), np.float32))
-            blocks = await col.wait(ids)
-            assert len(blocks) == 1 and sorted(blocks[0].ids) == [0, 1, 2, 3]
-        assert len(col.blocks) == 5
-    finally:
-        pool.close()
+class FakeClock:
+    """``time`` for :mod:`ebrl.runtime.sim.worker`: wall and CPU seconds move only when a
+    :class:`ClockedEnv` steps, by its declared cost."""
+
+    def __init__(self):
+        self.wall = self.cpu = 0.0
+
+    def perf_counter(self):
+        return self.wall
+
+    def process_time(self):
+        return self.cpu
+
+
+class ClockedEnv(gym.Env):
+    """Each step advances ``clock`` by ``wall_s`` (of which ``cpu_s`` on the CPU): a step of known cost."""
+
+    observation_space = gym.spaces.Box(-np.inf, np.inf, (1,), np.float32)
+    action_space = gym.spaces.Box(-1, 1, (1,), np.float32)
+
+    def __init__(self, clock, wall_s, cpu_s=0.0):
+        self.clock, self.wall_s, self.cpu_s = clock, wall_s, cpu_s
+
+    def reset(self, *, seed=None, options=None):
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action):
+        self.clock.wall += self.wall_s
+        self.clock.cpu += self.cpu_s
+        return np.zeros(1, np.float32), 0.0, False, False, {}
+
+
+class InlineWorker:
+    """A worker's stepping loop (:func:`~ebrl.runtime.sim.worker._step_message`) in this process, on
+    a fake clock: its replies and costs are exact, whatever the machine's load."""
+
+    def __init__(self, monkeypatch, costs, hold_s):
+        """``costs``: per env, ``(wall_s, cpu_s)`` a step."""
+        self.clock, self.hold_s = FakeClock(), hold_s
+        monkeypatch.setattr(sim_worker, "time", self.clock)
+        self.envs = {i: ClockedEnv(self.clock, w, c) for i, (w, c) in enumerate(costs)}
+        self.rows = StepRows(len(costs), ClockedEnv.observation_space, ClockedEnv.action_space)
+        self.ewma = [None] * len(costs)
+        self.sent = []
+        self.conn = types.SimpleNamespace(send_bytes=self.sent.append)
+
+    def message(self, ids):
+        """Step one message of ``ids``: the ids of each reply, in the order sent."""
+        self.sent.clear()
+        sim_worker._step_message(self.conn, self.envs, self.rows, self.ewma, list(ids), self.hold_s)
+        assert all(raw[:1] == sim_worker.STEP for raw in self.sent)
+        return [np.frombuffer(raw[1:], np.int32).tolist() for raw in self.sent]
+
+
+def test_cheap_envs_come_back_in_one_reply_per_message(monkeypatch):
+    worker = InlineWorker(monkeypatch, [(0.001, 0.0)] * 4, hold_s=0.05)  # 1 ms envs under a 50 ms hold
+    for _ in range(5):
+        assert worker.message(range(4)) == [[0, 1, 2, 3]]
+
+
+def test_envs_finished_within_the_hold_time_share_a_reply(monkeypatch):
+    # 2 ms envs under a 5 ms hold: a reply goes once its oldest env finished over 5 ms ago (rule (b))
+    worker = InlineWorker(monkeypatch, [(0.002, 0.0)] * 8, hold_s=0.005)
+    for _ in range(2):  # unmeasured, then measured (none is slow enough for rule (a))
+        assert worker.message(range(8)) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_a_known_slow_env_is_stepped_last_after_a_reply_of_its_mates(monkeypatch):
+    worker = InlineWorker(monkeypatch, [(0.2, 0.0)] + [(0.001, 0.0)] * 3, hold_s=0.005)
+    assert worker.message(range(4)) == [[0, 1, 2, 3]]  # unmeasured: in the message's order
+    assert worker.message(range(4)) == [[1, 2, 3], [0]]  # rule (a): the finished mates go before env 0 steps
+
+
+def test_a_workers_step_costs_are_its_wall_cpu_and_queue_seconds(monkeypatch):
+    # env 0 sleeps 10 ms, env 1 computes its 20 ms, env 2 computes 4 of its 30 ms; one message of
+    # all three (stepped cheapest first), three times: each waits for those stepped before it in
+    # its message, never for itself
+    worker = InlineWorker(monkeypatch, [(0.01, 0.0), (0.02, 0.02), (0.03, 0.004)], hold_s=0.002)
+    for _ in range(3):
+        worker.message(range(3))
+    cost = worker.rows.cost
+    np.testing.assert_array_equal(cost[:, STEPS], [3, 3, 3])
+    np.testing.assert_allclose(cost[:, WALL], [0.03, 0.06, 0.09])
+    np.testing.assert_allclose(cost[:, CPU], [0.0, 0.06, 0.012], atol=1e-12)
+    np.testing.assert_allclose(cost[:, QUEUE], [0.0, 0.03, 0.09], atol=1e-12)
 
 
 async def test_finished_envs_are_not_held_longer_than_the_hold_time(no_leaks):
     # 2 ms envs under a 5 ms hold: none is slow enough for rule (a), yet a message of 8 of
-    # them (16 ms) must not come back as a single reply (rule (b))
+    # them (16 ms) must not come back as a single reply (rule (b)). A step sleeps at least its
+    # 2 ms on any load, so the fourth env always ends over 5 ms after the first; how many replies
+    # there are beyond that depends on the load (exactly two on an exact clock: the test above)
     pool = ProcessSimPool(lambda i: MockEnv(latency=Latency.constant(0.002)), num_envs=8, num_workers=1,
                           reply_hold_s=0.005)
     col = await started(pool)
@@ -171,7 +255,8 @@ async def test_finished_envs_are_not_held_longer_than_the_hold_time(no_leaks):
         await col.wait(ids)
         pool.submit(ids, np.zeros((8, 4), np.float32))
         blocks = await col.wait(ids)
-        assert 1 < len(blocks) < 8
+        assert len(blocks) > 1
+        assert sorted(i for b in blocks for i in b.ids) == list(range(8))
     finally:
         pool.close()
 
@@ -317,7 +402,7 @@ async def test_a_dead_worker_fails_its_envs_is_respawned_and_its_envs_come_back_
     try:
         await pool.reset(2)
         pool.submit(np.array([0]), np.zeros((1, 4), np.float32))  # env 0 steps for 1 s; env 2 is idle
-        await asyncio.sleep(0.1)
+        await wait_for(lambda: pool.remote.rows.started[0] > 0)  # env 0 is inside its step
         dead = pool.remote._workers[0].process.pid
         os.kill(dead, signal.SIGKILL)
         blocks = await col.wait([0])
@@ -424,10 +509,27 @@ async def wait_for(pred, timeout=5.0):
         await asyncio.sleep(0.01)
 
 
+class CpuBoundEnv(MockEnv):
+    """A MockEnv whose step computes: it spins until its thread has used ``cpu_s`` of CPU time
+    (however much wall time that takes on a busy machine)."""
+
+    def __init__(self, cpu_s, **kwargs):
+        super().__init__(**kwargs)
+        self.cpu_s = cpu_s
+
+    def step(self, action):
+        end = time.thread_time() + self.cpu_s
+        while time.thread_time() < end:
+            pass
+        return super().step(action)
+
+
 async def test_workers_count_each_envs_steps_wall_and_cpu_time(no_leaks):
-    # env 0 sleeps in step (CPU idle), env 1 spins (CPU busy); each on its own worker
+    # env 0 sleeps 10 ms in step (CPU idle), env 1 computes 10 ms of CPU (busy); each on its own worker.
+    # Only bounds that hold on any load: a sleep lasts at least its time, CPU time spun is spun, and
+    # a step's wall time holds its CPU time; the exact sums are test_a_workers_step_costs_... above
     def make(i):
-        return MockEnv(latency=Latency.constant(0.01 if i < 2 else 0.0), latency_mode="spin" if i == 1 else "sleep")
+        return CpuBoundEnv(0.01) if i == 1 else MockEnv(latency=Latency.constant(0.01 if i == 0 else 0.0))
 
     pool = ProcessSimPool(make, num_envs=4, num_workers=2)
     assert pool.costs() is None
@@ -444,8 +546,9 @@ async def test_workers_count_each_envs_steps_wall_and_cpu_time(no_leaks):
         np.testing.assert_array_equal(costs[:, STEPS], [6, 5, 5, 5])
         assert (costs[:, WALL] > 0).all() and (costs[:, CPU] >= 0).all()
         assert costs[0, WALL] >= 6 * 0.01 and costs[1, WALL] >= 5 * 0.01
-        assert costs[0, CPU] / costs[0, WALL] < 0.5
-        assert costs[1, CPU] / costs[1, WALL] > 0.5
+        assert costs[1, CPU] >= 5 * 0.01  # the computing env's CPU time is counted
+        assert costs[0, CPU] < costs[0, WALL]  # the sleeping env's sleep is not
+        assert costs[0, CPU] < costs[1, CPU]
         costs[:] = -1  # a copy
         assert (pool.costs() >= 0).all()
     finally:
@@ -462,8 +565,9 @@ async def test_a_step_waiting_behind_its_worker_mates_counts_queue_time(no_leaks
             await col.wait(range(3))
         costs = pool.costs()
         assert (costs[:, QUEUE] >= 0).all()
-        assert costs[:, QUEUE].sum() > 0.5 * 3 * 0.03
-        assert (costs[:, QUEUE] < 3 * 0.03).all()  # nobody waits for its own step
+        # each message's second env waits at least one 10 ms sleep, its third two, on any load;
+        # that nobody waits for its own step is exact on a fake clock (test_a_workers_step_costs_...)
+        assert costs[:, QUEUE].sum() >= 3 * 0.03 - 1e-9
     finally:
         pool.close()
 
@@ -580,7 +684,7 @@ async def test_a_dead_worker_fails_the_envs_placed_on_it(tmp_path, no_leaks):
         pool.submit(np.arange(4), np.zeros((4, 1), np.float32))
         blocks = await col.wait([0, 1, 3])
         assert sorted(i for b in blocks for i in b.ids) == [0, 1, 3]
-        await asyncio.sleep(0.1)  # env 2 is inside its step
+        await wait_for(lambda: pool.remote.rows.started[2] > 0)  # env 2 is inside its step
         os.kill(pid[0], signal.SIGKILL)
         blocks = await col.wait([2])
         assert [e for b in blocks for e in b.errors] == [(2, "worker 0 died (killed by SIGKILL) and was respawned")]
@@ -601,32 +705,31 @@ async def test_a_dead_worker_fails_the_envs_placed_on_it(tmp_path, no_leaks):
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 async def test_grow_adds_empty_workers_and_resize_retires_only_empty_ones(tmp_path, start_method, no_leaks):
-    pool = ProcessSimPool(PidEnvs(tmp_path), num_envs=3, num_workers=2, start_method=start_method)
+    # one worker grown to two: a spawned worker imports ebrl (torch) afresh, seconds of CPU each
+    pool = ProcessSimPool(PidEnvs(tmp_path), num_envs=2, num_workers=1, start_method=start_method)
     col = await started(pool)
     try:
-        with pytest.raises(ValueError, match=r"workers 1..1 still host envs \[1\]"):
-            pool.resize_workers(1)
         with pytest.raises(ValueError, match=">= 1"):
             pool.resize_workers(0)
-        await pool.grow(3)
-        assert pool.size == 3
+        await pool.grow(2)
+        assert pool.size == 2
         pid = pids(pool)
-        assert pool.placement.tolist() == [0, 1, 0]
-        _, info = await pool.migrate(2, 2, seed=None)
-        assert info["pid"] == pid[2] not in pid[:2]
-        assert await step_all(pool, col, range(3)) == {0: pid[0], 1: pid[1], 2: pid[2]}
-        np.testing.assert_array_equal(pool.costs()[:, STEPS], [1, 1, 1])  # the new worker shares the rows
-        with pytest.raises(ValueError, match=r"workers 2..2 still host envs \[2\]"):
-            pool.resize_workers(2)
-        await pool.migrate(2, 0, seed=None)
-        pool.resize_workers(2)
-        assert pool.size == 2 and pids(pool) == pid[:2]
+        assert pool.placement.tolist() == [0, 0]  # the new worker starts empty
+        _, info = await pool.migrate(1, 1, seed=None)
+        assert info["pid"] == pid[1] != pid[0]
+        assert await step_all(pool, col, range(2)) == {0: pid[0], 1: pid[1]}
+        np.testing.assert_array_equal(pool.costs()[:, STEPS], [1, 1])  # the new worker shares the rows
+        with pytest.raises(ValueError, match=r"workers 1..1 still host envs \[1\]"):
+            pool.resize_workers(1)
+        await pool.migrate(1, 0, seed=None)
+        pool.resize_workers(1)
+        assert pool.size == 1 and pids(pool) == pid[:1]
         retired = pool.remote._retired[0].process
         await wait_for(lambda: not retired.is_alive())
-        assert (tmp_path / f"closed-2-{pid[2]}").exists()  # the drop ran before it quit
-        assert await step_all(pool, col, range(3)) == {0: pid[0], 1: pid[1], 2: pid[0]}
-        with pytest.raises(ValueError, match="no worker 2"):
-            await pool.migrate(2, 2, seed=None)
+        assert (tmp_path / f"closed-1-{pid[1]}").exists()  # the drop ran before it quit
+        assert await step_all(pool, col, range(2)) == {0: pid[0], 1: pid[0]}
+        with pytest.raises(ValueError, match="no worker 1"):
+            await pool.migrate(1, 1, seed=None)
     finally:
         pool.close()
     assert multiprocessing.active_children() == []
@@ -673,22 +776,38 @@ async def test_a_grow_cancelled_mid_fork_leaves_no_process(tmp_path, no_leaks):
     assert multiprocessing.active_children() == []
 
 
-async def test_a_stale_step_start_never_times_a_step_out(no_leaks):
+class GatedEnv(MockEnv):
+    """A MockEnv whose every step waits until the file ``gate`` exists: a step that runs until
+    the test lets it end (or for ever, until its worker is killed)."""
+
+    def __init__(self, gate, **kwargs):
+        super().__init__(**kwargs)
+        self.gate = str(gate)
+
+    def step(self, action):
+        while not os.path.exists(self.gate):
+            time.sleep(0.001)
+        return super().step(action)
+
+
+async def test_a_stale_step_start_never_times_a_step_out(tmp_path, no_leaks):
     """A step cannot start before its message was sent: an older StepRows.started (left by
     anything) is ignored, so only a step that really ran past the limit kills its worker."""
-    pool = ProcessSimPool(lambda i: MockEnv(dim=2, latency=Latency.constant(0.3)), num_envs=2, num_workers=1)
+    pool = ProcessSimPool(lambda i: GatedEnv(tmp_path / f"go-{i}", dim=2), num_envs=2, num_workers=1)
     col = await started(pool)
     try:
         for i in range(2):
             await pool.reset(i)
+        started_at = pool.remote.rows.started
         pool.submit(np.array([0]), np.zeros((1, 2), np.float32))
-        await asyncio.sleep(0.1)  # env 0 is stepping (0.3 s)
-        pool.remote.rows.started[0] = time.perf_counter() - 100.0  # stale: before the step was sent
+        await wait_for(lambda: started_at[0] > 0)  # env 0 is in its step, which ends when we open its gate
+        started_at[0] = time.perf_counter() - 100.0  # stale: before the step was sent
         assert pool.abandon_late(1.0) == [] and pool.remote._stale_starts == 1
         assert pool.respawns == 0
+        (tmp_path / "go-0").touch()
         await col.wait([0])
         pool.submit(np.array([1]), np.zeros((1, 2), np.float32))
-        await asyncio.sleep(0.1)
+        await wait_for(lambda: started_at[1] > 0 and time.perf_counter() - started_at[1] > 0.05)
         assert pool.abandon_late(0.05) == [1]  # a real one: started after its send, running past 50 ms
     finally:
         pool.close()

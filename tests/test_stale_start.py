@@ -10,11 +10,10 @@ import types
 
 import numpy as np
 
-from test_sim_workers import ProcessSimPool
+from test_sim_workers import GatedEnv, ProcessSimPool, wait_for
 
 from ebrl.runtime.errors import PoolClosed, fault_reason
 from ebrl.runtime.sim import workers as sim_workers
-from ebrl.testing import Latency, MockEnv
 
 
 PUMPS: set[asyncio.Task] = set()
@@ -46,16 +45,13 @@ def ends_on_clock_read(pool, env_id):
     return types.SimpleNamespace(perf_counter=perf_counter, monotonic=time.monotonic)
 
 
-async def a_step_ending_mid_read(monkeypatch, pool, guard: bool):
+async def a_step_ending_mid_read(monkeypatch, pool, gate, guard: bool):
     blocks = collect(pool)
     await pool.start()
     try:
         await pool.reset(0)
         pool.submit(np.array([0]), np.zeros((1, 2), np.float32))
-        deadline = time.perf_counter() + 5.0
-        while not pool.remote.rows.started[0] and time.perf_counter() < deadline:
-            await asyncio.sleep(0.01)
-        assert pool.remote.rows.started[0] > 0  # env 0 is stepping (0.5 s) in its worker
+        await wait_for(lambda: pool.remote.rows.started[0] > 0)  # env 0 is in its step (until the gate opens)
         if not guard:
             pool.remote._sent_at[:] = 0.0  # as before the send-time guard (0051b83): nothing to compare with
         with monkeypatch.context() as m:
@@ -63,23 +59,22 @@ async def a_step_ending_mid_read(monkeypatch, pool, guard: bool):
             late = pool.abandon_late(60.0)
         assert late == [] and pool.respawns == 0
         assert pool.remote._stale_starts == 0  # a step that ended is not a stale start either
-        deadline = time.perf_counter() + 5.0
-        while not blocks and time.perf_counter() < deadline:
-            await asyncio.sleep(0.01)
+        gate.touch()
+        await wait_for(lambda: blocks)
         assert [b.ids.tolist() for b in blocks] == [[0]] and not blocks[0].errors  # the step came back whole
     finally:
         pool.close()
 
 
-async def test_a_step_ending_while_the_watchdog_reads_is_not_late(monkeypatch, no_leaks):
-    pool = ProcessSimPool(lambda i: MockEnv(dim=2, latency=Latency.constant(0.5)), num_envs=1, num_workers=1)
-    await a_step_ending_mid_read(monkeypatch, pool, guard=True)
+async def test_a_step_ending_while_the_watchdog_reads_is_not_late(monkeypatch, tmp_path, no_leaks):
+    pool = ProcessSimPool(lambda i: GatedEnv(tmp_path / "go", dim=2), num_envs=1, num_workers=1)
+    await a_step_ending_mid_read(monkeypatch, pool, tmp_path / "go", guard=True)
 
 
-async def test_without_the_send_time_guard_too(monkeypatch, no_leaks):
+async def test_without_the_send_time_guard_too(monkeypatch, tmp_path, no_leaks):
     """The incident's code had no send-time guard: the second read alone then killed the worker."""
-    pool = ProcessSimPool(lambda i: MockEnv(dim=2, latency=Latency.constant(0.5)), num_envs=1, num_workers=1)
-    await a_step_ending_mid_read(monkeypatch, pool, guard=False)
+    pool = ProcessSimPool(lambda i: GatedEnv(tmp_path / "go", dim=2), num_envs=1, num_workers=1)
+    await a_step_ending_mid_read(monkeypatch, pool, tmp_path / "go", guard=False)
 
 
 async def hang_and_kill(pool: ProcessSimPool) -> list:
@@ -88,17 +83,22 @@ async def hang_and_kill(pool: ProcessSimPool) -> list:
     blocks = collect(pool)
     await pool.start()
     await pool.reset(0)
+    started = pool.remote.rows.started
     pool.submit(np.array([0]), np.zeros((1, 2), np.float32))
-    await asyncio.sleep(0.3)
+    # in its step, and for longer than the limit: it hangs, so no load can end it first
+    await wait_for(lambda: started[0] > 0 and time.perf_counter() - started[0] > 0.1)
     assert pool.abandon_late(0.1) == [0]
-    deadline = time.perf_counter() + 5.0
-    while not blocks and time.perf_counter() < deadline:
-        await asyncio.sleep(0.01)
+    await wait_for(lambda: blocks)
     return blocks
 
 
-async def test_a_step_really_past_the_limit_still_times_out(no_leaks):
-    pool = ProcessSimPool(lambda i: MockEnv(dim=2, latency=Latency.constant(2.0)), num_envs=1, num_workers=1)
+def hanging(tmp_path):
+    """``env_fn``: envs whose steps never end (their gate never opens)."""
+    return lambda i: GatedEnv(tmp_path / "never", dim=2)
+
+
+async def test_a_step_really_past_the_limit_still_times_out(tmp_path, no_leaks):
+    pool = ProcessSimPool(hanging(tmp_path), num_envs=1, num_workers=1)
     try:
         blocks = await hang_and_kill(pool)
         assert [i for b in blocks for i, _ in b.errors] == [0] and pool.respawns == 1
@@ -106,14 +106,16 @@ async def test_a_step_really_past_the_limit_still_times_out(no_leaks):
         pool.close()
 
 
-async def test_a_killed_workers_step_start_does_not_time_out_the_envs_rebuild_in_the_new_worker(no_leaks):
+async def test_a_killed_workers_step_start_does_not_time_out_the_envs_rebuild_in_the_new_worker(tmp_path, no_leaks):
     """Killed in a step, a worker leaves that step's start in the shared row. The env's rebuild,
     queued in the new worker, must not look late by it: that killed the new worker (and the
     env's worker-mates again) and charged the env a second timeout."""
-    pool = ProcessSimPool(lambda i: MockEnv(dim=2, latency=Latency.constant(30.0)), num_envs=2, num_workers=1)
+    pool = ProcessSimPool(hanging(tmp_path), num_envs=2, num_workers=1)
     try:
         blocks = await hang_and_kill(pool)
         assert [(i, fault_reason(e)) for b in blocks for i, e in b.errors] == [(0, "timeout")] and pool.respawns == 1
+        # the new worker has started (so its start-up time is not on trial: only the row is)
+        await wait_for(lambda: pool.remote._workers[0].heard, timeout=30.0)
         rebuild = asyncio.ensure_future(pool.rebuild(0))
         assert not pool.abandon(0, 0.1)  # not started in the new worker: not late
         await rebuild
