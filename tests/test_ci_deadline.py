@@ -68,7 +68,10 @@ def test_a_hung_command_is_dumped_killed_and_exits_124(stacks_by):
     elapsed = time.monotonic() - t0
     out = proc.stdout + proc.stderr
     assert proc.returncode == 124, out
-    assert 3 <= elapsed < 20, (elapsed, out)
+    # killed at its deadline, not before. (Not an upper bound on the time taken: dumping the stacks
+    # takes what the machine's load makes it take; a command left running would hold the
+    # run to its timeout above, 60 s, and fail it there.)
+    assert elapsed >= 3, (elapsed, out)
     # both processes' stacks, down to the function each sleeps in
     assert "parent_sleeps_forever" in out and "child_sleeps_forever" in out, out
     if stacks_by == "faulthandler":

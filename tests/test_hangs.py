@@ -102,7 +102,9 @@ def test_a_hang_in_the_probe_ends_the_run_with_one_error_naming_env_phase_and_se
         ebrl.run_sync(trainer)
     assert err.value.env_id == 0 and err.value.op == op and err.value.reason == "timeout"
     assert f"faults.{setting}={LIMIT:g} s" in str(err.value) and "probe" in str(err.value)
-    assert HUNG.is_set() and time.monotonic() - t0 < LIMIT + 10
+    # given up at its deadline, not before (the hang itself lasts until this test ends: a probe
+    # that waited for it would never return)
+    assert HUNG.is_set() and time.monotonic() - t0 >= LIMIT
 
 
 @pytest.mark.parametrize("backend", ["thread", "process", "mixed"])
@@ -112,10 +114,16 @@ def test_an_env_hung_in_its_first_build_or_reset_is_rebuilt_and_the_run_goes_on(
     t0 = time.monotonic()
     res = ebrl.run_sync(trainer)
     assert HUNG.is_set() and res.accounting_ok() and res.env_steps == 1500
-    assert res.timeouts == 1 and res.env_failures == 1  # charged to env 2, not to its worker-mates
-    assert BUILDS.value == 2  # built again after the hung call
-    assert res.respawns == (1 if backend == "process" else 0)
-    assert time.monotonic() - t0 < LIMIT + 20
+    # env 2's hung call timed out; a loaded machine may run another call past the 1 s limit
+    # too, and that one is recovered the same way: each is charged to its own env, never to its
+    # worker-mates (no failure here but timeouts)
+    assert res.timeouts >= 1 and res.env_failures == res.timeouts
+    assert 2 <= BUILDS.value <= 1 + res.timeouts  # built again after the hung call (at most once per timeout)
+    if backend == "process":
+        assert res.respawns == res.timeouts  # each hung call's worker killed and replaced
+    else:  # env 2 is on a lane: its hang costs no process
+        assert res.respawns <= res.timeouts - 1 if backend == "mixed" else res.respawns == 0
+    assert time.monotonic() - t0 >= LIMIT  # the hung call was given its deadline
 
 
 @pytest.mark.parametrize("backend", ["thread", "process", "mixed"])
@@ -123,17 +131,18 @@ def test_a_hung_step_on_every_backend_is_abandoned_and_its_env_rebuilt(backend):
     trainer = ebrl.Trainer(lambda i: Hangs(i, "step"), MockPolicy(act_dim=3), NoopAlgo(), _config(backend))
     res = ebrl.run_sync(trainer)
     assert HUNG.is_set() and res.accounting_ok() and res.env_steps == 1500
-    assert res.timeouts == 1 and BUILDS.value == 2
+    # env 2's hung step timed out (a loaded machine may time out another step too: recovered alike)
+    assert res.timeouts >= 1 and res.env_failures == res.timeouts
+    assert 2 <= BUILDS.value <= 1 + res.timeouts  # env 2 rebuilt after its hung step
 
 
 def test_a_render_that_hangs_during_evaluation_leaves_training_to_finish(tmp_path):
     bad = 6  # the evaluation env is env num_envs
     trainer = ebrl.Trainer(lambda i: Hangs(i, "render", bad=bad), MockPolicy(act_dim=3), NoopAlgo(),
                            _config("thread", steps=6000, eval_every_s=0.05, eval_episodes=1, log_dir=str(tmp_path)))
-    t0 = time.monotonic()
     res = ebrl.run_sync(trainer)
+    # the render stays hung until this test ends: training finished beside it, and no evaluation did
     assert HUNG.is_set() and res.accounting_ok() and res.env_steps == 6000 and res.evaluations == []
-    assert time.monotonic() - t0 < 30
 
 
 def test_a_worker_that_dies_while_building_at_start_ends_the_run_naming_the_env():
@@ -165,34 +174,56 @@ def test_a_worker_that_dies_while_rebuilding_an_env_is_charged_to_it_and_recover
 
 @pytest.mark.parametrize("backend, bad", [("auto", 0), ("thread", 2), ("process", 2)])
 async def test_cancelling_a_run_hung_in_a_build_with_no_deadline_returns_at_once_and_frees_the_loop(backend, bad):
-    """No deadline at all (build_timeout_s=None): a cancel still returns within a second, and the
-    caller's event loop never stops (a thread stuck in a constructor is not joined on it)."""
+    """No deadline at all (build_timeout_s=None): a cancel still returns while the build is
+    hung, and the caller's event loop never stops (a thread stuck in a constructor is not joined
+    on it). The build stays hung until this test ends (``RELEASE``, at teardown; a worker or the
+    probe's child is killed): a cancel or a loop that waited for it would never come back. The
+    waits below are bounded only to fail here, with a message, instead of at pytest's timeout."""
     cfg = _config(backend, faults={"build_timeout_s": None})
     task = asyncio.ensure_future(ebrl.run(ebrl.Trainer(lambda i: Hangs(i, "init", bad), MockPolicy(act_dim=3),
                                                        NoopAlgo(), cfg)))
-    ticks, gaps, last = 0, [], time.monotonic()
+    ticks = 0
     while not HUNG.is_set() and ticks < 2000:
         await asyncio.sleep(0.005)
         ticks += 1
     assert HUNG.is_set()
     await asyncio.sleep(0.3)
-    t0 = time.monotonic()
     task.cancel()
+    done, _ = await asyncio.wait([task], timeout=BOUND_S)
+    assert done, f"the cancel did not return in {BOUND_S:g} s: it waited for the hung build"
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert time.monotonic() - t0 < 2.0
-    for _ in range(20):  # the loop still turns
-        await asyncio.sleep(0.001)
-        gaps.append(time.monotonic() - last)
-        last = time.monotonic()
-    assert max(gaps[1:]) < 0.5
+
+    async def turns():  # the loop still turns
+        for _ in range(20):
+            await asyncio.sleep(0.001)
+
+    await asyncio.wait_for(turns(), BOUND_S)
+
+
+class HeldUpdate(NoopAlgo):
+    """An update that lasts until the test ends (``RELEASE``; ``BOUND_S`` in a learner process,
+    which has its own copy of it, unless killed first), and says when it returns."""
+
+    def update(self, policy, batch):
+        RELEASE.wait(BOUND_S)
+        UPDATE_RETURNED.set()
+        return super().update(policy, batch)
+
+
+UPDATE_RETURNED = multiprocessing.Event()
+BOUND_S = 30.0  # a wait for what must happen at once: the margin no load eats, only to fail with a message
 
 
 @pytest.mark.parametrize("mode", ["thread", "process"])
 def test_an_update_past_update_timeout_s_ends_the_run_with_one_learner_error(mode):
+    UPDATE_RETURNED.clear()
     cfg = _config("thread", faults={"update_timeout_s": 0.5}, learner=mode)
-    trainer = ebrl.Trainer(lambda i: MockEnv(dim=3), MockPolicy(act_dim=3), NoopAlgo(sleep_s=4.0), cfg)
+    trainer = ebrl.Trainer(lambda i: MockEnv(dim=3), MockPolicy(act_dim=3), HeldUpdate(), cfg)
     t0 = time.monotonic()
     with pytest.raises(LearnerError, match=r"faults.update_timeout_s=0.5 s"):
         ebrl.run_sync(trainer)
-    assert time.monotonic() - t0 < 4.0  # the learner's thread, left with its update, ends before teardown's check
+    # the run ended while its update was still held: it did not wait for the update (the
+    # learner's thread, left with it, returns at teardown; a learner process is killed)
+    assert not UPDATE_RETURNED.is_set()
+    assert time.monotonic() - t0 >= 0.5  # given its deadline, not less
