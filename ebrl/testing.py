@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import math
 import time
@@ -33,7 +34,7 @@ from ebrl.runtime.virtual_time import VirtualTimeLoop
 from ebrl.spaces import batch_size
 
 __all__ = ["Latency", "LatencyMode", "MockEnv", "MockPolicy", "NoopAlgo", "VersionedPolicy", "VirtualTimeLoop",
-           "mock_vector_env", "run_virtual"]
+           "mock_vector_env", "run_virtual", "torch_threads"]
 
 
 class LatencyMode(enum.StrEnum):
@@ -356,6 +357,33 @@ def run_virtual(trainer, **kwargs):
 
     with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
         return runner.run(run(trainer, **kwargs))
+
+
+@contextlib.contextmanager
+def torch_threads(n: int = 1):
+    """torch on ``n`` intra-op threads inside the block, the caller's count back after it.
+
+    A run under :func:`run_virtual` repeats bit for bit on one machine, but torch's kernels round
+    differently on another thread count (a matrix product's sums split across threads), and RL
+    carries a last-bit difference into a different policy: a learning test trains and evaluates
+    on one thread, whatever the machine's cores (``RunConfig.torch_threads`` only covers the run).
+
+        >>> import torch
+        >>> before = torch.get_num_threads()
+        >>> with torch_threads(1):
+        ...     torch.get_num_threads()
+        1
+        >>> torch.get_num_threads() == before
+        True
+    """
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 def save_random_hf_model(path, *, kind: str = "llama", hidden: int = 32, layers: int = 2, heads: int = 4,

@@ -54,7 +54,14 @@ def _mlp(in_dim: int, hidden: Sequence[int], out_dim: int, act: type[nn.Module],
 
 
 def _init(layer: nn.Linear, gain: float, gen: torch.Generator) -> nn.Linear:
-    nn.init.orthogonal_(layer.weight, gain, generator=gen)
+    # on one thread: the orthogonal init's QR (LAPACK) rounds differently on two threads than on
+    # one, so the "same seed" gave other initial weights wherever torch had another thread count
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        nn.init.orthogonal_(layer.weight, gain, generator=gen)
+    finally:
+        torch.set_num_threads(old)
     nn.init.zeros_(layer.bias)
     return layer
 
