@@ -37,7 +37,7 @@ import importlib.util
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import gymnasium as gym
@@ -103,6 +103,7 @@ WORKLOADS = {
                          ppo=(("gamma", 0.8),), stop_at_threshold=True),
 }
 DEFAULT_WORKLOADS = ("longtail", "halfcheetah", "fetchreach")
+QUICK_ENVS = 4  # --quick is a smoke test: a real simulator's 16 builds per run cost more than its steps
 TARGETS = {"longtail: async/sync": 2.5, "halfcheetah: async/sync": 1.5, "halfcheetah: async/cleanrl": 1.3,
            "pushcube: async/sync": 1.0}  # time to the threshold: async learns at least as fast per second
 
@@ -208,10 +209,13 @@ def _plot(case: str, rows: list[dict], w: Workload, out_dir: Path) -> str | None
     return path.name
 
 
-def measure_run(workload: str, runner: str, seed: int, steps: int) -> dict:
+def measure_run(workload: str, runner: str, seed: int, steps: int, num_envs: int | None = None) -> dict:
     """One run, ``{"curve": [...], "out": {...}}``: what a fresh process
-    (``call_fresh("suite:convergence:measure_run", ...)``) computes."""
+    (``call_fresh("suite:convergence:measure_run", ...)``) computes; ``num_envs``: the workload's
+    own unless given."""
     w = WORKLOADS[workload]
+    if num_envs is not None:
+        w = replace(w, num_envs=num_envs)
     if runner == "cleanrl":
         curve, out = _run_cleanrl(w, seed, steps, w.max_s)
     else:
@@ -236,7 +240,8 @@ def run(quick: bool, workloads: tuple[str, ...] | None = None, out_dir: Path | N
         for seed in seeds:
             for runner in w.runners:
                 t0 = time.perf_counter()
-                args = {"workload": case, "runner": runner, "seed": seed, "steps": steps}
+                args = {"workload": case, "runner": runner, "seed": seed, "steps": steps,
+                        "num_envs": min(w.num_envs, QUICK_ENVS) if quick else w.num_envs}
                 one = measure_run(**args) if in_process else call_fresh("suite:convergence:measure_run", args)
                 curve, out = one["curve"], one["out"]
                 hit = _reached(curve, w.threshold)
