@@ -304,19 +304,30 @@ def test_weight_hash_changes_with_any_weight():
 
 
 def test_the_ray_launcher_runs_two_ranks_on_a_local_ray(tmp_path):
-    """Ray's start, its two actors and the ranks' imports cost what they cost (tens of seconds on a
-    busy 2-core machine); the job itself is small (128 steps a rank: two updates' worth), its envs
-    stepped inline (no probe child, no lane threads): the launcher is what is under test."""
+    """Ray's start and the ranks' imports cost what they cost (tens of seconds on a busy 2-core
+    machine), so the rest is kept small. The launcher's module is loaded alone, by its path, and
+    its actor class goes to Ray by value: ``import ebrl.launch`` would import the package (torch:
+    seconds of CPU) in the launching process and again in each actor, which only start a rank.
+    The ranks run ``python -m ebrl train`` as always, on a small job (128 steps a rank: two
+    updates' worth) whose envs step inline (no probe child, no lane threads)."""
     pytest.importorskip("ray")
+    launch = Path(__file__).resolve().parent.parent / "ebrl" / "launch.py"
     code = textwrap.dedent(f'''
-        import sys
-        from ebrl.launch import launch_ray
-        sys.exit(launch_ray(None, 2, ["train", "--quiet", "--log-dir", {str(tmp_path)!r}, *{MOCK!r},
-                                      "--set", "run.total_env_steps=256", "--set", 'run.sim={{backend="inline"}}'],
-                            ray_init={{"num_cpus": 2}}))
+        import importlib.util, sys
+        import ray.cloudpickle
+        spec = importlib.util.spec_from_file_location("ebrl_launch_alone", {str(launch)!r})
+        launch = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = launch
+        spec.loader.exec_module(launch)
+        ray.cloudpickle.register_pickle_by_value(launch)  # the actors need not import it, nor ebrl
+        assert "torch" not in sys.modules
+        sys.exit(launch.launch_ray(None, 2, ["train", "--quiet", "--log-dir", {str(tmp_path)!r}, *{MOCK!r},
+                                             "--set", "run.total_env_steps=256", "--set", 'run.sim={{backend="inline"}}'],
+                                   ray_init={{"num_cpus": 2}}))
     ''')
     # under the test's own timeout (pytest's 120 s), so that a slow start fails this test, not its xdist worker
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110,
+                         env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     assert out.returncode == 0, out.stderr[-3000:]
     r = result(tmp_path)
     assert r["world_size"] == 2 and r["env_steps"] == 256 and [x["env_steps"] for x in r["ranks"]] == [128, 128]
