@@ -195,3 +195,35 @@ def test_env_is_a_gymnasium_env_built_lazily():
     with pytest.raises(RuntimeError, match="step before reset"):
         env.step(np.zeros(7))
     env.close()
+
+
+def test_envs_built_at_once_in_threads_leave_stdout_as_it_was():
+    """Two lane threads building LIBERO envs at once, leaving in the order that made
+    contextlib.redirect_stdout restore the other's buffer: stdout must come back all the same
+    (it stayed swallowed, and `ebrl bench libero`'s last line went nowhere)."""
+    import sys
+    import threading
+
+    from ebrl.envs.libero import quiet_stdout
+
+    before = sys.stdout
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+
+    def first():
+        with quiet_stdout():
+            first_in.set()
+            second_in.wait(10)
+        first_out.set()
+
+    def second():
+        first_in.wait(10)
+        with quiet_stdout():
+            second_in.set()
+            first_out.wait(10)
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert first_out.is_set() and sys.stdout is before

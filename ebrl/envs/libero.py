@@ -36,7 +36,9 @@ import json
 import math
 import os
 import shutil
+import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,12 +134,45 @@ def locate(assets: str | os.PathLike | None = None) -> LiberoFiles:
     return LiberoFiles(*(Path(get_libero_path(k)) for k in ("bddl_files", "init_states", "assets")))
 
 
+_quiet_lock = threading.Lock()
+_quiet_depth = 0
+_quiet_saved: Any = None
+
+
+@contextlib.contextmanager
+def quiet_stdout():
+    """LIBERO's prints kept off stdout. ``sys.stdout`` is one for the whole process: envs built at
+    once in lane threads, each swapping it with ``contextlib.redirect_stdout``, restore each
+    other's buffers out of order and can leave stdout swallowed for good. One swap serves all the
+    threads inside; the last to leave puts stdout back.
+
+        >>> import sys
+        >>> before = sys.stdout
+        >>> with quiet_stdout():
+        ...     print("not shown")
+        >>> sys.stdout is before
+        True
+    """
+    global _quiet_depth, _quiet_saved
+    with _quiet_lock:
+        if _quiet_depth == 0:
+            _quiet_saved, sys.stdout = sys.stdout, io.StringIO()
+        _quiet_depth += 1
+    try:
+        yield
+    finally:
+        with _quiet_lock:
+            _quiet_depth -= 1
+            if _quiet_depth == 0:
+                sys.stdout, _quiet_saved = _quiet_saved, None
+
+
 def _benchmarks() -> dict[str, Any]:
     """LIBERO's benchmark classes by suite name (its import and task-order messages kept off stdout)."""
     from ebrl.envs.pixels import ensure_gl
 
     ensure_gl()  # robosuite picks its OpenGL backend from MUJOCO_GL at import
-    with contextlib.redirect_stdout(io.StringIO()):
+    with quiet_stdout():
         from libero.libero import benchmark
     return benchmark.get_benchmark_dict()
 
@@ -149,7 +184,7 @@ def _suite(name: str, known: dict[str, Any]) -> Any:
         hint = did_you_mean(full, known, n=3, cutoff=0.5)
         raise ValueError(f"unknown LIBERO suite {name!r}{hint} (suites: {', '.join(SUITES)}, and the installed "
                          f"benchmark's {len(known) - len(SUITES)} others)")
-    with contextlib.redirect_stdout(io.StringIO()):
+    with quiet_stdout():
         return known[full]()
 
 
@@ -249,7 +284,7 @@ def _build(env_kwargs: dict[str, Any], *, render: bool) -> Any:
     (Object sensors stay on: LIBERO's ``_setup_observables`` fails with ``use_object_obs=False``.)"""
     from libero.libero.envs.env_wrapper import ControlEnv, OffScreenRenderEnv
 
-    with contextlib.redirect_stdout(io.StringIO()):
+    with quiet_stdout():
         if render:
             return OffScreenRenderEnv(**env_kwargs)
         return ControlEnv(has_renderer=False, has_offscreen_renderer=False, use_camera_obs=False, **env_kwargs)
