@@ -325,9 +325,12 @@ def test_the_ray_launcher_runs_two_ranks_on_a_local_ray(tmp_path):
                                              "--set", "run.total_env_steps=256", "--set", 'run.sim={{backend="inline"}}'],
                                    ray_init={{"num_cpus": 2}}))
     ''')
+    # Ray starts its workers at nice 15 (RAY_worker_niceness), and a rank is a child of one: beside
+    # a busy machine's processes at nice 0 the ranks got a few percent of a core, and the job took
+    # minutes. Here they run at the priority the rest of the test suite runs at.
+    env = {**os.environ, "RAY_worker_niceness": "0", "RAY_USAGE_STATS_ENABLED": "0"}
     # under the test's own timeout (pytest's 120 s), so that a slow start fails this test, not its xdist worker
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110,
-                         env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=110, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     r = result(tmp_path)
     assert r["world_size"] == 2 and r["env_steps"] == 256 and [x["env_steps"] for x in r["ranks"]] == [128, 128]
