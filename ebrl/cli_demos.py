@@ -41,8 +41,8 @@ def cmd_collect(args: argparse.Namespace) -> int:
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
-    from ebrl.runs import build_spec, build_trainer
     from ebrl.demos import read_lerobot
+    from ebrl.runs import build_spec, build_trainer
     from ebrl.runtime.env_facts import EnvFacts
     from ebrl.sft import SFTConfig, save_sft, sft
     from ebrl.telemetry.metrics import MetricsLog
@@ -103,6 +103,32 @@ def _override(spec: dict[str, Any], item: str) -> dict[str, Any]:
 
 def _print_epoch(epoch: int, train: float, val: float) -> None:
     print(f"epoch {epoch}: loss {train:.4f}" + ("" if math.isnan(val) else f", held out {val:.4f}"), flush=True)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """``ebrl export RUN --format lerobot|transformers --out DIR``: the run's policy, trained
+    weights merged, in a layout other tools load (:mod:`ebrl.policies.lerobot_pi0`)."""
+    from ebrl.policies.lerobot_pi0 import save_lerobot, save_transformers
+    from ebrl.policies.pi0 import PI0Policy
+    from ebrl.runs import load_run, read_spec
+
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError("--out", args.out, "exists and is not empty: export writes a new directory")
+    try:
+        spec = read_spec(args.run)
+    except FileNotFoundError as exc:
+        raise ConfigError("run", args.run, str(exc)) from None
+    try:
+        spec, trainer = load_run(args.run, {"run": {**spec.get("run", {}), "sim": {}}})
+    except ValueError as exc:
+        raise ConfigError("run", args.run, str(exc)) from None
+    if not isinstance(trainer.policy, PI0Policy):
+        raise ConfigError("run", args.run, f"holds a {type(trainer.policy).__name__}; ebrl export writes π0 / π0.5 "
+                                           "policies (policy.kind=hf on a π0 checkpoint)")
+    written = (save_lerobot if args.format == "lerobot" else save_transformers)(trainer.policy, out)
+    print(f"wrote {written} ({args.format} layout)")
+    return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -188,3 +214,11 @@ def add_parsers(sub) -> None:
     e.add_argument("--json", action="store_true", help="one JSON object with the result on the last line")
     e.add_argument("--seed-offset", type=int, default=0, help="start from EVAL_SEED + this")
     e.set_defaults(fn=cmd_eval)
+    x = sub.add_parser("export", help="write a trained π0 / π0.5 as a LeRobot policy folder or in "
+                                      "transformers' layout")
+    x.add_argument("run", help="an ebrl train run directory or an ebrl sft output")
+    x.add_argument("--format", choices=("lerobot", "transformers"), default="lerobot",
+                   help="lerobot: for lerobot-record / lerobot-eval on the robot (default); transformers: "
+                        "PI0ForConditionalGeneration plus its processor")
+    x.add_argument("--out", required=True, help="a new directory")
+    x.set_defaults(fn=cmd_export)

@@ -435,29 +435,14 @@ PI0_SENTENCES = ("pick up the red block", "open the drawer and reach the target"
                  *(f"reach the {c} target" for c in REACH_COLOURS))
 
 
-def pil_pi0_image_processor(**settings: Any):
-    """transformers' ``PI0ImageProcessor`` (resize to fit, rescale, normalise, pad) on the PIL
-    backend: the image processor's own definition, which runs without torchvision (its torchvision
-    backend does not import here). ``settings`` override its defaults (``size``, ``pad_size``,
-    ``image_seq_length``, ...). For tests and :func:`save_random_pi0`; needs PIL."""
-    from transformers.image_processing_backends import PilBackend
-    from transformers.models.pi0.image_processing_pi0 import PI0ImageProcessor
-
-    # the class attributes are PI0ImageProcessor's; the name saves as "PI0ImageProcessor" (PilBackend drops "Pil")
-    attrs = {k: getattr(PI0ImageProcessor, k) for k in (
-        "resample", "image_mean", "image_std", "size", "default_to_square", "do_resize", "do_rescale",
-        "do_normalize", "do_convert_rgb", "image_seq_length", "pad_size", "do_pad")}
-    cls = type("PI0ImageProcessorPil", (PilBackend,), attrs)
-    return cls(**settings)
-
-
 def save_random_pi0(path, *, kind: str = "pi0", state_dim: int = 4, action_dim: int = 3, chunk_size: int = 4,
                     cameras: int = 1, image_size: int = 16, patch_size: int = 8, max_dim: int = 8,
                     hidden: int = 32, expert_hidden: int = 24, layers: int = 2, heads: int = 2, head_dim: int = 16,
                     num_steps: int = 3, sentences: tuple[str, ...] = PI0_SENTENCES, state_mean: Any = 0.0,
                     state_std: Any = 1.0, action_mean: Any = 0.0, action_std: Any = 0.5, quantile_stats: bool = False,
                     initializer_range: float = 0.02, seed: int = 0, full_size: bool = False,
-                    device: str = "cpu", dtype: Any = None):
+                    device: str = "cpu", dtype: Any = None, layout: str = "transformers", tokenizer_dir: Any = None,
+                    norm_modes: Any = None, camera_names: Any = None, empty_cameras: int = 0):
     """Write a tiny random π0 (``kind="pi0"``) or π0.5 (``"pi05"``) to ``path`` as transformers
     saves one, built from configs (nothing is downloaded): ``config.json`` and the weights of a
     ``PI0ForConditionalGeneration`` / ``PI05ForConditionalGeneration`` with a Gemma language model
@@ -476,6 +461,14 @@ def save_random_pi0(path, *, kind: str = "pi0", state_dim: int = 4, action_dim: 
     small tokenizer's), built on ``device`` in ``dtype``: what ``bench/gpu_pi0.py`` times on a GPU
     when no real checkpoint is at hand. ``cameras`` is only checked: π0 reads any number of cameras,
     which nothing in the directory records. Build and one sample take well under a second.
+
+    ``layout="lerobot"`` writes the same model as a LeRobot policy folder instead
+    (:mod:`ebrl.policies.lerobot_pi0`), its tokenizer in ``tokenizer_dir`` (a LeRobot folder holds
+    none): features ``observation.images.<name>`` for ``camera_names`` (default ``image``, then
+    ``image1``, ...) at ``image_size``, ``observation.state`` and ``action``; ``norm_modes``
+    (``{"STATE": mode, "ACTION": mode}``, LeRobot's defaults for the kind otherwise) with every
+    statistic LeRobot's datasets keep (``min``/``max`` and ``q01``/``q99`` = mean -/+ 2 std,
+    ``q10``/``q90`` = mean -/+ 1.28 std); ``empty_cameras``; the Gemma variants only at full size.
     Returns the model. Needs transformers and PIL."""
     from pathlib import Path
 
@@ -484,9 +477,14 @@ def save_random_pi0(path, *, kind: str = "pi0", state_dim: int = 4, action_dim: 
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    from ebrl.policies.pi0 import pil_pi0_image_processor
+
     if kind not in ("pi0", "pi05"):
         raise ValueError(f"save_random_pi0 kind={kind!r}: must be 'pi0' or 'pi05'")
-    if not (1 <= state_dim <= max_dim and 1 <= action_dim <= max_dim and chunk_size >= 1 and cameras >= 1):
+    if layout not in ("transformers", "lerobot") or (layout == "lerobot") != (tokenizer_dir is not None):
+        raise ValueError(f"save_random_pi0 layout={layout!r}: 'transformers', or 'lerobot' with tokenizer_dir")
+    if not (1 <= state_dim <= max_dim and 1 <= action_dim <= max_dim and chunk_size >= 1
+            and (cameras >= 1 or camera_names is not None)):
         raise ValueError(f"save_random_pi0: need 1 <= state_dim, action_dim <= max_dim={max_dim}, chunk_size >= 1 "
                          f"and cameras >= 1, got {state_dim}, {action_dim}, {chunk_size}, {cameras}")
     if image_size % patch_size:
@@ -529,7 +527,9 @@ def save_random_pi0(path, *, kind: str = "pi0", state_dim: int = 4, action_dim: 
             "num_attention_heads": heads, "num_key_value_heads": 1, "head_dim": head_dim, "vocab_size": vocab,
             "initializer_range": initializer_range}
     vision = {"model_type": "siglip_vision_model", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
-              "num_attention_heads": 2, "image_size": image_size, "patch_size": patch_size, "vision_use_head": False}
+              # LeRobot's π0 always builds SigLIP So400m's 16 heads: a LeRobot folder records no head count
+              "num_attention_heads": 16 if layout == "lerobot" else 2, "image_size": image_size,
+              "patch_size": patch_size, "vision_use_head": False}
     vlm = {"model_type": "paligemma", "text_config": text, "vision_config": vision, "projection_dim": hidden,
            "image_token_id": processor.image_token_id, "vocab_size": vocab}
     # the expert shares the language model's attention (its keys and values): same layers, heads, head_dim
@@ -553,6 +553,47 @@ def save_random_pi0(path, *, kind: str = "pi0", state_dim: int = 4, action_dim: 
             for module in model.modules():
                 if type(module).__name__ == "PI05AdaptiveRMSNorm":
                     torch.nn.init.normal_(module.dense.weight, 0.0, 0.3)
+    if layout == "lerobot":
+        _save_lerobot_pi0(path, kind, model, processor.tokenizer, tokenizer_dir, state_dim=state_dim,
+                          action_dim=action_dim, image_size=image_size, stats=(state_mean, state_std, action_mean,
+                                                                               action_std),
+                          norm_modes=norm_modes,
+                          camera_names=([f"image{i or ''}" for i in range(cameras)] if camera_names is None
+                                        else camera_names),
+                          empty_cameras=empty_cameras, max_dim=max_dim)
+        return model
     model.save_pretrained(path)
     processor.save_pretrained(path)
     return model
+
+
+def _save_lerobot_pi0(path, kind, model, tokenizer, tokenizer_dir, *, state_dim, action_dim, image_size, stats,
+                      norm_modes, camera_names, empty_cameras, max_dim):
+    """``save_random_pi0(layout="lerobot")``'s folder."""
+    from pathlib import Path
+
+    import torch
+
+    from ebrl.policies.lerobot_pi0 import (ACTION, DEFAULT_NORMALIZATION, OBS_IMAGES, OBS_STATE, lerobot_config,
+                                           write_folder)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    modes = {**DEFAULT_NORMALIZATION[kind], **(norm_modes or {})}
+
+    def all_stats(mean, std, n):
+        m = torch.as_tensor(np.broadcast_to(np.asarray(mean, np.float32), (n,)).copy())
+        s = torch.as_tensor(np.broadcast_to(np.asarray(std, np.float32), (n,)).copy())
+        return {"mean": m, "std": s, "min": m - 2 * s, "max": m + 2 * s, "q01": m - 2 * s, "q99": m + 2 * s,
+                "q10": m - 1.28 * s, "q90": m + 1.28 * s}
+
+    state_mean, state_std, action_mean, action_std = stats
+    inputs = {f"{OBS_IMAGES}.{name}": {"type": "VISUAL", "shape": [3, image_size, image_size]} for name in camera_names}
+    inputs.update({f"{OBS_IMAGES}.empty_camera_{i}": {"type": "VISUAL", "shape": [3, image_size, image_size]}
+                   for i in range(empty_cameras)})
+    inputs[OBS_STATE] = {"type": "STATE", "shape": [state_dim]}
+    config = lerobot_config(kind, model.config, inputs, {ACTION: {"type": "ACTION", "shape": [action_dim]}},
+                            state_mode=modes["STATE"], action_mode=modes["ACTION"], max_state_dim=max_dim)
+    config["empty_cameras"] = int(empty_cameras)
+    write_folder(path, config, model.state_dict(), {OBS_STATE: all_stats(state_mean, state_std, state_dim),
+                                                    ACTION: all_stats(action_mean, action_std, action_dim)})
+    tokenizer.save_pretrained(str(tokenizer_dir))

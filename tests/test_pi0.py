@@ -24,8 +24,8 @@ pytest.importorskip("PIL")
 
 from ebrl.algos import GRPO, PPO, Batch
 from ebrl.policies.base import acting_copy
-from ebrl.policies.pi0 import ImageSettings, PI0Policy, preprocess_images
-from ebrl.testing import pil_pi0_image_processor, save_random_pi0
+from ebrl.policies.pi0 import ImageSettings, PI0Policy, pil_pi0_image_processor, preprocess_images
+from ebrl.testing import save_random_pi0
 
 pytestmark = pytest.mark.usefixtures("hf_offline")  # conftest: sockets refused, the hub offline
 torch.set_num_threads(1)

@@ -38,11 +38,11 @@ def test_groups_share_every_reset_and_segments_are_episodes(backend):
         ends, inner_ends = done[np.arange(len(lengths)), lengths - 1], done & (np.arange(done.shape[1]) < lengths[:, None] - 1)
         groups, first_obs = b.group.numpy(), b.obs[:, 0].numpy()
         assert not inner_ends.any()  # no episode end inside a segment: each one ends at its last step
-        started = groups >= 0
-        assert started.any()
+        started = groups >= 0  # a batch may hold only rows cut for lag on a busy machine: counted over all, below
         for g, o, e, n in zip(groups[started], first_obs[started], ends[started], lengths[started]):
             assert n <= 6 and (e or n < 6)  # a whole episode, or the part before a cut for lag
             firsts.setdefault(int(g), []).append(o)
+    assert firsts  # segments that start at a reset
     shared = [obs for obs in firsts.values() if len(obs) > 1]
     assert len(shared) >= 10  # episodes after the first: the seeds written for the autoresets
     for obs in shared:  # one seed, one start: MockEnv's first target is drawn from the reset's seed

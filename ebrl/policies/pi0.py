@@ -132,12 +132,12 @@ from ebrl.policies.hf_backbone import (
     wrap_lora,
 )
 from ebrl.policies.mlp import _mlp
+from ebrl.policies.normalization import FeatureNorm, NormalizationMode
 
 OWNER = "PI0Policy"
 PROCESSOR_CONFIG = "processor_config.json"
 METHODS = ("flow-noise", "flow-sde", "ode")
 IMAGE_TOKEN = "<image>"
-NORM_EPS = 1e-8  # the processor's: (x - mean) / (std + 1e-8)
 # PIL's resampling filters (PILImageResampling) -> torch's interpolation modes
 RESAMPLE = {0: "nearest-exact", 2: "bilinear", 3: "bicubic"}
 
@@ -223,6 +223,9 @@ class ImageSettings:
             return int(self.pad_size["height"]), int(self.pad_size["width"])
         return h, w
 
+    def preprocess(self, frames: Tensor) -> Tensor:
+        return preprocess_images(frames, self)
+
 
 def preprocess_images(frames: Tensor, settings: ImageSettings) -> Tensor:
     """``uint8`` frames ``[N, C, H, W]`` (C = 3, or 1 for grey) -> ``float32 [N, 3, H', W']``
@@ -268,6 +271,97 @@ def preprocess_images(frames: Tensor, settings: ImageSettings) -> Tensor:
                              f"processor's pad_size {out_h}x{out_w}")
         x = F.pad(x, (0, out_w - new[1], 0, out_h - new[0]))
     return x
+
+
+@dataclasses.dataclass(frozen=True)
+class LeRobotImages:
+    """What LeRobot's π0 / π0.5 do to a camera frame (``PI0Policy._preprocess_images``): ``uint8``
+    to ``[0, 1]``, and where the frame is not ``resolution`` already, openpi's
+    ``resize_with_pad_torch`` (bilinear without antialiasing, the aspect kept, centred, padded
+    with -1), then ``x * 2 - 1``."""
+
+    resolution: tuple[int, int]
+    image_seq_length: int
+
+    def output_size(self, height: int, width: int) -> tuple[int, int]:
+        return tuple(int(v) for v in self.resolution)
+
+    def preprocess(self, frames: Tensor) -> Tensor:
+        if frames.shape[1] == 1:
+            frames = frames.expand(-1, 3, -1, -1)
+        x = frames.float() / 255.0
+        height, width = self.output_size(*x.shape[-2:])
+        h, w = x.shape[-2:]
+        if (h, w) != (height, width):
+            ratio = max(w / width, h / height)
+            new_h, new_w = int(h / ratio), int(w / ratio)
+            x = F.interpolate(x, size=(new_h, new_w), mode="bilinear", align_corners=False).clamp(-1.0, 1.0)
+            top, left = (height - new_h) // 2, (width - new_w) // 2
+            x = F.pad(x, (left, width - new_w - left, top, height - new_h - top), value=-1.0)
+        return x * 2.0 - 1.0
+
+
+@dataclasses.dataclass
+class Processing:
+    """What a checkpoint's processor files say: how a camera frame becomes pixels, the state's
+    and the actions' normalisation, the size the state is padded to and the prompt's length.
+    :meth:`from_transformers` reads transformers' ``processor_config.json``;
+    :func:`ebrl.policies.lerobot_pi0.read_processing` LeRobot's processor pipelines."""
+
+    images: ImageSettings | LeRobotImages
+    state: FeatureNorm
+    actions: FeatureNorm
+    max_state_dim: int
+    max_length: int
+    bins_padded: bool = False  # π0.5's prompt bins the state padded to max_state_dim (LeRobot) or as it is
+
+    @classmethod
+    def from_transformers(cls, processor_config: Mapping[str, Any], model_config: Any) -> Processing:
+        """``PI0Processor`` / ``PI05Processor``'s settings: ``(x - mean) / (std + 1e-8)``, or π0.5's
+        quantiles ``2 (x - q01) / (q99 - q01) - 1`` where it has them."""
+        from transformers import PI0Processor, PI05Processor
+
+        kind = model_config.model_type
+        norms = {}
+        for feature in ("state", "actions"):
+            get = processor_config.get
+            if kind == "pi05" and get(f"{feature}_q01") is not None and get(f"{feature}_q99") is not None:
+                norms[feature] = FeatureNorm(NormalizationMode.QUANTILES, {"q01": get(f"{feature}_q01"),
+                                                                           "q99": get(f"{feature}_q99")})
+            elif get(f"{feature}_mean") is not None and get(f"{feature}_std") is not None:
+                norms[feature] = FeatureNorm(NormalizationMode.MEAN_STD, {"mean": get(f"{feature}_mean"),
+                                                                          "std": get(f"{feature}_std")})
+            else:
+                stats = f"{feature}_mean and {feature}_std" + (f" (or {feature}_q01 and {feature}_q99)"
+                                                                if kind == "pi05" else "")
+                raise ValueError(f"{OWNER}: {PROCESSOR_CONFIG} has no {stats}: the statistics of the dataset the "
+                                 f"checkpoint was trained on, which the {feature} are normalised with")
+        max_state_dim = int(processor_config.get("max_state_dim") or getattr(model_config, "max_state_dim", 32))
+        if kind == "pi0" and max_state_dim != int(model_config.max_state_dim):
+            raise ValueError(f"{OWNER}: {PROCESSOR_CONFIG} pads the state to {max_state_dim}, the model reads "
+                             f"{model_config.max_state_dim}")
+        processor_cls = PI0Processor if kind == "pi0" else PI05Processor
+        return cls(images=ImageSettings.from_config(processor_config.get("image_processor") or {}),
+                   state=norms["state"], actions=norms["actions"], max_state_dim=max_state_dim,
+                   max_length=int(processor_cls.text_kwargs.get("max_length", 48 if kind == "pi0" else 200)))
+
+
+def pil_pi0_image_processor(**settings: Any):
+    """transformers' ``PI0ImageProcessor`` (resize to fit, rescale, normalise, pad) on the PIL
+    backend: the image processor's own definition, which runs without torchvision (its torchvision
+    backend does not import here). ``settings`` override its defaults (``size``, ``pad_size``,
+    ``image_seq_length``, ...): what :func:`~ebrl.policies.lerobot_pi0.save_transformers` saves, and the
+    tests' reference. Needs PIL."""
+    from transformers.image_processing_backends import PilBackend
+    from transformers.models.pi0.image_processing_pi0 import PI0ImageProcessor
+
+    # the class attributes are PI0ImageProcessor's; the name saves as "PI0ImageProcessor" (PilBackend drops "Pil")
+    attrs = {k: getattr(PI0ImageProcessor, k) for k in (
+        "resample", "image_mean", "image_std", "size", "default_to_square", "do_resize", "do_rescale",
+        "do_normalize", "do_convert_rgb", "image_seq_length", "pad_size", "do_pad")}
+    cls = type("PI0ImageProcessorPil", (PilBackend,), attrs)
+    return cls(**settings)
+
 
 
 # ---- the prefix cache: keys and values of the VLM, read by every expert pass -----------------
@@ -322,7 +416,7 @@ class PI0Policy(FrozenModes):
 
     deterministic: bool = False  # True: act() gives the mode (the ODE from zero noise)
 
-    def __init__(self, model: nn.Module, tokenizer: Any, processor_config: Mapping[str, Any], *,
+    def __init__(self, model: nn.Module, tokenizer: Any, processing: Processing, *,
                  obs_layout: ObsLayout, action_low, action_high, execute: int,
                  instruction: str | Sequence[str] | None = None, instruction_classes: tuple[int, int] | None = None,
                  method: str = "flow-noise", denoise_steps: int | None = None, noise_level: float = 0.5,
@@ -377,7 +471,7 @@ class PI0Policy(FrozenModes):
             "dtype": str(dtype), "seed": self.seed}
 
         # ---- the processor's settings: statistics, prompt, images
-        self.images = ImageSettings.from_config(processor_config.get("image_processor") or {})
+        self.images = processing.images
         vision = cfg.vlm_config.vision_config
         tokens = (int(vision.image_size) // int(vision.patch_size)) ** 2
         if self.images.image_seq_length != tokens:
@@ -392,15 +486,12 @@ class PI0Policy(FrozenModes):
         state = dataclasses.replace(obs_layout, images=())
         self.state_reader = ObsEncoder(state, normalize=False, owner=OWNER)  # no parameters, no buffers
         self.state_dim = state.flat_dim
-        self.max_state_dim = int(processor_config.get("max_state_dim") or getattr(cfg, "max_state_dim", 32))
-        if self.kind == "pi0" and self.max_state_dim != int(cfg.max_state_dim):
-            raise ValueError(f"{OWNER}: processor_config.json pads the state to {self.max_state_dim}, the model "
-                             f"reads {cfg.max_state_dim}")
+        self.max_state_dim, self.bins_padded = int(processing.max_state_dim), bool(processing.bins_padded)
         if self.state_dim > self.max_state_dim:
             raise ValueError(f"{OWNER}: the observation's state has {self.state_dim} elements "
                              f"({[e.key for e in state.entries]}), the model at most {self.max_state_dim}: "
                              "choose the entries with state_keys")
-        self._register_stats(processor_config)
+        self._set_norms(processing.state, processing.actions)
 
         # ---- the tokenizer as the processor leaves it, and the prompts
         self.tokenizer = _processor_tokenizer(tokenizer)
@@ -408,10 +499,7 @@ class PI0Policy(FrozenModes):
         if image_id != cfg.vlm_config.image_token_id:
             raise ValueError(f"{OWNER}: the tokenizer's {IMAGE_TOKEN} is id {image_id}, the model's image_token_id "
                              f"{cfg.vlm_config.image_token_id}")
-        from transformers import PI0Processor, PI05Processor
-
-        processor_cls = PI0Processor if self.kind == "pi0" else PI05Processor
-        self.max_length = int(processor_cls.text_kwargs.get("max_length", 48 if self.kind == "pi0" else 200))
+        self.max_length = int(processing.max_length)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.image_prefix = IMAGE_TOKEN * self.images.image_seq_length * len(obs_layout.images)
         self.texts = [""] if instruction is None else [instruction] if isinstance(instruction, str) else [
@@ -470,12 +558,20 @@ class PI0Policy(FrozenModes):
                         instruction: str | Sequence[str] | None = None, instructions: Sequence[str] | None = None,
                         execute: int | None = None, dtype: str | torch.dtype = "float32",
                         image_keys: Sequence[str] | None = None, state_keys: Sequence[str] | None = None,
+                        feature_map: Mapping[str, str] | None = None, tokenizer: str | Path | None = None,
                         **options: Any) -> PI0Policy:
-        """Load the π0 / π0.5 checkpoint in the local directory ``path`` for these gymnasium spaces.
+        """Load the π0 / π0.5 checkpoint in the local directory ``path`` for these gymnasium spaces:
+        transformers' layout (``config.json`` with ``model_type``, ``processor_config.json``, the
+        tokenizer) or a LeRobot policy folder (``config.json`` with ``type``, the processor
+        pipelines; :mod:`ebrl.policies.lerobot_pi0`).
 
         ``observation_space``: cameras (``uint8`` Boxes, ``image_keys`` chooses and orders
         them), state (the other Box entries, or ``state_keys``) and, with a list of
-        instructions, the Discrete ``instruction`` entry that picks one per row.
+        instructions, the Discrete ``instruction`` entry that picks one per row. A LeRobot
+        folder's features name the entries (``observation.images.front`` reads ``front``,
+        ``observation.state`` reads ``state``); ``feature_map`` (``{feature: env key}``) says
+        otherwise. ``tokenizer``: a local tokenizer directory (a LeRobot folder has none; the
+        checkpoint's own otherwise).
         ``action_space``: a Box ``(A,)`` (one action per decision; ``execute=K`` makes it
         ``(K, A)``, which ``ebrl.run`` executes with :class:`~ebrl.envs.chunks.ActionChunk`) or
         ``(K, A)`` with ``K <= chunk_size``: the first ``K`` actions of each chunk are executed
@@ -489,7 +585,15 @@ class PI0Policy(FrozenModes):
         """
         from gymnasium import spaces
 
-        path = check_pi0_dir(path)  # first: a wrong path is named before transformers is imported
+        from ebrl.policies import lerobot_pi0
+
+        lerobot = lerobot_pi0.is_lerobot_policy(path)
+        # first: a wrong path is named before transformers is imported
+        folder = lerobot_pi0.LeRobotFolder.read(path) if lerobot else None
+        path = folder.path if lerobot else check_pi0_dir(path)
+        if feature_map is not None and not lerobot:
+            raise ValueError(f"{OWNER}: feature_map renames a LeRobot policy folder's features; {str(path)!r} is in "
+                             "transformers' layout: choose the entries with image_keys and state_keys")
         if instructions is not None:
             if instruction is not None:
                 raise ValueError(f"{OWNER}: give instruction= or instructions=, not both")
@@ -505,22 +609,32 @@ class PI0Policy(FrozenModes):
         elif execute is not None and execute != 1:  # chunks of `execute` actions of this Box (ActionChunk)
             low, high = np.broadcast_to(low, (execute, *low.shape)).copy(), np.broadcast_to(high, (execute,
                                                                                                  *high.shape)).copy()
+        if folder is not None:
+            image_keys, state_keys = folder.env_keys(observation_space, low.shape[-1], feature_map=feature_map,
+                                                     image_keys=image_keys, state_keys=state_keys)
         layout, classes = _read_spaces(observation_space, instruction, image_keys, state_keys)
 
         from transformers import AutoConfig, AutoTokenizer, PI0ForConditionalGeneration, PI05ForConditionalGeneration
 
-        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-        model_cls = {"pi0": PI0ForConditionalGeneration, "pi05": PI05ForConditionalGeneration}.get(config.model_type)
-        if model_cls is None:
-            raise ValueError(f"{OWNER}: {str(path)!r} holds a {config.model_type!r} model, not a π0 (pi0) or π0.5 "
-                             "(pi05)")
-        model = model_cls.from_pretrained(str(path), local_files_only=True, dtype=torch_dtype(dtype, OWNER))
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        processor_config = json.loads((path / PROCESSOR_CONFIG).read_text())
-        if "image_processor" not in processor_config and (path / "preprocessor_config.json").is_file():
-            # an older layout: the image processor's settings in a file of their own
-            processor_config["image_processor"] = json.loads((path / "preprocessor_config.json").read_text())
-        return cls(model, tokenizer, processor_config, obs_layout=layout, action_low=low, action_high=high,
+        torch_type = torch_dtype(dtype, OWNER)
+        if folder is not None:
+            tok = folder.tokenizer(tokenizer)
+            model, processing = folder.load(torch_type, tok)
+        else:
+            config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+            model_cls = {"pi0": PI0ForConditionalGeneration, "pi05": PI05ForConditionalGeneration}.get(
+                config.model_type)
+            if model_cls is None:
+                raise ValueError(f"{OWNER}: {str(path)!r} holds a {config.model_type!r} model, not a π0 (pi0) or "
+                                 "π0.5 (pi05)")
+            model = model_cls.from_pretrained(str(path), local_files_only=True, dtype=torch_type)
+            tok = AutoTokenizer.from_pretrained(str(tokenizer or path), local_files_only=True)
+            processor_config = json.loads((path / PROCESSOR_CONFIG).read_text())
+            if "image_processor" not in processor_config and (path / "preprocessor_config.json").is_file():
+                # an older layout: the image processor's settings in a file of their own
+                processor_config["image_processor"] = json.loads((path / "preprocessor_config.json").read_text())
+            processing = Processing.from_transformers(processor_config, model.config)
+        return cls(model, tok, processing, obs_layout=layout, action_low=low, action_high=high,
                    execute=int(execute or 1), instruction=instruction, instruction_classes=classes,
                    dtype=str(dtype).removeprefix("torch."), base_path=str(path.resolve()), **options)
 
@@ -529,49 +643,17 @@ class PI0Policy(FrozenModes):
         """:meth:`from_pretrained` with the spaces first, as the other policies' ``from_spaces``."""
         return cls.from_pretrained(path, observation_space, action_space, **options)
 
-    def _register_stats(self, processor_config: Mapping[str, Any]) -> None:
-        """The processor's statistics as buffers ``{feature}_offset`` and ``{feature}_span``:
-        ``(x - mean) / (std + 1e-8)``, or π0.5's quantiles ``2 (x - q01) / (q99 - q01) - 1``
-        (``self.quantile[feature]``), computed as the processor computes them."""
-        self.quantile: dict[str, bool] = {}
-        for feature in ("state", "actions"):
-            q01, q99 = processor_config.get(f"{feature}_q01"), processor_config.get(f"{feature}_q99")
-            mean, std = processor_config.get(f"{feature}_mean"), processor_config.get(f"{feature}_std")
-            self.quantile[feature] = self.kind == "pi05" and q01 is not None and q99 is not None
-            if feature == "state" and not self.state_dim:  # no state read: none to normalise
-                offset = span = torch.zeros(0)
-            elif self.quantile[feature]:
-                offset, q99 = torch.tensor(q01, dtype=torch.float32), torch.tensor(q99, dtype=torch.float32)
-                span = torch.where(q99 - offset == 0, 1e-08, q99 - offset)
-            elif mean is not None and std is not None:
-                offset, span = torch.tensor(mean, dtype=torch.float32), torch.tensor(std, dtype=torch.float32) + NORM_EPS
-            else:
-                stats = f"{feature}_mean and {feature}_std" + (f" (or {feature}_q01 and {feature}_q99)"
-                                                                if self.kind == "pi05" else "")
-                raise ValueError(f"{OWNER}: {PROCESSOR_CONFIG} has no {stats}: the statistics of the dataset the "
-                                 f"checkpoint was trained on, which the {feature} are normalised with")
-            if feature == "state" and offset.numel() != self.state_dim:
-                raise ValueError(f"{OWNER}: the checkpoint's state statistics have {offset.numel()} entries, the "
-                                 f"observation's state {self.state_dim} "
-                                 f"({[e.key for e in self.state_reader.layout.entries]}): choose the entries with "
-                                 "state_keys")
-            if feature == "actions" and offset.numel() < self.action_dim:
-                raise ValueError(f"{OWNER}: the checkpoint's action statistics have {offset.numel()} entries, "
-                                 f"fewer than the env's {self.action_dim} action dims")
-            self.register_buffer(f"{feature}_offset", offset, persistent=False)
-            self.register_buffer(f"{feature}_span", span, persistent=False)
-
-    def _normalise(self, feature: str, x: Tensor) -> Tensor:
-        """The processor's ``normalize``, on the last ``len(statistics)`` dims of ``x``."""
-        n = x.shape[-1]
-        offset, span = getattr(self, f"{feature}_offset")[:n], getattr(self, f"{feature}_span")[:n]
-        return 2.0 * (x - offset) / span - 1.0 if self.quantile[feature] else (x - offset) / span
-
-    def _unnormalise_actions(self, x: Tensor) -> Tensor:
-        """The inverse of the processor's action normalisation, on the first ``len(statistics)`` dims."""
-        n = min(x.shape[-1], self.actions_offset.shape[0])
-        offset, span, x = self.actions_offset[:n], self.actions_span[:n], x[..., :n]
-        return (x + 1.0) / 2.0 * span + offset if self.quantile["actions"] else x * span + offset
+    def _set_norms(self, state: FeatureNorm, actions: FeatureNorm) -> None:
+        """The checkpoint's state and action normalisation (submodules: they move with the policy)."""
+        if self.state_dim and state.size is not None and state.size != self.state_dim:
+            raise ValueError(f"{OWNER}: the checkpoint's state statistics have {state.size} entries, the "
+                             f"observation's state {self.state_dim} "
+                             f"({[e.key for e in self.state_reader.layout.entries]}): choose the entries with "
+                             "state_keys")
+        if actions.size is not None and actions.size < self.action_dim:
+            raise ValueError(f"{OWNER}: the checkpoint's action statistics have {actions.size} entries, "
+                             f"fewer than the env's {self.action_dim} action dims")
+        self.state_norm, self.action_norm = state, actions
 
     # ---- what it is -----------------------------------------------------------------------------
 
@@ -661,7 +743,7 @@ class PI0Policy(FrozenModes):
         """The state as the processor normalises it, ``[B, state_dim]`` float32 (None without one)."""
         if not self.state_dim:
             return None
-        return self._normalise("state", self.state_reader.vector(obs, self.state_offset))
+        return self.state_norm.normalize(self.state_reader.vector(obs, self.score_mask.float()))
 
     def model_inputs(self, obs: Any) -> dict[str, Tensor]:
         """What the processor would give the model for ``obs``: ``input_ids``, ``attention_mask``,
@@ -680,7 +762,8 @@ class PI0Policy(FrozenModes):
             bins = None
             if state is not None:  # the processor's 256 bins of [-1, 1]
                 edges = torch.linspace(-1, 1, 256 + 1)[:-1]
-                bins = (torch.bucketize(state.detach().cpu(), edges, right=True) - 1).tolist()
+                binned = F.pad(state, (0, self.max_state_dim - state.shape[1])) if self.bins_padded else state
+                bins = (torch.bucketize(binned.detach().cpu(), edges, right=True) - 1).tolist()
             prompts = [self._prompt(self.texts[int(i)], None if bins is None else bins[r])
                        for r, i in enumerate(index.tolist())]
             ids, mask = (t.to(device) for t in self._tokenize(prompts))
@@ -688,7 +771,7 @@ class PI0Policy(FrozenModes):
         pixels = []
         for e in self._layout.images:
             x = as_tensor(lookup(obs, e.path), device).reshape(-1, *e.shape)
-            pixels.append(preprocess_images(x if e.channels_first else x.permute(0, 3, 1, 2), self.images))
+            pixels.append(self.images.preprocess(x if e.channels_first else x.permute(0, 3, 1, 2)))
         if pixels:
             pixel_values = torch.stack(pixels, 1)
         else:  # no camera: one masked slot, which gives no image token
@@ -817,7 +900,7 @@ class PI0Policy(FrozenModes):
         the first ``execute`` actions un-normalised with the checkpoint's statistics, cropped to
         the env's dims, clipped to the Box."""
         x = torch.as_tensor(np.asarray(x, np.float32)).reshape(-1, self.chunk_size, self.max_action_dim)
-        actions = self._unnormalise_actions(x[:, :self.execute].to(self._device))[..., :self.action_dim]
+        actions = self.action_norm.unnormalize(x[:, :self.execute].to(self._device))[..., :self.action_dim]
         actions = actions.cpu().numpy().reshape(-1, *self.action_shape)
         return np.clip(actions, self.action_low, self.action_high).astype(np.float32)
 
@@ -908,7 +991,7 @@ class PI0Policy(FrozenModes):
             raise ValueError(f"{OWNER}.flow_matching_loss: chunks of {k} actions of {dims} dims, but the model's "
                              f"chunks are {self.chunk_size} long and the env's actions {self.action_dim} dims")
         target = torch.zeros(rows, self.chunk_size, self.max_action_dim, device=device)
-        normalised = self._normalise("actions", a)
+        normalised = self.action_norm.normalize(a)
         target[:, :k, :dims] = normalised
         target[:, k:, :dims] = normalised[:, -1:]
         gen = generator if generator is not None else self._generator(device)
@@ -1006,4 +1089,5 @@ def _lora_modules(model: nn.Module, targets: Sequence[str]) -> list[str]:
     return names
 
 
-__all__ = ["ImageSettings", "PI0Policy", "check_pi0_dir", "preprocess_images"]
+__all__ = ["ImageSettings", "LeRobotImages", "PI0Policy", "Processing", "check_pi0_dir", "pil_pi0_image_processor",
+           "preprocess_images"]
