@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow bench venv clean
+.PHONY: demo test test-slow test-fullsize bench venv clean
 
 venv: $(STAMP)
 
@@ -43,7 +43,11 @@ test: $(STAMP)
 # the tests marked slow (the LIBERO camera regression, RL that learns on reaches it was not tuned
 # on: tests/test_learning_reach.py, test_pi0.py's); none selected is a pass (pytest exits 5)
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0 -m slow || [ $$? = 5 ]
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0 -m "slow and not fullsize" || [ $$? = 5 ]
+
+# published-size models on the CPU (tests/test_lerobot_pi0.py's π0.5: ~10 minutes, up to 16 GiB), one at a time
+test-fullsize: $(STAMP)
+	$(PY) -m pytest -q -s -m fullsize
 
 # every suite into docs/benchmarks/, then the README's tables regenerated from that JSON;
 # `make bench SUITES="longtail overhead"` re-runs some and re-renders from all the JSON there

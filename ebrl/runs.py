@@ -11,6 +11,7 @@ and loads the weights; ``ebrl eval``, ``ebrl demos collect --policy DIR`` and
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ DEMO: dict[str, Any] = {
     "env_kwargs": {},
     "policy": {},  # each kind's own defaults (the MLP: 64-64 tanh, as CleanRL)
     "algo": {"kind": "ppo"},
-    "ppo": {"lr": 3e-4, "minibatch_size": 512, "update_epochs": 4},
+    "ppo": {},  # PPOConfig's defaults (lr 3e-4, minibatches of 512, 4 epochs), under a policy's RL_DEFAULTS
     "dppo": {},
     "vtrace": {},
     "grpo": {},
@@ -106,10 +107,13 @@ def build_policy(observation_space, action_space, options: dict[str, Any]):
 DEMO_KEYS = ("demos", "demo_coef", "demo_decay")  # a kind's table: the demonstrations kept in RL's loss
 
 
-def build_algo(spec: dict[str, Any], observation_space=None, action_space=None):
+def build_algo(spec: dict[str, Any], observation_space=None, action_space=None, policy=None):
     """``algo.kind`` and that kind's table of hyperparameters (``[ppo]``, ``[dppo]``, ...), where
     ``demos`` (a LeRobot dataset directory), ``demo_coef`` and ``demo_decay`` build the
-    algorithm's :class:`~ebrl.algos.demo_loss.DemoLoss` for a policy acting in these spaces."""
+    algorithm's :class:`~ebrl.algos.demo_loss.DemoLoss` for a policy acting in these spaces.
+    A ``policy`` whose class names ``RL_DEFAULTS`` (a pretrained VLA's learning rates and critic
+    warm-up: :class:`~ebrl.policies.pi0.PI0Policy`) gets those of its keys the algorithm has,
+    under the table's own; ``spec`` then holds what runs (``spec.json`` says it)."""
     from ebrl.algos import GRPO, PPO, DecoupledPPO, VTrace
     from ebrl.algos.demo_loss import DemoLoss
 
@@ -122,7 +126,10 @@ def build_algo(spec: dict[str, Any], observation_space=None, action_space=None):
     if kind not in ALGO_KINDS:
         raise ConfigError("algo.kind", kind, f"must be one of {', '.join(ALGO_KINDS)}")
     cls = {"ppo": PPO, "dppo": DecoupledPPO, "vtrace": VTrace, "grpo": GRPO}[kind]
-    table = dict(spec[kind])
+    fields = {f.name for f in dataclasses.fields(cls().config)}
+    family = {k: v for k, v in getattr(policy, "RL_DEFAULTS", {}).items() if k in fields}
+    spec[kind] = table = {**family, **spec[kind]}
+    table = dict(table)
     demo = {k: table.pop(k) for k in DEMO_KEYS if k in table}
     demos = None
     if demo:
@@ -203,7 +210,7 @@ def build_trainer(spec: dict[str, Any]):
         elif asked:
             raise ConfigError("policy.freeze_obs_stats", freeze, f"{type(policy).__name__} keeps no observation "
                               "statistics")
-    algo = build_algo(spec, facts.observation_space, facts.action_space)
+    algo = build_algo(spec, facts.observation_space, facts.action_space, policy)
     # as ebrl.run() resolves it, here already so that trainer.config says what runs: the
     # algorithm's needs (GRPO: sync, episode cuts, reset groups, segments of the time limit)
     run_cfg = resolve_run_config(run_cfg, algo, facts.max_episode_steps)

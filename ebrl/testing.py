@@ -477,7 +477,7 @@ def save_random_pi0(path, *, kind: str = "pi0", state_dim: int = 4, action_dim: 
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from ebrl.policies.pi0 import pil_pi0_image_processor
+    from ebrl.policies.hf_backbone import pil_pi0_image_processor
 
     if kind not in ("pi0", "pi05"):
         raise ValueError(f"save_random_pi0 kind={kind!r}: must be 'pi0' or 'pi05'")
@@ -544,9 +544,15 @@ def save_random_pi0(path, *, kind: str = "pi0", state_dim: int = 4, action_dim: 
     extra = {"max_state_dim": max_dim} if kind == "pi0" else {}
     config = Config(vlm_config=vlm, dit_config=expert, chunk_size=chunk_size, max_action_dim=max_dim,
                     num_inference_steps=num_steps, **extra)
+    default_dtype = torch.get_default_dtype()
     with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
-        model = Model(config)
+        if dtype is not None and dtype.is_floating_point:  # built in dtype: a full-size float32 copy is 11 GB
+            torch.set_default_dtype(dtype)
+        try:
+            model = Model(config)
+        finally:
+            torch.set_default_dtype(default_dtype)
         if dtype is not None:
             model = model.to(dtype)
         if kind == "pi05":  # π0.5 zero-initialises its expert's adaptive norms: every gate shut, the prefix unread

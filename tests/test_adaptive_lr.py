@@ -153,3 +153,34 @@ def test_adapters_saved_before_the_bin_head_load_without_one(tiny_llama, tmp_pat
     with pytest.raises(ValueError, match="bin_basis"):
         HFTokenPolicy.from_pretrained(tiny_llama, OBS, ACT, instruction="reach the target", bin_basis=-1)
     assert math.isfinite(float(again.act(np.zeros((2, 5), np.float32)).logprobs.sum()))
+
+
+def test_max_kl_stops_an_update_at_the_first_minibatch_past_it():
+    """An lr far too large: the first minibatch steps (on-policy, KL 0), the next one measures the
+    move and the update stops there; without max_kl every minibatch of every epoch steps."""
+    def run(**kw):
+        policy = MLPPolicy(3, 2, action_low=-1, action_high=1, seed=0, normalize_obs=False)
+        return PPO(lr=0.05, desired_kl=0, minibatch_size=16, update_epochs=4, seed=0, **kw).update(
+            policy, batch_for(policy))
+
+    free, bounded = run(), run(max_kl=1e-3)
+    assert free["minibatches"] == 16 and free["kl_stopped"] == 0.0
+    assert bounded["kl_stopped"] == 1.0 and 1 <= bounded["minibatches"] < 16
+    with pytest.raises(ValueError, match="max_kl"):
+        PPO(max_kl=-1.0)
+
+
+def test_the_critic_keeps_its_own_lr_while_the_adaptive_lr_moves_the_rest():
+    policy = MLPPolicy(3, 2, action_low=-1, action_high=1, seed=0, normalize_obs=False)
+    algo = PPO(lr=1e-6, critic_lr=1e-2, seed=0, minibatch_size=16)
+    lrs(algo, policy, 3)  # a tiny lr barely moves the policy: the adaptive lr raises it
+    groups = algo.optimizer.param_groups
+    critic = {id(p) for p in policy.critic.parameters()}
+    assert len(groups) == 2 and {id(p) for p in groups[1]["params"]} == critic
+    assert groups[1]["lr"] == 1e-2 and groups[0]["lr"] == algo.current_lr > 1e-6
+    restored = PPO(lr=1e-6, critic_lr=1e-2, seed=0, minibatch_size=16)
+    restored.load_state_dict(algo.state_dict())
+    restored.update(policy, batch_for(policy, seed=9))
+    assert restored.optimizer.param_groups[1]["lr"] == 1e-2
+    with pytest.raises(ValueError, match="critic_lr"):
+        PPO(critic_lr=0.0)

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from ebrl import distributed
 from ebrl.algos.batch import Batch
+from ebrl.policies.base import critic_parameters
 from ebrl.spaces import tree_map
 
 
@@ -58,6 +59,7 @@ class MinibatchAlgo:
     demos = None  # DemoLoss | None
     updates = 0  # updates done (the critic warm-up and the demonstrations' weight count them)
     lr_now: float | None = None  # the learning rate, where an adaptive schedule moved it from config.lr
+    kl_stopped = False  # whether the last update stopped early at max_kl
 
     @property
     def current_lr(self) -> float:
@@ -65,25 +67,37 @@ class MinibatchAlgo:
         return self.config.lr if self.lr_now is None else self.lr_now
 
     def set_lr(self, lr: float) -> None:
-        """Step with ``lr`` from now on (the optimiser's, and the one made after a reset or a restore)."""
+        """Step with ``lr`` from now on (the optimiser's, and the one made after a reset or a
+        restore; a value head with its own ``critic_lr`` keeps that)."""
         self.lr_now = float(lr)
         for group in self.optimizer.param_groups if self.optimizer is not None else ():
-            group["lr"] = self.lr_now
+            if not group.get("critic"):
+                group["lr"] = self.lr_now
 
     def reset_optimizer(self) -> None:
         """A fresh optimiser at the next update (after an update undone for NaN/inf: its moments may hold them)."""
         self.optimizer = None
         self._pending_optimizer_state = None
 
+    def _param_groups(self, policy: nn.Module) -> list[dict]:
+        """Adam's groups: everything at the (adaptive) lr; with ``config.critic_lr``, the value
+        head in a group of its own at that lr."""
+        critic_lr = getattr(self.config, "critic_lr", None)
+        critic = {id(p) for p in critic_parameters(policy)} if critic_lr is not None else set()
+        if not critic:
+            return [{"params": list(policy.parameters())}]
+        return [{"params": [p for p in policy.parameters() if id(p) not in critic]},
+                {"params": [p for p in policy.parameters() if id(p) in critic], "lr": critic_lr, "critic": True}]
+
     def _optimizer_for(self, policy: nn.Module) -> None:
         if self.optimizer is None or policy is not self._policy:
-            self.optimizer = torch.optim.Adam(policy.parameters(), lr=self.current_lr, eps=1e-5)
+            self.optimizer = torch.optim.Adam(self._param_groups(policy), lr=self.current_lr, eps=1e-5)
             self._policy = policy
             if self._pending_optimizer_state is not None:
                 self.optimizer.load_state_dict(self._pending_optimizer_state)
                 self._pending_optimizer_state = None
                 for group in self.optimizer.param_groups:  # the saved groups' lr is the one restored with it
-                    group["lr"] = self.current_lr
+                    group["lr"] = self.config.critic_lr if group.get("critic") else self.current_lr
 
     @staticmethod
     def _batch_to(batch: Batch, device: torch.device) -> Batch:
@@ -112,6 +126,8 @@ class MinibatchAlgo:
         held = [] if only is None else [p for p in policy.parameters() if id(p) not in keep]
         sums: dict[str, Tensor | float] = {}
         count = 0
+        max_kl = getattr(c, "max_kl", 0.0) if dp is None else 0.0
+        self.kl_stopped = False
         for _ in range(c.update_epochs if steps is None or steps else 0):
             perm = torch.randperm(n, generator=self._gen).to(device)
             chunks = (torch.tensor_split(perm, steps) if steps is not None
@@ -133,6 +149,9 @@ class MinibatchAlgo:
                     finite = bool(torch.isfinite(loss))
                 if not finite and dp is None:  # never step on NaN/inf: the rest of the update is skipped
                     return sums, count, True
+                if max_kl and float(metrics.get("approx_kl", 0.0)) > max_kl:  # moved far enough: stop here
+                    self.kl_stopped = True
+                    return sums, count, False
                 self.optimizer.zero_grad(set_to_none=True)
                 if idx.numel() and finite:
                     loss.backward()

@@ -89,6 +89,13 @@ class PPOConfig:
     # starts, 0 keeps it fixed. One fixed lr is too slow for some policies and too fast for
     # others (tests/test_learning_reach.py; PPO's docstring has the numbers)
     desired_kl: float = 0.01
+    # an update stops at the first minibatch whose approx_kl (to the behaviour policy, before its
+    # step) exceeds max_kl, the rest of its epochs skipped (Stable-Baselines3's target_kl): the
+    # adaptive lr moves the next update's lr, this bounds the update itself, the first included.
+    # 0: never. Single-process updates only (a data-parallel job's ranks step together)
+    max_kl: float = 0.0
+    # the value head's own learning rate (its Adam group; the adaptive lr moves the rest). None: lr
+    critic_lr: float | None = None
     # a batch holding samples of an older policy version than the learner's (policy lag, the
     # async schedule): clip around the weights at the update's start, not the behaviour policy,
     # and weight each sample by pi_prox / mu truncated at max_is_weight (decoupled PPO, Hilton et
@@ -112,6 +119,9 @@ class PPOConfig:
         check("minibatch_size", integer("minibatch_size") >= 1, "an int >= 1")
         check("critic_warmup_updates", integer("critic_warmup_updates") >= 0, "an int >= 0")
         check("desired_kl", 0 <= num("desired_kl") < math.inf, "a finite float >= 0 (0: a fixed lr)")
+        check("max_kl", 0 <= num("max_kl") < math.inf, "a finite float >= 0 (0: never stop an update early)")
+        if self.critic_lr is not None:
+            check("critic_lr", 0 < num("critic_lr") < math.inf, "a finite float > 0, or None (lr)")
         check("max_is_weight", num("max_is_weight") >= 1, "a float >= 1 (math.inf disables truncation)")
         integer("seed")
         for name in ("clip_vloss", "norm_adv", "scale_rewards", "lag_correction"):
@@ -390,6 +400,7 @@ class PPO(MinibatchAlgo):
         out["nonfinite_loss"] = float(nonfinite)
         out["minibatches"] = float(count)
         out["critic_warmup"] = float(warmup)
+        out["kl_stopped"] = float(self.kl_stopped)
         out["lr"] = lr  # the lr this update stepped with (desired_kl adapts the next one's)
         out.update(base, explained_variance=float(ev) if float(var_ret) > 0 else math.nan,
                    reward_scale=math.sqrt(self.reward_rms.var + 1e-8) if c.scale_rewards else 1.0)

@@ -634,4 +634,21 @@ def wrap_lora(model: nn.Module, rank: int, alpha: float, targets: Sequence[str],
         return get_peft_model(model, config)
 
 
-__all__ = ["HFBackbonePolicy", "OPENVLA_PROMPT", "check_model_dir", "load_local_model"]
+def pil_pi0_image_processor(**settings: Any):
+    """transformers' ``PI0ImageProcessor`` (resize to fit, rescale, normalise, pad) on the PIL
+    backend: the image processor's own definition, which runs without torchvision (its torchvision
+    backend does not import here). ``settings`` override its defaults (``size``, ``pad_size``,
+    ``image_seq_length``, ...): what :func:`~ebrl.policies.lerobot_pi0.save_transformers` saves, and the
+    tests' reference. Needs PIL."""
+    from transformers.image_processing_backends import PilBackend
+    from transformers.models.pi0.image_processing_pi0 import PI0ImageProcessor
+
+    # the class attributes are PI0ImageProcessor's; the name saves as "PI0ImageProcessor" (PilBackend drops "Pil")
+    attrs = {k: getattr(PI0ImageProcessor, k) for k in (
+        "resample", "image_mean", "image_std", "size", "default_to_square", "do_resize", "do_rescale",
+        "do_normalize", "do_convert_rgb", "image_seq_length", "pad_size", "do_pad")}
+    cls = type("PI0ImageProcessorPil", (PilBackend,), attrs)
+    return cls(**settings)
+
+
+__all__ = ["HFBackbonePolicy", "OPENVLA_PROMPT", "check_model_dir", "load_local_model", "pil_pi0_image_processor"]

@@ -20,7 +20,7 @@ and LeRobot's vision tower is PaliGemma's SigLIP with 16 heads. Where ``config.j
 variant (``gemma_2b``, ``gemma_300m``) the weights must agree with it. The state and actions are
 normalised with the pipelines' statistics in the pipelines' modes
 (:class:`~ebrl.policies.normalization.FeatureNorm`); cameras are prepared as LeRobot's π0 does
-(:class:`~ebrl.policies.pi0.LeRobotImages`); π0.5's prompt bins the state padded to
+(:class:`LeRobotImages`); π0.5's prompt bins the state padded to
 ``max_state_dim``. A camera feature the env does not have is left out, as LeRobot fills it (an
 empty, masked image: the model attends to none of its tokens), and ``empty_cameras`` likewise.
 The folder holds no tokenizer: ``tokenizer=DIR`` names a local copy of the one its preprocessor
@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ebrl.policies.hf_backbone import INSTRUCTION_KEY, NEVER_DOWNLOADS, TOKENIZER_FILES
@@ -75,6 +76,35 @@ VARIANTS = {"gemma_300m": {"width": 1024, "depth": 18, "mlp_dim": 4096, "num_hea
 VISION_HEADS = 16  # PaliGemma's SigLIP So400m, which LeRobot's π0 always builds
 DEFAULT_NORMALIZATION = {"pi0": {"VISUAL": "IDENTITY", "STATE": "MEAN_STD", "ACTION": "MEAN_STD"},
                          "pi05": {"VISUAL": "IDENTITY", "STATE": "QUANTILES", "ACTION": "QUANTILES"}}
+
+
+@dataclasses.dataclass(frozen=True)
+class LeRobotImages:
+    """What LeRobot's π0 / π0.5 do to a camera frame (``PI0Policy._preprocess_images``): ``uint8``
+    to ``[0, 1]``, and where the frame is not ``resolution`` already, openpi's
+    ``resize_with_pad_torch`` (bilinear without antialiasing, the aspect kept, centred, padded
+    with -1), then ``x * 2 - 1``."""
+
+    resolution: tuple[int, int]
+    image_seq_length: int
+
+    def output_size(self, height: int, width: int) -> tuple[int, int]:
+        return tuple(int(v) for v in self.resolution)
+
+    def preprocess(self, frames: Tensor) -> Tensor:
+        if frames.shape[1] == 1:
+            frames = frames.expand(-1, 3, -1, -1)
+        x = frames.float() / 255.0
+        height, width = self.output_size(*x.shape[-2:])
+        h, w = x.shape[-2:]
+        if (h, w) != (height, width):
+            ratio = max(w / width, h / height)
+            new_h, new_w = int(h / ratio), int(w / ratio)
+            x = F.interpolate(x, size=(new_h, new_w), mode="bilinear", align_corners=False).clamp(-1.0, 1.0)
+            top, left = (height - new_h) // 2, (width - new_w) // 2
+            x = F.pad(x, (left, width - new_w - left, top, height - new_h - top), value=-1.0)
+        return x * 2.0 - 1.0
+
 
 
 def is_lerobot_policy(path: str | Path) -> bool:
@@ -342,25 +372,21 @@ class LeRobotFolder:
             mode = NormalizationMode.IDENTITY
         return FeatureNorm(mode, stats, float(config.get("eps", EPS)))
 
-    def processing(self, model_config):
-        """The :class:`~ebrl.policies.pi0.Processing` of this folder."""
-        from ebrl.policies.pi0 import LeRobotImages, Processing
-
+    def processing(self, model_config) -> dict[str, Any]:
+        """The fields of this folder's :class:`~ebrl.policies.pi0.Processing`."""
         vision = model_config.vlm_config.vision_config
         resolution = tuple(int(v) for v in self.config.get("image_resolution", (224, 224)))
         tokens = (int(vision.image_size) // int(vision.patch_size)) ** 2
         default_length = 48 if self.kind == "pi0" else 200
-        return Processing(images=LeRobotImages(resolution, tokens), state=self.norm(OBS_STATE, "STATE"),
-                          actions=self.norm(ACTION, "ACTION"), max_state_dim=int(self.config.get("max_state_dim", 32)),
-                          max_length=int(self.config.get("tokenizer_max_length", default_length)), bins_padded=True)
+        return {"images": LeRobotImages(resolution, tokens), "state": self.norm(OBS_STATE, "STATE"),
+                "actions": self.norm(ACTION, "ACTION"), "max_state_dim": int(self.config.get("max_state_dim", 32)),
+                "max_length": int(self.config.get("tokenizer_max_length", default_length)), "bins_padded": True}
 
-    def load(self, dtype: torch.dtype, tokenizer):
-        """``(model, processing)``: the weights through transformers' conversion, every one of them used."""
+    def load(self, dtype: torch.dtype, image_token_id: int):
+        """transformers' model: the weights through its conversion, every one of them used
+        (``image_token_id``: the tokenizer's, as the processor leaves it)."""
         import transformers
 
-        from ebrl.policies.pi0 import IMAGE_TOKEN, _processor_tokenizer
-
-        image_token_id = _processor_tokenizer(tokenizer).convert_tokens_to_ids(IMAGE_TOKEN)
         config = self.hf_config(image_token_id)
         cls = (transformers.PI0ForConditionalGeneration if self.kind == "pi0"
                else transformers.PI05ForConditionalGeneration)
@@ -373,7 +399,7 @@ class LeRobotFolder:
         if bad:
             raise ValueError(f"{self.path / WEIGHTS} does not fit a {self.kind} of the sizes read from it: "
                              + "; ".join(f"{k} {v[:5]}{' ...' if len(v) > 5 else ''}" for k, v in bad.items()))
-        return model, self.processing(model.config)
+        return model
 
 
 # ---- out ---------------------------------------------------------------------------------------
@@ -572,14 +598,14 @@ def save_transformers(policy, out: str | Path) -> Path:
     (LoRA merged), its tokenizer and ``PI0Processor`` / ``PI05Processor`` with the statistics."""
     import transformers
 
-    from ebrl.policies.pi0 import ImageSettings, pil_pi0_image_processor
+    from ebrl.policies.hf_backbone import pil_pi0_image_processor
 
     if policy.kind == "pi05" and policy.bins_padded:
         raise ValueError("this π0.5 reads its state in the prompt padded to max_state_dim (LeRobot's "
                          "Pi05PrepareStateTokenizerProcessorStep); transformers' PI05Processor bins it unpadded, which "
                          "would change every prompt: export it with --format lerobot")
     out = _fresh(out)
-    if not isinstance(policy.images, ImageSettings):
+    if isinstance(policy.images, LeRobotImages):
         warnings.warn("transformers' PI0ImageProcessor resizes with PIL's bicubic filter; LeRobot's π0 resized "
                       "bilinearly: served through transformers, frames of another size than "
                       f"{policy.images.output_size(0, 0)} are prepared slightly differently", stacklevel=2)
@@ -609,5 +635,5 @@ def save_transformers(policy, out: str | Path) -> Path:
     return out
 
 
-__all__ = ["LeRobotFolder", "is_lerobot_policy", "lerobot_config", "lerobot_names", "merged_state_dict",
+__all__ = ["LeRobotFolder", "LeRobotImages", "is_lerobot_policy", "lerobot_config", "lerobot_names", "merged_state_dict",
            "save_lerobot", "save_transformers", "weight_shapes", "write_folder"]

@@ -131,6 +131,7 @@ from ebrl.policies.hf_backbone import (
     torch_dtype,
     wrap_lora,
 )
+from ebrl.policies.lerobot_pi0 import LeRobotFolder, LeRobotImages, is_lerobot_policy
 from ebrl.policies.mlp import _mlp
 from ebrl.policies.normalization import FeatureNorm, NormalizationMode
 
@@ -273,42 +274,14 @@ def preprocess_images(frames: Tensor, settings: ImageSettings) -> Tensor:
     return x
 
 
-@dataclasses.dataclass(frozen=True)
-class LeRobotImages:
-    """What LeRobot's π0 / π0.5 do to a camera frame (``PI0Policy._preprocess_images``): ``uint8``
-    to ``[0, 1]``, and where the frame is not ``resolution`` already, openpi's
-    ``resize_with_pad_torch`` (bilinear without antialiasing, the aspect kept, centred, padded
-    with -1), then ``x * 2 - 1``."""
-
-    resolution: tuple[int, int]
-    image_seq_length: int
-
-    def output_size(self, height: int, width: int) -> tuple[int, int]:
-        return tuple(int(v) for v in self.resolution)
-
-    def preprocess(self, frames: Tensor) -> Tensor:
-        if frames.shape[1] == 1:
-            frames = frames.expand(-1, 3, -1, -1)
-        x = frames.float() / 255.0
-        height, width = self.output_size(*x.shape[-2:])
-        h, w = x.shape[-2:]
-        if (h, w) != (height, width):
-            ratio = max(w / width, h / height)
-            new_h, new_w = int(h / ratio), int(w / ratio)
-            x = F.interpolate(x, size=(new_h, new_w), mode="bilinear", align_corners=False).clamp(-1.0, 1.0)
-            top, left = (height - new_h) // 2, (width - new_w) // 2
-            x = F.pad(x, (left, width - new_w - left, top, height - new_h - top), value=-1.0)
-        return x * 2.0 - 1.0
-
-
 @dataclasses.dataclass
 class Processing:
     """What a checkpoint's processor files say: how a camera frame becomes pixels, the state's
     and the actions' normalisation, the size the state is padded to and the prompt's length.
     :meth:`from_transformers` reads transformers' ``processor_config.json``;
-    :func:`ebrl.policies.lerobot_pi0.read_processing` LeRobot's processor pipelines."""
+    :meth:`ebrl.policies.lerobot_pi0.LeRobotFolder.processing` LeRobot's processor pipelines."""
 
-    images: ImageSettings | LeRobotImages
+    images: ImageSettings | LeRobotImages  # the latter: ebrl.policies.lerobot_pi0's
     state: FeatureNorm
     actions: FeatureNorm
     max_state_dim: int
@@ -344,24 +317,6 @@ class Processing:
         return cls(images=ImageSettings.from_config(processor_config.get("image_processor") or {}),
                    state=norms["state"], actions=norms["actions"], max_state_dim=max_state_dim,
                    max_length=int(processor_cls.text_kwargs.get("max_length", 48 if kind == "pi0" else 200)))
-
-
-def pil_pi0_image_processor(**settings: Any):
-    """transformers' ``PI0ImageProcessor`` (resize to fit, rescale, normalise, pad) on the PIL
-    backend: the image processor's own definition, which runs without torchvision (its torchvision
-    backend does not import here). ``settings`` override its defaults (``size``, ``pad_size``,
-    ``image_seq_length``, ...): what :func:`~ebrl.policies.lerobot_pi0.save_transformers` saves, and the
-    tests' reference. Needs PIL."""
-    from transformers.image_processing_backends import PilBackend
-    from transformers.models.pi0.image_processing_pi0 import PI0ImageProcessor
-
-    # the class attributes are PI0ImageProcessor's; the name saves as "PI0ImageProcessor" (PilBackend drops "Pil")
-    attrs = {k: getattr(PI0ImageProcessor, k) for k in (
-        "resample", "image_mean", "image_std", "size", "default_to_square", "do_resize", "do_rescale",
-        "do_normalize", "do_convert_rgb", "image_seq_length", "pad_size", "do_pad")}
-    cls = type("PI0ImageProcessorPil", (PilBackend,), attrs)
-    return cls(**settings)
-
 
 
 # ---- the prefix cache: keys and values of the VLM, read by every expert pass -----------------
@@ -415,6 +370,9 @@ class PI0Policy(FrozenModes):
     """A π0 / π0.5 checkpoint's policy (see the module's docstring). Build it with :meth:`from_pretrained`."""
 
     deterministic: bool = False  # True: act() gives the mode (the ODE from zero noise)
+    # PPO's settings for RL from a pretrained or SFT-tuned π0 (ebrl.runs.build_algo applies them under
+    # the run's own [ppo] table); docs/policies.md says where they come from
+    RL_DEFAULTS: dict[str, Any] = {"lr": 2e-5, "critic_lr": 3e-4, "critic_warmup_updates": 10, "max_kl": 0.02}
 
     def __init__(self, model: nn.Module, tokenizer: Any, processing: Processing, *,
                  obs_layout: ObsLayout, action_low, action_high, execute: int,
@@ -585,11 +543,9 @@ class PI0Policy(FrozenModes):
         """
         from gymnasium import spaces
 
-        from ebrl.policies import lerobot_pi0
-
-        lerobot = lerobot_pi0.is_lerobot_policy(path)
+        lerobot = is_lerobot_policy(path)
         # first: a wrong path is named before transformers is imported
-        folder = lerobot_pi0.LeRobotFolder.read(path) if lerobot else None
+        folder = LeRobotFolder.read(path) if lerobot else None
         path = folder.path if lerobot else check_pi0_dir(path)
         if feature_map is not None and not lerobot:
             raise ValueError(f"{OWNER}: feature_map renames a LeRobot policy folder's features; {str(path)!r} is in "
@@ -618,8 +574,9 @@ class PI0Policy(FrozenModes):
 
         torch_type = torch_dtype(dtype, OWNER)
         if folder is not None:
-            tok = folder.tokenizer(tokenizer)
-            model, processing = folder.load(torch_type, tok)
+            tok = _processor_tokenizer(folder.tokenizer(tokenizer))
+            model = folder.load(torch_type, tok.convert_tokens_to_ids(IMAGE_TOKEN))
+            processing = Processing(**folder.processing(model.config))
         else:
             config = AutoConfig.from_pretrained(str(path), local_files_only=True)
             model_cls = {"pi0": PI0ForConditionalGeneration, "pi05": PI05ForConditionalGeneration}.get(
@@ -1089,5 +1046,4 @@ def _lora_modules(model: nn.Module, targets: Sequence[str]) -> list[str]:
     return names
 
 
-__all__ = ["ImageSettings", "LeRobotImages", "PI0Policy", "Processing", "check_pi0_dir", "pil_pi0_image_processor",
-           "preprocess_images"]
+__all__ = ["ImageSettings", "PI0Policy", "Processing", "check_pi0_dir", "preprocess_images"]
