@@ -184,3 +184,12 @@ def test_the_critic_keeps_its_own_lr_while_the_adaptive_lr_moves_the_rest():
     assert restored.optimizer.param_groups[1]["lr"] == 1e-2
     with pytest.raises(ValueError, match="critic_lr"):
         PPO(critic_lr=0.0)
+
+
+def test_an_update_stopped_at_max_kl_lowers_the_next_lr():
+    """The minibatches that stepped measured no KL (the first is on-policy): the one that stopped
+    the update did, and it was past max_kl, so the lr goes down, not up."""
+    policy = MLPPolicy(3, 2, action_low=-1, action_high=1, seed=0, normalize_obs=False)
+    algo = PPO(lr=0.05, max_kl=1e-3, minibatch_size=64, update_epochs=4, seed=0)
+    out = lrs(algo, policy, 3)
+    assert out[0] == 0.05 and out[1] < out[0] and out[2] < out[1]

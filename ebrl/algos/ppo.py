@@ -90,9 +90,10 @@ class PPOConfig:
     # others (tests/test_learning_reach.py; PPO's docstring has the numbers)
     desired_kl: float = 0.01
     # an update stops at the first minibatch whose approx_kl (to the behaviour policy, before its
-    # step) exceeds max_kl, the rest of its epochs skipped (Stable-Baselines3's target_kl): the
-    # adaptive lr moves the next update's lr, this bounds the update itself, the first included.
-    # 0: never. Single-process updates only (a data-parallel job's ranks step together)
+    # step) exceeds max_kl, the rest of its epochs skipped (Stable-Baselines3's target_kl), and the
+    # next update's lr is divided by 1.5: the adaptive lr moves the next update's lr, this bounds
+    # the update itself, the first included. 0: never. Single-process updates only (a
+    # data-parallel job's ranks step together)
     max_kl: float = 0.0
     # the value head's own learning rate (its Adam group; the adaptive lr moves the rest). None: lr
     critic_lr: float | None = None
@@ -386,7 +387,9 @@ class PPO(MinibatchAlgo):
         sums, count, nonfinite = self._epochs(policy, flat, n, device, norm_adv=c.norm_adv,
                                               only=critic_parameters(policy) if warmup else None)
         self.updates += 1
-        if not warmup and not nonfinite:  # the warm-up holds the policy: its KL says nothing of the lr
+        if self.kl_stopped:  # the KL that stopped it was past max_kl: the next update steps smaller
+            self.set_lr(max(c.lr / 100.0, lr / 1.5))
+        elif not warmup and not nonfinite:  # the warm-up holds the policy: its KL says nothing of the lr
             self._adapt_lr(sums.get("approx_kl"), count)
         if n == 0:
             return {**empty, "nonfinite_loss": float(nonfinite), "minibatches": 0.0, "lr": lr}
