@@ -505,6 +505,10 @@ def lerobot_config(kind: str, model_config, inputs: Mapping[str, Any], outputs: 
             "optimizer_betas", "optimizer_eps", "optimizer_weight_decay", "optimizer_grad_clip_norm",
             "scheduler_warmup_steps", "scheduler_decay_steps", "scheduler_decay_lr")
     config.update({k: source[k] for k in keep if k in source})
+    if kind == "pi05":  # PI05Config declares tokenizer_max_length first after empty_cameras (and again last)
+        items = [(k, v) for k, v in config.items() if k != "tokenizer_max_length"]
+        at = [k for k, _ in items].index("empty_cameras") + 1
+        config = dict(items[:at] + [("tokenizer_max_length", config["tokenizer_max_length"])] + items[at:])
     if config["paligemma_variant"] is None or config["action_expert_variant"] is None:
         # sizes of no LeRobot variant (a tiny test model): left out, as LeRobot would refuse them
         del config["paligemma_variant"], config["action_expert_variant"]
