@@ -510,3 +510,18 @@ def test_sft_on_a_lerobot_dataset_then_rl_from_it_from_the_command_line(tmp_path
     loaded, untouched = policy.trainable_state_dict(), fresh.trainable_state_dict()
     assert set(loaded) == set(untouched)
     assert any(not torch.equal(loaded[k], untouched[k]) for k in loaded if "lora_B" in k)  # SFT's adapters
+
+
+def test_state_statistics_are_needed_only_where_a_state_is_read(dirs, tmp_path):
+    """A processor_config.json without state statistics loads for an observation of cameras alone;
+    with a state to normalise it is one error naming the missing statistics."""
+    bare = tmp_path / "bare"
+    shutil.copytree(dirs["pi0"], bare)
+    config = json.loads((bare / "processor_config.json").read_text())
+    (bare / "processor_config.json").write_text(json.dumps({k: v for k, v in config.items()
+                                                            if not k.startswith("state_")}))
+    cameras = gym.spaces.Dict({"cam0": space()["cam0"]})
+    policy = PI0Policy.from_pretrained(bare, cameras, ACTIONS, instruction="reach the goal", **SMALL)
+    assert policy.act({"cam0": observations(2)["cam0"]}).env_actions.shape == (2, 2, 3)
+    with pytest.raises(ValueError, match="has no state_mean and state_std"):
+        build(bare)

@@ -107,13 +107,25 @@ class LeRobotImages:
 
 
 
-def is_lerobot_policy(path: str | Path) -> bool:
-    """Whether ``path/config.json`` is a LeRobot π0 / π0.5 policy config (``type``, no ``model_type``)."""
+def is_lerobot_config(config: Any) -> bool:
+    """Whether a parsed ``config.json`` is a LeRobot π0 / π0.5 policy config (``type``, no ``model_type``)."""
+    return isinstance(config, dict) and "model_type" not in config and config.get("type") in TYPES
+
+
+def _lerobot_config_of(path: str | Path | None) -> dict[str, Any] | None:
+    """``path/config.json`` where it is a LeRobot π0 / π0.5 policy config, else None."""
+    if not path:
+        return None
     try:
         config = json.loads((Path(path).expanduser() / CONFIG).read_text())
     except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and "model_type" not in config and config.get("type") in TYPES
+        return None
+    return config if is_lerobot_config(config) else None
+
+
+def is_lerobot_policy(path: str | Path) -> bool:
+    """Whether ``path/config.json`` is a LeRobot π0 / π0.5 policy config."""
+    return _lerobot_config_of(path) is not None
 
 
 def weight_shapes(file: str | Path) -> dict[str, tuple[int, ...]]:
@@ -450,13 +462,12 @@ def lerobot_names(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def _feature_names(policy) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
-    """``(input_features, output_features)`` of the policy: the source folder's where it was a
-    LeRobot folder, else named after the env's entries."""
-    base = policy.config.get("base_path")
-    if base and is_lerobot_policy(base):
-        config = json.loads((Path(base) / CONFIG).read_text())
-        return dict(config.get("input_features") or {}), dict(config.get("output_features") or {})
+def _feature_names(policy, source: Mapping[str, Any] | None) -> tuple[dict[str, dict[str, Any]],
+                                                                      dict[str, dict[str, Any]]]:
+    """``(input_features, output_features)`` of the policy: its ``source`` LeRobot config's
+    where it came from a LeRobot folder, else named after the env's entries."""
+    if source is not None:
+        return dict(source.get("input_features") or {}), dict(source.get("output_features") or {})
     inputs: dict[str, dict[str, Any]] = {}
     for e in policy.obs_layout.images:
         inputs[f"{OBS_IMAGES}.{e.key}"] = {"type": "VISUAL", "shape": list(e.chw)}
@@ -581,11 +592,9 @@ def save_lerobot(policy, out: str | Path) -> Path:
     """Write ``policy`` (a :class:`~ebrl.policies.pi0.PI0Policy`) as a LeRobot policy folder in
     the new directory ``out``: ``config.json``, ``model.safetensors`` (LoRA merged, LeRobot's
     names), both processor pipelines with their statistics, and the tokenizer."""
-
     out = _fresh(out)
-    base = policy.config.get("base_path")
-    source = json.loads((Path(base) / CONFIG).read_text()) if base and is_lerobot_policy(base) else None
-    inputs, outputs = _feature_names(policy)
+    source = _lerobot_config_of(policy.config.get("base_path"))
+    inputs, outputs = _feature_names(policy, source)
     config = lerobot_config(policy.kind, policy.hf_model.config, inputs, outputs,
                             state_mode=policy.state_norm.mode.value, action_mode=policy.action_norm.mode.value,
                             max_state_dim=policy.max_state_dim,
@@ -639,5 +648,5 @@ def save_transformers(policy, out: str | Path) -> Path:
     return out
 
 
-__all__ = ["LeRobotFolder", "LeRobotImages", "is_lerobot_policy", "lerobot_config", "lerobot_names", "merged_state_dict",
-           "save_lerobot", "save_transformers", "weight_shapes", "write_folder"]
+__all__ = ["LeRobotFolder", "LeRobotImages", "is_lerobot_config", "is_lerobot_policy", "lerobot_config",
+           "lerobot_names", "merged_state_dict", "save_lerobot", "save_transformers", "weight_shapes", "write_folder"]

@@ -282,7 +282,7 @@ class Processing:
     :meth:`ebrl.policies.lerobot_pi0.LeRobotFolder.processing` LeRobot's processor pipelines."""
 
     images: ImageSettings | LeRobotImages  # the latter: ebrl.policies.lerobot_pi0's
-    state: FeatureNorm
+    state: FeatureNorm | None  # None: the files hold no state statistics (an error only where a state is read)
     actions: FeatureNorm
     max_state_dim: int
     max_length: int
@@ -304,11 +304,10 @@ class Processing:
             elif get(f"{feature}_mean") is not None and get(f"{feature}_std") is not None:
                 norms[feature] = FeatureNorm(NormalizationMode.MEAN_STD, {"mean": get(f"{feature}_mean"),
                                                                           "std": get(f"{feature}_std")})
+            elif feature == "state":  # PI0Policy says so if the observation has a state to normalise
+                norms[feature] = None
             else:
-                stats = f"{feature}_mean and {feature}_std" + (f" (or {feature}_q01 and {feature}_q99)"
-                                                                if kind == "pi05" else "")
-                raise ValueError(f"{OWNER}: {PROCESSOR_CONFIG} has no {stats}: the statistics of the dataset the "
-                                 f"checkpoint was trained on, which the {feature} are normalised with")
+                raise ValueError(_no_statistics(kind, feature))
         max_state_dim = int(processor_config.get("max_state_dim") or getattr(model_config, "max_state_dim", 32))
         if kind == "pi0" and max_state_dim != int(model_config.max_state_dim):
             raise ValueError(f"{OWNER}: {PROCESSOR_CONFIG} pads the state to {max_state_dim}, the model reads "
@@ -317,6 +316,12 @@ class Processing:
         return cls(images=ImageSettings.from_config(processor_config.get("image_processor") or {}),
                    state=norms["state"], actions=norms["actions"], max_state_dim=max_state_dim,
                    max_length=int(processor_cls.text_kwargs.get("max_length", 48 if kind == "pi0" else 200)))
+
+
+def _no_statistics(kind: str, feature: str) -> str:
+    stats = f"{feature}_mean and {feature}_std" + (f" (or {feature}_q01 and {feature}_q99)" if kind == "pi05" else "")
+    return (f"{OWNER}: {PROCESSOR_CONFIG} has no {stats}: the statistics of the dataset the checkpoint was trained "
+            f"on, which the {feature} are normalised with")
 
 
 # ---- the prefix cache: keys and values of the VLM, read by every expert pass -----------------
@@ -600,8 +605,12 @@ class PI0Policy(FrozenModes):
         """:meth:`from_pretrained` with the spaces first, as the other policies' ``from_spaces``."""
         return cls.from_pretrained(path, observation_space, action_space, **options)
 
-    def _set_norms(self, state: FeatureNorm, actions: FeatureNorm) -> None:
+    def _set_norms(self, state: FeatureNorm | None, actions: FeatureNorm) -> None:
         """The checkpoint's state and action normalisation (submodules: they move with the policy)."""
+        if state is None:  # no statistics: nothing to normalise, unless the observation has a state
+            if self.state_dim:
+                raise ValueError(_no_statistics(self.kind, "state"))
+            state = FeatureNorm(NormalizationMode.IDENTITY)
         if self.state_dim and state.size is not None and state.size != self.state_dim:
             raise ValueError(f"{OWNER}: the checkpoint's state statistics have {state.size} entries, the "
                              f"observation's state {self.state_dim} "

@@ -105,10 +105,11 @@ def from_pretrained(path, observation_space, action_space, **options):
     config = root / "config.json"
     if not config.is_file():
         raise FileNotFoundError(f"from_pretrained: {str(config)!r} does not exist ({NEVER_DOWNLOADS})")
-    from ebrl.policies.lerobot_pi0 import is_lerobot_policy
+    from ebrl.policies.lerobot_pi0 import is_lerobot_config
 
-    model_type = json.loads(config.read_text()).get("model_type")
-    if model_type in PI0_MODEL_TYPES or is_lerobot_policy(root):
+    parsed = json.loads(config.read_text())
+    model_type = parsed.get("model_type")
+    if model_type in PI0_MODEL_TYPES or is_lerobot_config(parsed):
         from ebrl.policies.pi0 import PI0Policy
 
         return PI0Policy.from_pretrained(root, observation_space, action_space, **options)
