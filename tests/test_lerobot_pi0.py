@@ -33,6 +33,7 @@ from ebrl.policies.lerobot_pi0 import (
 )
 from ebrl.policies.normalization import FeatureNorm, NormalizationMode
 from ebrl.policies.pi0 import PI0Policy
+from ebrl.policies.precision import fast_low_precision_linears
 from ebrl.testing import save_random_pi0
 from tests.test_pi0 import _ppo_batch
 
@@ -398,6 +399,7 @@ def test_a_published_size_pi05_folder_loads_acts_trains_and_exports_in_bf16(tmp_
         # transformers' model all in bf16 (the policy keeps its action/time projections in float32)
         folder = LeRobotFolder.read(path)
         reference = folder.load(torch.bfloat16, policy.hf_model.config.vlm_config.image_token_id)
+        fast_low_precision_linears(reference)  # as the policy's own layers: float32 products
         inputs = policy.model_inputs(obs)
         inputs["pixel_values"] = inputs["pixel_values"].to(torch.bfloat16)
         theirs = reference.sample_actions(**inputs, noise=noise.to(torch.bfloat16),

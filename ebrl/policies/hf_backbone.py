@@ -51,6 +51,7 @@ from torch import Tensor, nn
 
 from ebrl.policies.encoders import ObsEncoder, ObsLayout, ReadsObservations, as_tensor, lookup
 from ebrl.policies.expects import ActionSpec, DType, ObsSpec, PolicySpaces
+from ebrl.policies.precision import fast_low_precision_linears
 
 OPENVLA_PROMPT = "In: What action should the robot take to {instruction}?\nOut:"
 INSTRUCTION_KEY = "instruction"  # a Discrete entry of this name chooses one of a list of instructions
@@ -123,6 +124,7 @@ def load_local_model(path: str | Path, *, dtype: str | torch.dtype = "auto", nee
     cls = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
     # an explicit dtype: transformers 5 otherwise loads in the checkpoint's dtype ("auto" there)
     model = cls.from_pretrained(str(path), local_files_only=True, dtype=torch_dtype(dtype, owner or ""))
+    fast_low_precision_linears(model)
     tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     processor = None
     if image_text and needs_image_processor:

@@ -134,6 +134,7 @@ from ebrl.policies.hf_backbone import (
 from ebrl.policies.lerobot_pi0 import LeRobotFolder, LeRobotImages, is_lerobot_policy
 from ebrl.policies.mlp import _mlp
 from ebrl.policies.normalization import FeatureNorm, NormalizationMode
+from ebrl.policies.precision import fast_low_precision_linears
 
 OWNER = "PI0Policy"
 PROCESSOR_CONFIG = "processor_config.json"
@@ -479,6 +480,7 @@ class PI0Policy(FrozenModes):
         projections = (model.embed_action_time, model.action_out_proj)
         for module in projections:  # they train: float32 whatever the checkpoint's dtype
             module.float()
+        fast_low_precision_linears(model)
         if lora_rank is not None:
             targets = tuple(lora_targets) if lora_targets is not None else DEFAULT_LORA_TARGETS
             names = _lora_modules(model, targets)
