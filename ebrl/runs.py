@@ -157,6 +157,7 @@ def build_trainer(spec: dict[str, Any]):
     from ebrl.algos import resolve_run_config
     from ebrl.envs import make, make_vector, natively_vectorised
     from ebrl.runtime.env_facts import EnvFacts
+    from ebrl.sft import carry_reward_scale
 
     name, env_kwargs = spec["env"], dict(spec["env_kwargs"])
     run = dict(spec["run"])
@@ -211,6 +212,8 @@ def build_trainer(spec: dict[str, Any]):
             raise ConfigError("policy.freeze_obs_stats", freeze, f"{type(policy).__name__} keeps no observation "
                               "statistics")
     algo = build_algo(spec, facts.observation_space, facts.action_space, policy)
+    if init is not None:
+        carry_reward_scale(algo, init)
     # as ebrl.run() resolves it, here already so that trainer.config says what runs: the
     # algorithm's needs (GRPO: sync, episode cuts, reset groups, segments of the time limit)
     run_cfg = resolve_run_config(run_cfg, algo, facts.max_episode_steps)

@@ -18,8 +18,11 @@ The loss is the one each policy kind's RL already implies:
   episodes with its mean succeeded in none with a std of 0.6).
 
 Whole episodes are held out for validation (``val_fraction``); both losses go to TensorBoard
-under ``sft/``. The critic is not trained unless ``value_pass`` fits it to the demonstrations'
-discounted returns afterwards. Observation statistics (where the policy normalises) come from
+under ``sft/``. Afterwards the value pass fits the critic to the demonstrations' discounted
+returns where they have rewards (``value_pass``), in the units PPO trains it in: rewards over the
+std of returns, whose moments ``sft.json`` keeps and ``ebrl train --set policy.init=DIR`` starts
+PPO's reward scale from (:func:`carry_reward_scale`). RL's critic then starts near the returns of
+the behaviour it starts from instead of at zero. Observation statistics (where the policy normalises) come from
 the training split first.
 
     >>> import tempfile
@@ -70,16 +73,18 @@ class SFTConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     seed: int = 0
-    value_pass: bool = False  # fit the value head to the demonstrations' discounted returns afterwards
+    # fit the value head to the demonstrations' discounted returns afterwards, in PPO's reward
+    # scale (carried into RL from policy.init); None: where the demos have rewards and the policy a critic
+    value_pass: bool | None = None
     gamma: float = 0.99  # for the value pass's returns
-    value_epochs: int = 10
+    value_epochs: int | None = None  # None: as many passes as the actions' (SFTConfig.passes)
     fit_std: bool = True  # Gaussian kinds: log_std from the held-out error (see the module docstring)
 
     def __post_init__(self) -> None:
         for name, ok in (("lr", self.lr > 0), ("epochs", self.epochs is None or self.epochs >= 1),
                          ("min_steps", self.min_steps >= 0), ("minibatch_size", self.minibatch_size >= 1),
                          ("val_fraction", 0 <= self.val_fraction < 1), ("gamma", 0 <= self.gamma <= 1),
-                         ("max_grad_norm", self.max_grad_norm > 0), ("value_epochs", self.value_epochs >= 1)):
+                         ("max_grad_norm", self.max_grad_norm > 0), ("value_epochs", self.value_epochs is None or self.value_epochs >= 1)):
             if not ok:
                 raise ValueError(f"sft {name}={getattr(self, name)!r} is out of range")
 
@@ -153,15 +158,39 @@ def _split(demos: Demos, fraction: float, seed: int) -> tuple[list[int], list[in
     return sorted(order[held:]), sorted(order[:held])
 
 
-def _returns(demos: Demos, gamma: float) -> np.ndarray:
+def demo_returns(demos: Demos, gamma: float) -> tuple[np.ndarray, list[float]]:
+    """``(returns, [mean, var, count])``: each frame's discounted return to its episode's end (what
+    a critic predicts) and the moments PPO scales rewards by, computed as PPO computes them on a
+    batch (returns accumulated forward from each episode's start, see ``PPO._scaled_rewards``)."""
     rewards = np.asarray(demos.frames.get("next.reward", np.zeros(len(demos))), np.float64).reshape(-1)
-    out = np.zeros_like(rewards)
+    out, forward = np.zeros_like(rewards), np.zeros_like(rewards)
     for lo, hi in demos.episodes:
         acc = 0.0
         for t in range(hi - 1, lo - 1, -1):
             acc = rewards[t] + gamma * acc
             out[t] = acc
-    return out.astype(np.float32)
+        acc = 0.0
+        for t in range(lo, hi):
+            acc = rewards[t] + gamma * acc
+            forward[t] = acc
+    return out.astype(np.float32), [float(forward.mean()), float(forward.var()), float(len(forward))]
+
+
+def carry_reward_scale(algo, init: str | Path) -> bool:
+    """Start ``algo``'s reward scale (PPO's running moments of returns) from the demonstrations the
+    ``ebrl sft`` output ``init`` fitted its critic on, so the critic's first targets are in the units
+    it was fitted in. False where there is nothing to carry."""
+    import json
+
+    path = Path(init) / "sft.json"
+    rms = getattr(algo, "reward_rms", None)
+    if rms is None or not getattr(algo.config, "scale_rewards", False) or not path.is_file():
+        return False
+    saved = json.loads(path.read_text()).get("reward_rms")
+    if not saved:
+        return False
+    rms.mean, rms.var, rms.count = saved
+    return True
 
 
 def sft(policy, demos: Demos, observation_space, action_space, config: SFTConfig | None = None,
@@ -222,9 +251,14 @@ def sft(policy, demos: Demos, observation_space, action_space, config: SFTConfig
         std = fit_log_std(policy, obs_all, actions_all, val_rows if len(val_rows) else train_rows)
         if std is not None:
             history["log_std"] = std.tolist()
-    if c.value_pass and callable(getattr(policy, "value", None)):
-        history["value_loss"] = _value_pass(policy, batch, train_rows, _returns(demos, c.gamma), c, gen, metrics,
+    returns, moments = demo_returns(demos, c.gamma)
+    value_pass = c.value_pass if c.value_pass is not None else bool(np.any(returns) and critic_parameters(policy))
+    if value_pass and callable(getattr(policy, "value", None)):
+        # in PPO's units: rewards over the std of returns (scale_rewards, on by default)
+        scale = math.sqrt(moments[1] + 1e-8)
+        history["value_loss"] = _value_pass(policy, batch, train_rows, returns / np.float32(scale), c, gen, metrics,
                                             first_step=epochs + 1)
+        history["reward_rms"] = moments
     policy.eval()
     history.update(train_episodes=len(train_eps), val_episodes=len(val_eps), frames=len(demos), epochs=epochs,
                    config=dataclasses.asdict(c))
@@ -268,7 +302,7 @@ def _value_pass(policy, batch, rows: np.ndarray, returns: np.ndarray, c: SFTConf
         return []
     opt = torch.optim.Adam(params, lr=c.lr)
     out = []
-    for epoch in range(c.value_epochs):
+    for epoch in range(c.value_epochs or c.passes(len(rows))):
         perm = rows[torch.randperm(len(rows), generator=gen).numpy()]
         total = 0.0
         for start in range(0, len(perm), c.minibatch_size):

@@ -230,3 +230,46 @@ def test_maniskill_experts_push_and_pick_from_the_end_effector(tmp_path):
         demos = read_lerobot(tmp_path / task)
         assert demos.info["ebrl"]["env_kwargs"] == {"control_mode": "pd_ee_delta_pos"}
         assert demos.frames["next.success"].any() and demos.frames["action"].shape[1] == 4
+
+
+def test_sft_fits_the_critic_in_ppos_reward_scale_and_rl_starts_from_that_scale(tmp_path):
+    """Demonstrations with rewards: the value pass runs by default, regressing the critic on the
+    discounted returns over the std PPO divides rewards by, and ``policy.init`` starts PPO's
+    running moments from the demonstrations' (so the critic's first targets are in its units)."""
+    import torch
+
+    from ebrl.demos.features import ObsFeatures
+    from ebrl.policies import MLPPolicy
+    from ebrl.runs import build_spec, build_trainer
+    from ebrl.sft import SFTConfig, demo_returns, save_sft, sft
+    from ebrl.testing import InstructedReach
+
+    collect("mock/reach", tmp_path / "demos", episodes=6)
+    demos = read_lerobot(tmp_path / "demos")
+    env = InstructedReach()
+    policy = MLPPolicy.from_spaces(env.observation_space, env.action_space, seed=0)
+    untrained = MLPPolicy.from_spaces(env.observation_space, env.action_space, seed=0)
+    out = sft(policy, demos, env.observation_space, env.action_space, SFTConfig(epochs=5, value_epochs=400))
+    returns, moments = demo_returns(demos, 0.99)
+    assert out["reward_rms"] == moments and moments[2] == len(demos) and moments[1] > 0
+    # PPO's statistic: returns accumulated forward from each episode's start
+    rewards = np.asarray(demos.frames["next.reward"], np.float64).reshape(-1)
+    forward = np.concatenate([[sum(0.99 ** (t - j) * rewards[j] for j in range(lo, t + 1)) for t in range(lo, hi)]
+                              for lo, hi in demos.episodes])
+    assert moments[:2] == pytest.approx([forward.mean(), forward.var()])
+    assert out["value_loss"][-1] < out["value_loss"][0]
+    target = torch.as_tensor(returns / np.sqrt(moments[1] + 1e-8))
+    obs = {k: torch.as_tensor(v) for k, v in ObsFeatures(env.observation_space).observations(demos.frames).items()}
+    with torch.no_grad():
+        fitted = float((policy.value(obs) - target).square().mean())
+        start = float((untrained.value(obs) - target).square().mean())
+    assert fitted < 0.5 * start and fitted < float(target.var())  # explains most of the returns' variance
+    assert "value_loss" not in sft(untrained, demos, env.observation_space, env.action_space,
+                                   SFTConfig(epochs=1, value_pass=False))
+
+    save_sft(tmp_path / "sft", policy, build_spec(None, ["env=mock/reach", "policy.kind=mlp"]), out)
+    trainer = build_trainer(build_spec(None, ["env=mock/reach", f"policy.init={tmp_path / 'sft'}"]))
+    rms = trainer.algo.reward_rms
+    assert (rms.mean, rms.var, rms.count) == pytest.approx(tuple(moments))
+    scratch = build_trainer(build_spec(None, ["env=mock/reach", "policy.kind=mlp"])).algo.reward_rms
+    assert scratch.count < 1
