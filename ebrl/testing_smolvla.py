@@ -1,5 +1,8 @@
 """Tiny random SmolVLA policy folders for tests and benchmarks (beside :mod:`ebrl.testing`'s
-``save_random_pi0``): built from configs, nothing downloaded."""
+``save_random_pi0``): built from configs, nothing downloaded.
+    >>> SMOLVLM2_500M["text_config"]["hidden_size"], SMOLVLM2_500M["scale_factor"]
+    (960, 4)
+"""
 
 from __future__ import annotations
 

@@ -10,6 +10,12 @@ indent) whose stateful steps keep their tensors in ``<pipeline>_step_<i>_<regist
 These functions write and read those files generically; :mod:`ebrl.policies.lerobot_pi0` has
 π0-specific versions of some of them (its ``write_folder``'s pipeline part, ``_stats_file``,
 ``_pipeline_files``) that could be replaced by these.
+
+    >>> state_file_name("policy_preprocessor", 5, "normalizer_processor")
+    'policy_preprocessor_step_5_normalizer_processor.safetensors'
+    >>> import torch
+    >>> sorted(nested_stats(flat_stats({"action": {"mean": torch.zeros(2), "std": torch.ones(2)}}))["action"])
+    ['mean', 'std']
 """
 
 from __future__ import annotations

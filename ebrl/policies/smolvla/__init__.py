@@ -23,6 +23,9 @@ matching. The package:
 
 ``ebrl.testing_smolvla.save_random_smolvla`` writes tiny random folders for tests. The RL policy
 wrapping this model is not here yet.
+
+    >>> SmolVLASettings().num_vlm_layers, SmolVLASettings().attention_mode
+    (16, 'cross_attn')
 """
 
 from ebrl.policies.smolvla.lerobot import SmolVLAFolder, write_smolvla_folder

@@ -6,6 +6,14 @@ runs the SmolVLM text layers and its action expert through its own attention, no
 ``rope_theta`` says, eager attention with float32 logits and ``finfo.min`` at masked keys, and
 masks built from big_vision's ``att_masks`` cumulative-sum rule. These functions are those
 definitions, written for EBRL; the tests check each against a direct computation.
+
+    >>> import torch
+    >>> pad = torch.tensor([[True, True, True, False]])
+    >>> make_att_2d_masks(pad, torch.tensor([[0, 0, 1, 1]])).int()  # a block of two, then one more
+    tensor([[[1, 1, 0, 0],
+             [1, 1, 0, 0],
+             [1, 1, 1, 0],
+             [0, 0, 0, 0]]], dtype=torch.int32)
 """
 
 from __future__ import annotations

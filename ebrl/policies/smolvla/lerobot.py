@@ -14,6 +14,13 @@ safetensors header before any tensor is read. Folders read here and written back
 :func:`write_smolvla_folder` are identical byte for byte; written from scratch, ``config.json``
 follows LeRobot's field order (``PreTrainedConfig``'s fields, then ``SmolVLAConfig``'s:
 :data:`LEROBOT_CONFIG_DEFAULTS`).
+
+    >>> list(LEROBOT_CONFIG_DEFAULTS)[:4]
+    ['type', 'n_obs_steps', 'input_features', 'output_features']
+    >>> SmolVLAFolder.read("/models/not-there")
+    Traceback (most recent call last):
+    ...
+    FileNotFoundError: LeRobot policy folder '/models/not-there' does not exist (EBRL loads local ...
 """
 
 from __future__ import annotations

@@ -15,6 +15,11 @@ runs the VLM once over images, prompt and state and keeps each layer's keys and 
 :meth:`velocity` is one expert pass, a pure function of that cache, ``x_t`` and ``t``. Flow
 matching as LeRobot's: ``x_t = t noise + (1 - t) actions``, velocity ``noise - actions``, sampled
 from ``t = 1`` to 0 in ``num_steps`` Euler steps.
+
+    >>> expert_intermediate_size(int(960 * 0.75))  # smolvla_base's expert: 720 wide
+    2048
+    >>> SmolVLASettings.from_lerobot({"type": "smolvla", "chunk_size": 10, "num_steps": None}).chunk_size
+    10
 """
 
 from __future__ import annotations

@@ -11,6 +11,12 @@
 - Prompt (``SmolVLANewLineProcessor`` then ``TokenizerProcessorStep``): the task with a newline
   appended where it has none, tokenized with padding on the right to ``pad_language_to``
   (``"longest"`` or ``"max_length"``) and truncation at ``tokenizer_max_length``.
+
+    >>> import torch
+    >>> resize_with_pad(torch.zeros(1, 3, 240, 320), 512, 512, pad_value=0).shape  # 384 x 512, 128 rows on top
+    torch.Size([1, 3, 512, 512])
+    >>> task_prompt(["pick up the cube", "done\\n"])
+    ['pick up the cube\\n', 'done\\n']
 """
 
 from __future__ import annotations
