@@ -296,10 +296,26 @@ def _evaluate_loss(policy, batch, rows: np.ndarray, size: int) -> float:
 
 def _value_pass(policy, batch, rows: np.ndarray, returns: np.ndarray, c: SFTConfig, gen, metrics,
                 first_step: int) -> list[float]:
-    """The critic's head regressed on the discounted returns of the demonstrations."""
+    """The critic's head regressed on the discounted returns of the demonstrations. Only the
+    critic's parameters move, so where the policy splits its value into ``value_features(obs)``
+    and ``value_from_features(f)`` (a VLA's value head on its backbone's features) the backbone
+    runs once per frame, not once per frame and pass."""
     params = critic_parameters(policy)
     if not params:
         return []
+    device = next(policy.parameters()).device
+    cached = callable(getattr(policy, "value_features", None))
+    if cached:
+        with torch.no_grad():
+            parts = [rows[i:i + c.minibatch_size] for i in range(0, len(rows), c.minibatch_size)]
+            feats = torch.cat([policy.value_features(batch(part)[0]) for part in parts])
+        where = {int(r): i for i, r in enumerate(np.concatenate(parts))}
+
+    def values(part: np.ndarray) -> Tensor:
+        if cached:
+            return policy.value_from_features(feats[[where[int(r)] for r in part]])
+        return policy.value(batch(part)[0])
+
     opt = torch.optim.Adam(params, lr=c.lr)
     out = []
     for epoch in range(c.value_epochs or c.passes(len(rows))):
@@ -307,9 +323,8 @@ def _value_pass(policy, batch, rows: np.ndarray, returns: np.ndarray, c: SFTConf
         total = 0.0
         for start in range(0, len(perm), c.minibatch_size):
             part = perm[start:start + c.minibatch_size]
-            obs, _ = batch(part)
-            target = torch.as_tensor(returns[part], device=next(policy.parameters()).device)
-            loss = (policy.value(obs) - target).square().mean()
+            target = torch.as_tensor(returns[part], device=device)
+            loss = (values(part) - target).square().mean()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
