@@ -49,6 +49,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ebrl.policies.base import SeededSampling
 from ebrl.policies.encoders import ObsEncoder, ObsLayout, ReadsObservations, as_tensor, lookup
 from ebrl.policies.expects import ActionSpec, DType, ObsSpec, PolicySpaces
 
@@ -150,15 +151,13 @@ class CameraPatches(nn.Module):
         return self.proj(self.pool(x * 2.0 - 1.0)).flatten(2).transpose(1, 2)
 
 
-class FrozenModes(nn.Module):
+class FrozenModes(SeededSampling, nn.Module):
     """What a policy around a pretrained model (``self.backbone``) shares: ``hf_model`` (the model
     under its LoRA wrapper); the model staying in eval mode whatever ``train()`` says (no dropout,
     so the acting and the training pass compute the same function, which the PPO ratio needs);
-    and a sampling generator seeded by ``self.seed`` that follows the policy to its device."""
+    and a sampling stream (:class:`~ebrl.policies.base.SeededSampling`)."""
 
     backbone: nn.Module
-    seed: int
-    _gen: torch.Generator
 
     @property
     def hf_model(self) -> nn.Module:
@@ -170,11 +169,6 @@ class FrozenModes(nn.Module):
         super().train(mode)
         self.backbone.eval()
         return self
-
-    def _generator(self, device: torch.device) -> torch.Generator:
-        if self._gen.device != device:  # moved to another device: restart the stream there
-            self._gen = torch.Generator(device).manual_seed(self.seed)
-        return self._gen
 
 
 class HFBackbonePolicy(ReadsObservations, FrozenModes):
@@ -277,7 +271,7 @@ class HFBackbonePolicy(ReadsObservations, FrozenModes):
         decoder = hf.get_decoder()
         params = inspect.signature(decoder.forward).parameters  # transformers 5 renames past_key_values to cache
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._gen = torch.Generator().manual_seed(self.seed)  # sampling; not a buffer: never in state_dict
+        self._start_sampling()
         self.train(True)
 
     # ---- building ----------------------------------------------------------------------------

@@ -511,7 +511,7 @@ class PI0Policy(FrozenModes):
         if self.has_value_head:  # π0: on the action expert; π0.5: on the VLM (RLinf's value_after_vlm)
             value_in = width if self.kind == "pi0" else int(cfg.vlm_config.text_config.hidden_size)
             self.value_head = _mlp(value_in, value_hidden, 1, nn.ReLU, 0.0, gen)  # values start at 0
-        self._gen = torch.Generator().manual_seed(self.seed)  # sampling; not a buffer: never in state_dict
+        self._start_sampling()
         self.train(True)
 
     # ---- building ------------------------------------------------------------------------------

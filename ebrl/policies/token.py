@@ -50,7 +50,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ebrl.policies.base import ActResult
+from ebrl.policies.base import ActResult, SeededSampling
 from ebrl.policies.encoders import (
     ObsEncoder,
     ObsEntry,
@@ -124,7 +124,7 @@ class _Patchify(nn.Module):
         return self.proj(self.conv(x).flatten(2).transpose(1, 2))
 
 
-class TokenPolicy(ReadsObservations, Pretrained, nn.Module):
+class TokenPolicy(ReadsObservations, SeededSampling, Pretrained, nn.Module):
     """Autoregressive action tokens over a prefix built from the observation's vectors, cameras and instruction.
 
     ``action_low``/``action_high`` give the action shape (``(A,)`` or a chunk ``(K, A)``, whose
@@ -230,7 +230,7 @@ class TokenPolicy(ReadsObservations, Pretrained, nn.Module):
         self.register_buffer("attn_mask", (pos[None, :] <= pos[:, None]) | (pos[None, :] < num_prefix),
                              persistent=False)
         self._init_weights(torch.Generator().manual_seed(self.seed))
-        self._gen = torch.Generator().manual_seed(self.seed)  # not a buffer: never in state_dict
+        self._start_sampling()
         self.register_load_state_dict_pre_hook(load_legacy_keys)
 
     def _init_weights(self, gen: torch.Generator) -> None:
@@ -392,8 +392,7 @@ class TokenPolicy(ReadsObservations, Pretrained, nn.Module):
         forced = None if tokens is None else self._token_ids(tokens)
         inputs = self._prefix_and_bos(obs)
         batch, device = inputs.shape[0], inputs.device
-        if self._gen.device != device:  # moved to another device: restart the stream there
-            self._gen = torch.Generator(device).manual_seed(self.seed)
+        gen = self._generator(device)
         first = self.blocks[0].attn
         shape = (batch, first.heads, self.num_prefix + self.num_tokens, first.head_dim)
         cache = [(inputs.new_empty(shape), inputs.new_empty(shape)) for _ in self.blocks]
@@ -405,7 +404,7 @@ class TokenPolicy(ReadsObservations, Pretrained, nn.Module):
             all_logits.append(logits)
             if forced is None:
                 token = (logits.argmax(-1) if self.deterministic
-                         else torch.multinomial(logits.softmax(-1), 1, generator=self._gen).squeeze(-1))
+                         else torch.multinomial(logits.softmax(-1), 1, generator=gen).squeeze(-1))
             else:
                 token = forced[:, j]
             chosen.append(token)
