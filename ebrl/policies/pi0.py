@@ -119,7 +119,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from ebrl.policies.base import ActResult
 from ebrl.policies.encoders import ObsEncoder, ObsLayout, as_tensor, lookup
 from ebrl.policies.expects import ActionSpec, DType, ObsSpec, PolicySpaces
-from ebrl.policies.flow import _gauss_logp
+from ebrl.policies.flow_chain import gauss_logp
 from ebrl.policies.heads import LOG_SQRT_2PI
 from ebrl.policies.hf_backbone import (
     DEFAULT_LORA_TARGETS,
@@ -900,7 +900,7 @@ class PI0Policy(FrozenModes):
                     x = mean.clone()
                     x[:, :self.execute, :self.action_dim] += sigma * eps
                 # as evaluate() computes it, not from eps
-                logp = logp + _gauss_logp(self._block(x), self._block(mean), sigma.reshape(rows, -1))
+                logp = logp + gauss_logp(self._block(x), self._block(mean), sigma.reshape(rows, -1))
             chain.append(x)
         actions = torch.stack(chain, 1).reshape(rows, self.denoise_steps + 1, -1).cpu().numpy()
         return ActResult(actions=actions, env_actions=self.to_env(actions[:, -1]), logprobs=logp.cpu().numpy(),
@@ -933,7 +933,7 @@ class PI0Policy(FrozenModes):
             if sigma is None:
                 continue
             sigma = sigma.reshape(m, -1)
-            logp = logp + _gauss_logp(self._block(chain[:, k + 1]), self._block(mean), sigma)
+            logp = logp + gauss_logp(self._block(chain[:, k + 1]), self._block(mean), sigma)
             entropy = entropy + (0.5 + LOG_SQRT_2PI + sigma.log()).sum(-1)
         return logp, entropy, self._values(prefix)
 

@@ -1,0 +1,308 @@
+"""The flow-matching action chain, once for every flow policy: sampling, Flow-Noise, Flow-SDE,
+the chain's log-prob, the executed block and the flow-matching SFT loss.
+
+A flow policy turns Gaussian noise into an action chunk ``[K, A]`` by integrating a velocity
+field from ``tau = 0`` (noise) to ``tau = 1`` (actions) in ``N`` Euler steps (``tau_k = k / N``,
+``dt = 1 / N``). Plain Euler is deterministic given ``x_0``, so the chunk has no density for
+PPO's ratio; πRL (Chen et al. 2025) makes every step a Gaussian transition, and the whole chain
+``[x_0 .. x_N]`` is the stored "action"::
+
+    x_0 ~ N(0, I)
+    x_{k+1} = mean_k(x_k) + sigma_k * eps_k        (on the executed block; elsewhere the mean)
+    log p(chain) = log N(x_0[S]; 0, I) + sum_k log N(x_{k+1}[S]; mean_k[S], sigma_k[S]^2)
+
+``S``, the **block**, is what the env executes: the chunk's first ``execute`` actions and first
+``A`` dims (π0's chunks are longer and wider than what the env takes; noise elsewhere would only
+add variance to the ratios). ``method`` picks ``mean_k`` and ``sigma_k``:
+
+- ``"flow-noise"`` (πRL's Flow-Noise): the Euler mean ``x + dt * v`` and the policy's learned
+  ``sigma`` (a noise head, state- and step-dependent);
+- ``"flow-sde"`` (πRL's Flow-SDE, from Flow-GRPO): the ODE as the SDE with the same marginals,
+  ``sigma_t = a * sqrt(t / (1 - t))`` with ``t = 1 - tau`` (``a = noise_level``; at ``t = 1`` the
+  next time in the denominator, as RLinf)::
+
+      mean_k = x + dt * v - dt * sigma_t^2 / (2 t) * (x - tau * v),   std_k = sqrt(dt) * sigma_t
+
+  (``x - tau * v`` is the predicted noise; the correction is per coordinate, so noising the
+  block alone keeps the marginals);
+- ``"ode"``: no noise (sampling is the plain ODE; nothing to train with RL).
+
+``predict="velocity"`` means the network's output is ``v = dx/dtau``; ``predict="action"``
+means it is the final chunk ``x1_hat`` and ``v = (x1_hat - x) / (1 - tau)``, so the last step's
+mean is exactly ``x1_hat``. :meth:`FlowChain.flow_matching_loss` is rectified flow's SFT loss:
+``x_tau = (1 - tau) noise + tau target``, the output regressed onto ``target - noise`` (or onto
+``target`` with ``predict="action"``), on the demonstrated entries.
+
+**What a flow policy supplies**: one function, the velocity (and noise) of its network over a
+context it computes once per ``act``/``evaluate``/loss call (observation features, a VLM's
+KV-cached prefix)::
+
+    velocity(x: Tensor [R, S, K, A], tau: Tensor [R, S]) -> (out [R, S, K, A], sigma or None)
+
+``S`` flow states per row (one in sampling, all ``N`` steps when scoring a stored chain: a
+policy that cannot batch them loops over ``S``); ``out`` is the velocity or ``x1_hat`` as
+``predict`` says; ``sigma`` is Flow-Noise's learned std, ``[R, S, K, A]`` or just the block
+(None without a noise head). The policy keeps a :class:`FlowChain` of its settings and calls
+:meth:`~FlowChain.sample` in ``act``, :meth:`~FlowChain.score` in ``evaluate``,
+:meth:`~FlowChain.step_params` and :meth:`~FlowChain.flow_matching_loss`; it maps the final
+state to env actions itself (:class:`ChunkSpace` for a flow in ``[-1, 1]``).
+
+A toy velocity that flows every chunk to ``0.5`` (a real policy's reads its context)::
+
+    >>> import torch
+    >>> from ebrl.policies.flow_chain import FlowChain
+    >>> chain = FlowChain(steps=4, shape=(2, 3), predict="action")
+    >>> def velocity(x, tau):  # x1_hat = 0.5 everywhere, a learned sigma of 0.1
+    ...     return torch.full_like(x, 0.5), torch.full_like(x, 0.1)
+    >>> states, logp = chain.sample(velocity, rows=5, generator=torch.Generator().manual_seed(0))
+    >>> states.shape, logp.shape      # [R, N + 1, K * A]: the chain PPO stores
+    (torch.Size([5, 5, 6]), torch.Size([5]))
+    >>> scored, entropy = chain.score(velocity, states)
+    >>> bool(torch.allclose(scored, logp, atol=1e-5)), entropy.shape
+    (True, torch.Size([5]))
+    >>> loss = chain.flow_matching_loss(velocity, torch.full((5, 2, 3), 0.5), torch.Generator().manual_seed(0))
+    >>> float(loss)                   # x1_hat is the target: nothing to learn
+    0.0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ebrl.policies.heads import LOG_SQRT_2PI
+
+METHODS = ("flow-noise", "flow-sde", "ode")
+PREDICTS = ("action", "velocity")
+
+# the policy's velocity (and noise) at S flow states per row: see the module's docstring
+Velocity = Callable[[Tensor, Tensor], tuple[Tensor, Tensor | None]]
+
+
+def gauss_logp(x: Tensor, mean: Tensor, sigma: Tensor) -> Tensor:
+    """``log N(x; mean, diag(sigma^2))`` summed over the last dimension."""
+    z = (x - mean) / sigma
+    return (-0.5 * z.square() - sigma.log() - LOG_SQRT_2PI).sum(-1)
+
+
+def unit_logp(x: Tensor) -> Tensor:
+    """``log N(x; 0, I)`` summed over the last dimension."""
+    return (-0.5 * x.square() - LOG_SQRT_2PI).sum(-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlowChain:
+    """A flow policy's chain: ``steps`` (N), the chunk's ``shape`` ``(K, A)`` in the flow's
+    space, the executed ``block`` ``(actions, dims)`` (default: all of it), ``method``,
+    ``predict`` and Flow-SDE's ``noise_level``. See the module's docstring."""
+
+    steps: int
+    shape: tuple[int, int]
+    block: tuple[int, int] | None = None
+    method: str = "flow-noise"
+    predict: str = "velocity"
+    noise_level: float = 0.5
+
+    def __post_init__(self):
+        if self.predict not in PREDICTS:
+            raise ValueError(f"predict={self.predict!r} must be 'action' (the network predicts the final chunk) "
+                             "or 'velocity' (it predicts the velocity field)")
+        if not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"denoise_steps={self.steps!r} must be an int >= 1")
+        if self.method not in METHODS:
+            raise ValueError(f"method={self.method!r} must be one of {list(METHODS)}")
+        if self.method == "flow-sde" and not self.noise_level > 0:
+            raise ValueError(f"flow-sde needs noise_level > 0 (method='ode' injects no noise), "
+                             f"got {self.noise_level!r}")
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        block = self.shape if self.block is None else tuple(int(d) for d in self.block)
+        if not all(1 <= b <= s for b, s in zip(block, self.shape)):
+            raise ValueError(f"the executed block {block} must fit in the chunk {self.shape}")
+        object.__setattr__(self, "block", block)
+
+    @property
+    def dim(self) -> int:
+        """Elements of a flow state, ``K * A`` (a stored chain is ``[R, N + 1, dim]``)."""
+        return self.shape[0] * self.shape[1]
+
+    def executed(self, x: Tensor) -> Tensor:
+        """The block of states ``x [..., K, A]``, flattened: ``[..., actions * dims]``."""
+        ke, a = self.block
+        return x[..., :ke, :a].flatten(-2)
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def _taus(self, rows: int, ks: Sequence[int], device: torch.device, dtype: torch.dtype) -> Tensor:
+        return (torch.as_tensor(list(ks), device=device, dtype=dtype) / self.steps).expand(rows, len(ks))
+
+    def _step(self, velocity: Velocity, x: Tensor, ks: Sequence[int]) -> tuple[Tensor, Tensor | None]:
+        """Steps ``ks``' Gaussians from ``x [R, S, K, A]`` (row ``r``, state ``s`` at step ``ks[s]``):
+        the mean ``[R, S, K, A]`` (every entry) and the std on the block ``[R, S, actions, dims]``
+        (None for the ODE)."""
+        tau = self._taus(x.shape[0], ks, x.device, x.dtype)
+        out, sigma = velocity(x, tau)
+        v = out if self.predict == "velocity" else (out - x) / (1.0 - tau)[..., None, None]
+        dt = 1.0 / self.steps
+        mean = x + dt * v  # the Euler step
+        ke, a = self.block
+        if self.method == "ode":
+            return mean, None
+        if self.method == "flow-noise":
+            if sigma is None:
+                raise ValueError("method='flow-noise' needs the policy's learned sigma (a noise head)")
+            return mean, sigma[..., :ke, :a]
+        # flow-sde, at t = 1 - tau: sigma_t = a sqrt(t / (1 - t)), at t = 1 the next time in the
+        # denominator (RLinf's sample_mean_var_val); std = sqrt(dt) sigma_t
+        t = [1.0 - k * dt for k in ks]
+        sigma_t = [self.noise_level * math.sqrt(tk / (1.0 - (1.0 - dt if k == 0 else tk))) for k, tk in zip(ks, t)]
+        scale = torch.tensor([s ** 2 * dt / (2.0 * tk) for s, tk in zip(sigma_t, t)], device=x.device, dtype=x.dtype)
+        one_minus_t = torch.tensor([1.0 - tk for tk in t], device=x.device, dtype=x.dtype)[:, None, None]
+        block = (..., slice(0, ke), slice(0, a))
+        predicted_noise = x[block] - one_minus_t * v[block]
+        mean = mean.clone()
+        mean[block] = mean[block] - scale[:, None, None] * predicted_noise
+        std = torch.tensor([math.sqrt(dt) * s for s in sigma_t], device=x.device, dtype=x.dtype)
+        return mean, std[:, None, None].expand_as(predicted_noise)
+
+    def step_params(self, velocity: Velocity, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """``(mean_k [R, K * A], sigma_k [R, actions * dims])`` of the transition from
+        ``x = x_k [R, K * A]`` at step ``k``, with gradients (sigma zero for the ODE)."""
+        mean, sigma = self._step(velocity, x.reshape(-1, 1, *self.shape), [k])
+        if sigma is None:
+            sigma = mean.new_zeros(mean.shape[0], 1, *self.block)
+        return mean[:, 0].flatten(1), sigma[:, 0].flatten(1)
+
+    # ---- acting and scoring ----------------------------------------------------------------
+
+    def sample(self, velocity: Velocity, rows: int, generator: torch.Generator, *,
+               device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, x0: Tensor | None = None,
+               deterministic: bool = False) -> tuple[Tensor, Tensor]:
+        """Sample chains: ``(states [R, N + 1, K * A], logp [R])``. ``x0`` is given noise
+        (``[R, K, A]`` or ``[R, K * A]``); otherwise drawn from ``generator``, or zero when
+        ``deterministic`` (the mode: from zero noise, no noise on the way)."""
+        shape = (rows, *self.shape)
+        if x0 is not None:
+            x = torch.as_tensor(x0, device=device).to(dtype).reshape(shape)
+        else:
+            x = torch.randn(shape, generator=generator, device=device, dtype=dtype)
+            if deterministic:
+                x = torch.zeros_like(x)
+        logp = unit_logp(self.executed(x))
+        states = [x]
+        for k in range(self.steps):
+            mean, sigma = (t if t is None else t[:, 0] for t in self._step(velocity, x[:, None], [k]))
+            x = mean
+            if sigma is not None:
+                eps = torch.randn(sigma.shape, generator=generator, device=device, dtype=dtype)
+                if not deterministic:
+                    x = mean.clone()
+                    x[:, :self.block[0], :self.block[1]] += sigma * eps
+                # as score() computes it, not from eps
+                logp = logp + gauss_logp(self.executed(x), self.executed(mean), sigma.flatten(1))
+            states.append(x)
+        return torch.stack(states, 1).flatten(2), logp
+
+    def score(self, velocity: Velocity, states: Tensor) -> tuple[Tensor, Tensor]:
+        """``(logp [M], entropy [M])`` of stored chains ``states [M, N + 1, K * A]``, with
+        gradients: every step in one call of ``velocity``. The entropy is the chain's:
+        ``N(0, I)``'s on the block (a constant) plus every step's Gaussian's, given the stored states."""
+        m, n = states.shape[0], self.steps
+        chain = states.reshape(m, n + 1, *self.shape)
+        mean, sigma = self._step(velocity, chain[:, :-1], range(n))
+        logp = unit_logp(self.executed(chain[:, 0]))
+        size = self.block[0] * self.block[1]
+        entropy = torch.full((m,), size * (0.5 + LOG_SQRT_2PI), device=states.device, dtype=states.dtype)
+        if sigma is None:
+            return logp, entropy
+        sigma = sigma.flatten(2)
+        logp = logp + gauss_logp(self.executed(chain[:, 1:]), self.executed(mean), sigma).sum(1)
+        return logp, entropy + (0.5 + LOG_SQRT_2PI + sigma.log()).sum((1, 2))
+
+    # ---- supervised fine-tuning ------------------------------------------------------------
+
+    def flow_matching_loss(self, velocity: Velocity, target: Tensor, generator: torch.Generator, *,
+                           sample_tau: Callable[[int, torch.Generator], Tensor] | None = None,
+                           scored: tuple[int, int] | None = None) -> Tensor:
+        """Rectified-flow behaviour cloning on ``target`` chunks ``[B, K, A]`` (the flow's space):
+        ``noise`` then ``tau`` drawn from ``generator`` (``tau ~ U(0, 1)``, or ``sample_tau(B,
+        generator)``, on the generator's device), ``x_tau = (1 - tau) noise + tau target``, and the
+        squared error of ``out`` against ``target - noise`` (``target`` with ``predict="action"``:
+        the velocity loss divided by ``(1 - tau)^2``, well defined at ``tau -> 1``), averaged over
+        the first ``scored = (actions, dims)`` entries (all by default)."""
+        rows, device = target.shape[0], target.device
+        noise = torch.randn(target.shape, generator=generator, device=generator.device).to(device, target.dtype)
+        tau = (sample_tau(rows, generator) if sample_tau is not None
+               else torch.rand(rows, generator=generator, device=generator.device)).to(device, target.dtype)
+        x_tau = (1.0 - tau[:, None, None]) * noise + tau[:, None, None] * target
+        out, _ = velocity(x_tau[:, None], tau[:, None])
+        want = target if self.predict == "action" else target - noise
+        ke, a = self.shape if scored is None else scored
+        return (out[:, 0] - want)[:, :ke, :a].square().mean()
+
+
+# ---- what FlowPolicy and HFFlowPolicy share: a flow in [-1, 1], a sigmoid-bounded noise head ----
+
+def check_sigmas(sigma_min: float, init_sigma: float, sigma_max: float) -> None:
+    """Flow-Noise's bounds, one ``ValueError`` naming them."""
+    if not 0 < sigma_min < init_sigma < sigma_max:
+        raise ValueError(f"need 0 < sigma_min < init_sigma < sigma_max, got {sigma_min!r}, {init_sigma!r}, {sigma_max!r}")
+
+
+def init_sigma_bias(bias: Tensor, init_sigma: float, sigma_min: float, sigma_max: float) -> None:
+    """Fill a noise head's last bias so that :func:`bounded_sigma` starts at ``init_sigma``."""
+    p = (init_sigma - sigma_min) / (sigma_max - sigma_min)
+    with torch.no_grad():
+        bias.fill_(math.log(p / (1.0 - p)))
+
+
+def bounded_sigma(raw: Tensor, sigma_min: float, sigma_max: float) -> Tensor:
+    """A noise head's output mapped into ``[sigma_min, sigma_max]`` by a sigmoid."""
+    return sigma_min + (sigma_max - sigma_min) * torch.sigmoid(raw)
+
+
+def chunk_2d(shape: Sequence[int]) -> tuple[int, int]:
+    """An action Box's shape as a chunk ``(K, A)``: ``(A,)`` is one action, ``(1, A)``."""
+    return (int(shape[0]), int(shape[1])) if len(shape) == 2 else (1, int(shape[0]))
+
+
+def time_frequencies(dim: int) -> Tensor:
+    """π0's sinusoidal time embedding's ``dim // 2`` frequencies: periods geometric in ``[4e-3, 4]``."""
+    periods = torch.logspace(math.log10(4e-3), math.log10(4.0), dim // 2)
+    return 2.0 * math.pi / periods
+
+
+def time_embedding(tau: Tensor, freqs: Tensor) -> Tensor:
+    """``[..., dim]``: the sines then the cosines of ``tau [...]`` at :func:`time_frequencies`."""
+    angles = tau[..., None] * freqs
+    return torch.cat([angles.sin(), angles.cos()], -1)
+
+
+class ChunkSpace:
+    """Between the env's chunk Box and the flow's ``[-1, 1]`` space, for a policy with
+    ``chunk_shape``, ``chunk_dim`` and the Box bounds ``action_low``/``action_high``
+    (:class:`~ebrl.policies.flow.FlowPolicy`, :class:`~ebrl.policies.hf_flow.HFFlowPolicy`)."""
+
+    chunk_shape: tuple[int, ...]
+    chunk_dim: int
+    action_low: np.ndarray
+    action_high: np.ndarray
+
+    def to_env(self, x: np.ndarray) -> np.ndarray:
+        """Final flow states ``[B, K * A]`` (normalised space) -> env actions ``[B, *chunk_shape]``."""
+        x = np.clip(x.reshape(-1, *self.chunk_shape), -1.0, 1.0)
+        return (self.action_low + (x + 1.0) * 0.5 * (self.action_high - self.action_low)).astype(np.float32)
+
+    def normalize_actions(self, chunks: Tensor) -> Tensor:
+        """Env-space chunks ``[B, *chunk_shape]`` -> the flow's ``[-1, 1]`` space, ``[B, K * A]``."""
+        low = torch.as_tensor(self.action_low, device=chunks.device, dtype=chunks.dtype)
+        high = torch.as_tensor(self.action_high, device=chunks.device, dtype=chunks.dtype)
+        x = 2.0 * (chunks.reshape(-1, *self.chunk_shape) - low) / (high - low) - 1.0
+        return x.clamp(-1.0, 1.0).reshape(-1, self.chunk_dim)
+
+
+__all__ = ["ChunkSpace", "FlowChain", "Velocity", "gauss_logp", "unit_logp"]
