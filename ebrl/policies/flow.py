@@ -57,34 +57,16 @@ from torch import Tensor, nn
 
 from ebrl.policies.base import ActResult, SeededSampling
 from ebrl.policies.cnn import image_cnn
-from ebrl.policies.encoders import (
-    ObsEncoder,
-    ObsEntry,
-    ObsLayout,
-    Read,
-    ReadsObservations,
-    as_tensor,
-    load_legacy_keys,
-)
+from ebrl.policies.encoders import ObsEncoder, ObsEntry, ObsLayout, Read, ReadsObservations, as_tensor, load_legacy_keys
 from ebrl.policies.expects import ActionSpec, PolicySpaces
-from ebrl.policies.flow_chain import (
-    ChunkSpace,
-    FlowChain,
-    Velocity,
-    bounded_sigma,
-    check_sigmas,
-    chunk_2d,
-    init_sigma_bias,
-    time_embedding,
-    time_frequencies,
-)
+from ebrl.policies.flow_chain import ChunkSpace, FlowChain, HasChain, SigmoidSigma, TimeEmbedding, Velocity, chunk_2d
 from ebrl.policies.mlp import _mlp
 from ebrl.policies.pretrained import Pretrained
 
 ObsLike = Any  # a Tensor/array [N, ...], or a (nested) dict of them for Dict observation spaces
 
 
-class FlowPolicy(ChunkSpace, ReadsObservations, SeededSampling, Pretrained, nn.Module):
+class FlowPolicy(HasChain, ChunkSpace, ReadsObservations, SeededSampling, Pretrained, nn.Module):
     """Flow-matching actor (velocity field + learned noise head) and an MLP critic.
 
     ``obs_dim`` is the size of the observation features the networks read: with ``obs_layout``
@@ -131,7 +113,7 @@ class FlowPolicy(ChunkSpace, ReadsObservations, SeededSampling, Pretrained, nn.M
         if len(self.chunk_shape) not in (1, 2) or min(self.chunk_shape) < 1:
             raise ValueError(f"chunk_shape={self.chunk_shape} must be (K, A) or (A,) with positive sizes")
         self.chain = FlowChain(denoise_steps, chunk_2d(self.chunk_shape), predict=predict)
-        check_sigmas(sigma_min, init_sigma, sigma_max)
+        self.sigma = SigmoidSigma(sigma_min, init_sigma, sigma_max)
         if time_dim < 2 or time_dim % 2:
             raise ValueError(f"time_dim={time_dim!r} must be an even int >= 2 (sin and cos pairs)")
         low = np.broadcast_to(np.asarray(action_low, np.float32), self.chunk_shape).copy()
@@ -158,8 +140,6 @@ class FlowPolicy(ChunkSpace, ReadsObservations, SeededSampling, Pretrained, nn.M
             raise ValueError(f"obs_dim={obs_dim}, but the observation gives {self.obs_encoder.out_dim} features")
         self.obs_dim = self.obs_encoder.out_dim
         self.chunk_dim = math.prod(self.chunk_shape)
-        self.denoise_steps, self.predict = denoise_steps, predict
-        self.sigma_min, self.sigma_max = float(sigma_min), float(sigma_max)
         self.normalize_obs, self.seed = bool(normalize_obs), int(seed)
         self.action_low, self.action_high = low, high
         # what from_pretrained needs to rebuild this module (JSON-able)
@@ -167,7 +147,7 @@ class FlowPolicy(ChunkSpace, ReadsObservations, SeededSampling, Pretrained, nn.M
                        "action_low": low.tolist(), "action_high": high.tolist(), "hidden": list(hidden),
                        "noise_hidden": list(noise_hidden), "critic_hidden": list(critic_hidden),
                        "time_dim": int(time_dim), "denoise_steps": denoise_steps, "predict": predict,
-                       "sigma_min": self.sigma_min, "sigma_max": self.sigma_max, "init_sigma": float(init_sigma),
+                       "sigma_min": self.sigma.sigma_min, "sigma_max": self.sigma.sigma_max, "init_sigma": self.sigma.init_sigma,
                        "normalize_obs": self.normalize_obs, "obs_keys": list(obs_keys) if obs_keys else None,
                        "obs_layout": layout.to_config() if obs_layout is not None else None,
                        "conv": None if conv is None else [list(c) for c in conv], "feature_dim": int(feature_dim),
@@ -178,9 +158,9 @@ class FlowPolicy(ChunkSpace, ReadsObservations, SeededSampling, Pretrained, nn.M
         # separate from the velocity field, as in Flow-Noise: BC warm starts shape the velocity
         # only, and RL can grow or shrink exploration per state and step without disturbing it
         self.noise = _mlp(d_in, noise_hidden, self.chunk_dim, nn.SiLU, 0.01, init_gen)
-        init_sigma_bias(self.noise[-1].bias, init_sigma, sigma_min, sigma_max)
+        self.sigma.init_bias(self.noise[-1].bias)
         self.critic = _mlp(self.obs_dim, critic_hidden, 1, nn.Tanh, 1.0, init_gen)
-        self.register_buffer("time_freqs", time_frequencies(time_dim), persistent=False)
+        self.time_embedding = TimeEmbedding(time_dim)
         self._start_sampling()
         self.register_load_state_dict_pre_hook(load_legacy_keys)
 
@@ -215,7 +195,7 @@ class FlowPolicy(ChunkSpace, ReadsObservations, SeededSampling, Pretrained, nn.M
     # ---- the flow --------------------------------------------------------------------------
 
     def _time_embed(self, tau: Tensor) -> Tensor:
-        return time_embedding(tau, self.time_freqs)
+        return self.time_embedding(tau)
 
     def _velocity(self, feat: Tensor) -> Velocity:
         """The chain's velocity for observation features ``feat [R, obs_dim]``: the velocity
@@ -225,7 +205,7 @@ class FlowPolicy(ChunkSpace, ReadsObservations, SeededSampling, Pretrained, nn.M
             r, s = tau.shape
             inp = torch.cat([x.reshape(r * s, self.chunk_dim), feat.repeat_interleave(s, 0),
                              self._time_embed(tau.reshape(r * s))], -1)
-            sigma = bounded_sigma(self.noise(inp), self.sigma_min, self.sigma_max)
+            sigma = self.sigma(self.noise(inp))
             return self.velocity(inp).reshape(x.shape), sigma.reshape(x.shape)
 
         return velocity

@@ -17,13 +17,14 @@ add variance to the ratios). ``method`` picks ``mean_k`` and ``sigma_k``:
 
 - ``"flow-noise"`` (πRL's Flow-Noise): the Euler mean ``x + dt * v`` and the policy's learned
   ``sigma`` (a noise head, state- and step-dependent);
-- ``"flow-sde"`` (πRL's Flow-SDE, from Flow-GRPO): the ODE as the SDE with the same marginals,
-  ``sigma_t = a * sqrt(t / (1 - t))`` with ``t = 1 - tau`` (``a = noise_level``; at ``t = 1`` the
-  next time in the denominator, as RLinf)::
+- ``"flow-sde"`` (πRL's Flow-SDE, from Flow-GRPO): the ODE as the SDE with the same marginals.
+  In π0's time ``t = 1 - tau`` (noise at ``t = 1``, ``v_t = noise - actions``),
+  ``sigma_t = a * sqrt(t / (1 - t))`` (``a = noise_level``; at ``t = 1`` the next time in the
+  denominator, as RLinf's ``sample_mean_var_val``) and, with ``delta = 1 / N``::
 
-      mean_k = x + dt * v - dt * sigma_t^2 / (2 t) * (x - tau * v),   std_k = sqrt(dt) * sigma_t
+      mean_k = x - delta * [v_t + sigma_t^2 / (2 t) * (x + (1 - t) v_t)],   std_k = sqrt(delta) * sigma_t
 
-  (``x - tau * v`` is the predicted noise; the correction is per coordinate, so noising the
+  (``x + (1 - t) v_t`` is the predicted noise; the correction is per coordinate, so noising the
   block alone keeps the marginals);
 - ``"ode"``: no noise (sampling is the plain ODE; nothing to train with RL).
 
@@ -37,12 +38,16 @@ mean is exactly ``x1_hat``. :meth:`FlowChain.flow_matching_loss` is rectified fl
 context it computes once per ``act``/``evaluate``/loss call (observation features, a VLM's
 KV-cached prefix)::
 
-    velocity(x: Tensor [R, S, K, A], tau: Tensor [R, S]) -> (out [R, S, K, A], sigma or None)
+    velocity(x: Tensor [R, S, K, A], t: Tensor [R, S]) -> (out [R, S, K, A], sigma or None)
 
 ``S`` flow states per row (one in sampling, all ``N`` steps when scoring a stored chain: a
-policy that cannot batch them loops over ``S``); ``out`` is the velocity or ``x1_hat`` as
-``predict`` says; ``sigma`` is Flow-Noise's learned std, ``[R, S, K, A]`` or just the block
-(None without a noise head). The policy keeps a :class:`FlowChain` of its settings and calls
+policy that cannot batch them loops over ``S``) at times ``t`` in the policy's own convention:
+``noise_at=0`` (``t = tau``, FlowPolicy's) or ``noise_at=1`` (``t = 1 - tau`` and
+``v = noise - actions``: π0's and SmolVLA's, the times computed as ``sample_actions`` does, so
+the ODE is theirs to the bit). ``out`` is ``dx/dt`` or ``x1_hat`` as ``predict`` says;
+``sigma`` is Flow-Noise's learned std, ``[R, S, K, A]`` or just the block (None without a
+noise head). A policy with its own training-time distribution passes ``sample_time`` to the
+loss. The policy keeps a :class:`FlowChain` of its settings and calls
 :meth:`~FlowChain.sample` in ``act``, :meth:`~FlowChain.score` in ``evaluate``,
 :meth:`~FlowChain.step_params` and :meth:`~FlowChain.flow_matching_loss`; it maps the final
 state to env actions itself (:class:`ChunkSpace` for a flow in ``[-1, 1]``).
@@ -70,10 +75,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ebrl.policies.heads import LOG_SQRT_2PI
 
@@ -99,7 +105,8 @@ def unit_logp(x: Tensor) -> Tensor:
 class FlowChain:
     """A flow policy's chain: ``steps`` (N), the chunk's ``shape`` ``(K, A)`` in the flow's
     space, the executed ``block`` ``(actions, dims)`` (default: all of it), ``method``,
-    ``predict`` and Flow-SDE's ``noise_level``. See the module's docstring."""
+    ``predict``, Flow-SDE's ``noise_level``, and ``noise_at``: the time at which the policy's
+    flow is noise, 0 (rectified flow, FlowPolicy's) or 1 (π0's, SmolVLA's). See the module's docstring."""
 
     steps: int
     shape: tuple[int, int]
@@ -107,6 +114,7 @@ class FlowChain:
     method: str = "flow-noise"
     predict: str = "velocity"
     noise_level: float = 0.5
+    noise_at: int = 0
 
     def __post_init__(self):
         if self.predict not in PREDICTS:
@@ -119,6 +127,8 @@ class FlowChain:
         if self.method == "flow-sde" and not self.noise_level > 0:
             raise ValueError(f"flow-sde needs noise_level > 0 (method='ode' injects no noise), "
                              f"got {self.noise_level!r}")
+        if self.noise_at not in (0, 1) or (self.noise_at == 1 and self.predict == "action"):
+            raise ValueError(f"noise_at={self.noise_at!r} must be 0 or 1 (1 only with predict='velocity')")
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
         block = self.shape if self.block is None else tuple(int(d) for d in self.block)
         if not all(1 <= b <= s for b, s in zip(block, self.shape)):
@@ -130,6 +140,15 @@ class FlowChain:
         """Elements of a flow state, ``K * A`` (a stored chain is ``[R, N + 1, dim]``)."""
         return self.shape[0] * self.shape[1]
 
+    @property
+    def dt(self) -> float:
+        """The Euler step in the policy's time: ``1 / N``, or ``-1 / N`` when its flow runs from noise at 1."""
+        return (-1.0 if self.noise_at else 1.0) / self.steps
+
+    def time(self, k: int) -> float:
+        """Step ``k``'s time in the policy's convention, with ``sample_actions``' arithmetic."""
+        return self.noise_at + k * self.dt
+
     def executed(self, x: Tensor) -> Tensor:
         """The block of states ``x [..., K, A]``, flattened: ``[..., actions * dims]``."""
         ke, a = self.block
@@ -137,18 +156,15 @@ class FlowChain:
 
     # ---- one step --------------------------------------------------------------------------
 
-    def _taus(self, rows: int, ks: Sequence[int], device: torch.device, dtype: torch.dtype) -> Tensor:
-        return (torch.as_tensor(list(ks), device=device, dtype=dtype) / self.steps).expand(rows, len(ks))
-
     def _step(self, velocity: Velocity, x: Tensor, ks: Sequence[int]) -> tuple[Tensor, Tensor | None]:
         """Steps ``ks``' Gaussians from ``x [R, S, K, A]`` (row ``r``, state ``s`` at step ``ks[s]``):
         the mean ``[R, S, K, A]`` (every entry) and the std on the block ``[R, S, actions, dims]``
         (None for the ODE)."""
-        tau = self._taus(x.shape[0], ks, x.device, x.dtype)
-        out, sigma = velocity(x, tau)
-        v = out if self.predict == "velocity" else (out - x) / (1.0 - tau)[..., None, None]
-        dt = 1.0 / self.steps
-        mean = x + dt * v  # the Euler step
+        times = [self.time(k) for k in ks]
+        t = torch.tensor(times, device=x.device, dtype=x.dtype).expand(x.shape[0], len(ks))
+        out, sigma = velocity(x, t)
+        v = out if self.predict == "velocity" else (out - x) / (1.0 - t)[..., None, None]
+        mean = x + self.dt * v  # the Euler step, as sample_actions takes it
         ke, a = self.block
         if self.method == "ode":
             return mean, None
@@ -156,17 +172,21 @@ class FlowChain:
             if sigma is None:
                 raise ValueError("method='flow-noise' needs the policy's learned sigma (a noise head)")
             return mean, sigma[..., :ke, :a]
-        # flow-sde, at t = 1 - tau: sigma_t = a sqrt(t / (1 - t)), at t = 1 the next time in the
-        # denominator (RLinf's sample_mean_var_val); std = sqrt(dt) sigma_t
-        t = [1.0 - k * dt for k in ks]
-        sigma_t = [self.noise_level * math.sqrt(tk / (1.0 - (1.0 - dt if k == 0 else tk))) for k, tk in zip(ks, t)]
-        scale = torch.tensor([s ** 2 * dt / (2.0 * tk) for s, tk in zip(sigma_t, t)], device=x.device, dtype=x.dtype)
-        one_minus_t = torch.tensor([1.0 - tk for tk in t], device=x.device, dtype=x.dtype)[:, None, None]
+        # flow-sde in π0's time (noise at t = 1, v = noise - actions): sigma_t = a sqrt(t / (1 - t)),
+        # at t = 1 the next time in the denominator (RLinf's sample_mean_var_val); std = sqrt(delta) sigma_t
+        delta = 1.0 / self.steps
+        pi0_t = [1.0 - k * delta if not self.noise_at else tk for k, tk in zip(ks, times)]
+        sigma_t = [self.noise_level * math.sqrt(tk / (1.0 - (1.0 - delta if k == 0 else tk)))
+                   for k, tk in zip(ks, pi0_t)]
+        scale = torch.tensor([s ** 2 * delta / (2.0 * tk) for s, tk in zip(sigma_t, pi0_t)], device=x.device,
+                             dtype=x.dtype)[:, None, None]
+        one_minus_t = torch.tensor([1.0 - tk for tk in pi0_t], device=x.device, dtype=x.dtype)[:, None, None]
         block = (..., slice(0, ke), slice(0, a))
-        predicted_noise = x[block] - one_minus_t * v[block]
+        v_pi0 = v[block] if self.noise_at else -v[block]
+        predicted_noise = x[block] + one_minus_t * v_pi0
         mean = mean.clone()
-        mean[block] = mean[block] - scale[:, None, None] * predicted_noise
-        std = torch.tensor([math.sqrt(dt) * s for s in sigma_t], device=x.device, dtype=x.dtype)
+        mean[block] = mean[block] - scale * predicted_noise
+        std = torch.tensor([math.sqrt(delta) * s for s in sigma_t], device=x.device, dtype=x.dtype)
         return mean, std[:, None, None].expand_as(predicted_noise)
 
     def step_params(self, velocity: Velocity, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -226,43 +246,66 @@ class FlowChain:
     # ---- supervised fine-tuning ------------------------------------------------------------
 
     def flow_matching_loss(self, velocity: Velocity, target: Tensor, generator: torch.Generator, *,
-                           sample_tau: Callable[[int, torch.Generator], Tensor] | None = None,
+                           sample_time: Callable[[int, torch.Generator], Tensor] | None = None,
                            scored: tuple[int, int] | None = None) -> Tensor:
         """Rectified-flow behaviour cloning on ``target`` chunks ``[B, K, A]`` (the flow's space):
-        ``noise`` then ``tau`` drawn from ``generator`` (``tau ~ U(0, 1)``, or ``sample_tau(B,
-        generator)``, on the generator's device), ``x_tau = (1 - tau) noise + tau target``, and the
-        squared error of ``out`` against ``target - noise`` (``target`` with ``predict="action"``:
-        the velocity loss divided by ``(1 - tau)^2``, well defined at ``tau -> 1``), averaged over
-        the first ``scored = (actions, dims)`` entries (all by default)."""
+        ``noise`` then the time drawn from ``generator`` (``U(0, 1)``, or ``sample_time(B,
+        generator)``, on the generator's device), the noisy chunk between them at that time, and
+        the squared error of ``out`` against the straight-line velocity (``target - noise``, or
+        ``noise - target`` from noise at 1), or against ``target`` with ``predict="action"`` (the
+        velocity loss divided by ``(1 - tau)^2``, well defined at ``tau -> 1``), averaged over the
+        first ``scored = (actions, dims)`` entries (all by default)."""
         rows, device = target.shape[0], target.device
         noise = torch.randn(target.shape, generator=generator, device=generator.device).to(device, target.dtype)
-        tau = (sample_tau(rows, generator) if sample_tau is not None
-               else torch.rand(rows, generator=generator, device=generator.device)).to(device, target.dtype)
-        x_tau = (1.0 - tau[:, None, None]) * noise + tau[:, None, None] * target
-        out, _ = velocity(x_tau[:, None], tau[:, None])
-        want = target if self.predict == "action" else target - noise
+        time = (sample_time(rows, generator) if sample_time is not None
+                else torch.rand(rows, generator=generator, device=generator.device)).to(device, target.dtype)
+        w = time[:, None, None]
+        x_t = w * noise + (1 - w) * target if self.noise_at else (1.0 - w) * noise + w * target
+        out, _ = velocity(x_t[:, None], time[:, None])
+        want = target if self.predict == "action" else noise - target if self.noise_at else target - noise
         ke, a = self.shape if scored is None else scored
         return (out[:, 0] - want)[:, :ke, :a].square().mean()
 
 
+def _chain_setting(field: str) -> property:
+    def get(self) -> Any:
+        return getattr(self.chain, field)
+
+    def set_(self, value: Any) -> None:
+        self.chain = dataclasses.replace(self.chain, **{field: value})
+
+    return property(get, set_, doc=f"The chain's ``{field}``; setting it rebuilds the chain.")
+
+
+class HasChain:
+    """A flow policy's settings, read from and written to its :class:`FlowChain` (``self.chain``)."""
+
+    chain: FlowChain
+    denoise_steps = _chain_setting("steps")
+    method = _chain_setting("method")
+    predict = _chain_setting("predict")
+
+
 # ---- what FlowPolicy and HFFlowPolicy share: a flow in [-1, 1], a sigmoid-bounded noise head ----
 
-def check_sigmas(sigma_min: float, init_sigma: float, sigma_max: float) -> None:
-    """Flow-Noise's bounds, one ``ValueError`` naming them."""
-    if not 0 < sigma_min < init_sigma < sigma_max:
-        raise ValueError(f"need 0 < sigma_min < init_sigma < sigma_max, got {sigma_min!r}, {init_sigma!r}, {sigma_max!r}")
+class SigmoidSigma:
+    """Flow-Noise's learned std as FlowPolicy and HFFlowPolicy bound it: a noise head's output
+    mapped into ``[sigma_min, sigma_max]`` by a sigmoid, starting at ``init_sigma``."""
 
+    def __init__(self, sigma_min: float, init_sigma: float, sigma_max: float):
+        if not 0 < sigma_min < init_sigma < sigma_max:
+            raise ValueError(f"need 0 < sigma_min < init_sigma < sigma_max, got {sigma_min!r}, {init_sigma!r}, "
+                             f"{sigma_max!r}")
+        self.sigma_min, self.init_sigma, self.sigma_max = float(sigma_min), float(init_sigma), float(sigma_max)
 
-def init_sigma_bias(bias: Tensor, init_sigma: float, sigma_min: float, sigma_max: float) -> None:
-    """Fill a noise head's last bias so that :func:`bounded_sigma` starts at ``init_sigma``."""
-    p = (init_sigma - sigma_min) / (sigma_max - sigma_min)
-    with torch.no_grad():
-        bias.fill_(math.log(p / (1.0 - p)))
+    def init_bias(self, bias: Tensor) -> None:
+        """Fill the noise head's last bias so that sigma starts at ``init_sigma``."""
+        p = (self.init_sigma - self.sigma_min) / (self.sigma_max - self.sigma_min)
+        with torch.no_grad():
+            bias.fill_(math.log(p / (1.0 - p)))
 
-
-def bounded_sigma(raw: Tensor, sigma_min: float, sigma_max: float) -> Tensor:
-    """A noise head's output mapped into ``[sigma_min, sigma_max]`` by a sigmoid."""
-    return sigma_min + (sigma_max - sigma_min) * torch.sigmoid(raw)
+    def __call__(self, raw: Tensor) -> Tensor:
+        return self.sigma_min + (self.sigma_max - self.sigma_min) * torch.sigmoid(raw)
 
 
 def chunk_2d(shape: Sequence[int]) -> tuple[int, int]:
@@ -270,16 +313,18 @@ def chunk_2d(shape: Sequence[int]) -> tuple[int, int]:
     return (int(shape[0]), int(shape[1])) if len(shape) == 2 else (1, int(shape[0]))
 
 
-def time_frequencies(dim: int) -> Tensor:
-    """π0's sinusoidal time embedding's ``dim // 2`` frequencies: periods geometric in ``[4e-3, 4]``."""
-    periods = torch.logspace(math.log10(4e-3), math.log10(4.0), dim // 2)
-    return 2.0 * math.pi / periods
+class TimeEmbedding(nn.Module):
+    """π0's sinusoidal time embedding: ``tau [...] -> [..., dim]``, the sines then the cosines
+    at ``dim // 2`` frequencies whose periods are geometric in ``[4e-3, 4]``."""
 
+    def __init__(self, dim: int):
+        super().__init__()
+        periods = torch.logspace(math.log10(4e-3), math.log10(4.0), dim // 2)
+        self.register_buffer("freqs", 2.0 * math.pi / periods, persistent=False)
 
-def time_embedding(tau: Tensor, freqs: Tensor) -> Tensor:
-    """``[..., dim]``: the sines then the cosines of ``tau [...]`` at :func:`time_frequencies`."""
-    angles = tau[..., None] * freqs
-    return torch.cat([angles.sin(), angles.cos()], -1)
+    def forward(self, tau: Tensor) -> Tensor:
+        angles = tau[..., None] * self.freqs
+        return torch.cat([angles.sin(), angles.cos()], -1)
 
 
 class ChunkSpace:
@@ -305,4 +350,5 @@ class ChunkSpace:
         return x.clamp(-1.0, 1.0).reshape(-1, self.chunk_dim)
 
 
-__all__ = ["ChunkSpace", "FlowChain", "Velocity", "gauss_logp", "unit_logp"]
+__all__ = ["ChunkSpace", "FlowChain", "HasChain", "SigmoidSigma", "TimeEmbedding", "Velocity", "chunk_2d", "gauss_logp",
+           "unit_logp"]

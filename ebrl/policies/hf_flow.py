@@ -80,17 +80,7 @@ from torch import Tensor, nn
 
 from ebrl.policies.base import ActResult
 from ebrl.policies.encoders import as_tensor
-from ebrl.policies.flow_chain import (
-    ChunkSpace,
-    FlowChain,
-    Velocity,
-    bounded_sigma,
-    check_sigmas,
-    chunk_2d,
-    init_sigma_bias,
-    time_embedding,
-    time_frequencies,
-)
+from ebrl.policies.flow_chain import ChunkSpace, FlowChain, HasChain, SigmoidSigma, TimeEmbedding, Velocity, chunk_2d
 from ebrl.policies.hf_backbone import HFBackbonePolicy, action_bounds, read_spaces
 
 
@@ -113,7 +103,7 @@ class ActionExpert(nn.Module):
             nn.TransformerDecoderLayer(width, heads, 4 * width, dropout=0.0, activation="gelu", batch_first=True,
                                        norm_first=True) for _ in range(layers))
         self.norm = nn.LayerNorm(width)
-        self.register_buffer("time_freqs", time_frequencies(width), persistent=False)
+        self.time = TimeEmbedding(width)
 
     def memory(self, hidden: Tensor) -> Tensor:
         """The backbone's hidden states ``[R, P, hidden]`` (any dtype) as float32 keys and values ``[R, P, width]``."""
@@ -121,7 +111,7 @@ class ActionExpert(nn.Module):
 
     def forward(self, x: Tensor, tau: Tensor, memory: Tensor, padding: Tensor) -> Tensor:
         r, s, k, _ = x.shape
-        time = time_embedding(tau, self.time_freqs)[:, :, None].expand(r, s, k, -1)
+        time = self.time(tau)[:, :, None].expand(r, s, k, -1)
         tokens = self.action_time_in(torch.cat([self.action_in(x), time], -1))
         tokens = (self.action_time_out(nn.functional.silu(tokens)) + self.position).reshape(r, s * k, -1)
         step = torch.arange(s * k, device=x.device) // k
@@ -131,7 +121,7 @@ class ActionExpert(nn.Module):
         return self.norm(tokens).reshape(r, s, k, -1)
 
 
-class HFFlowPolicy(ChunkSpace, HFBackbonePolicy):
+class HFFlowPolicy(HasChain, ChunkSpace, HFBackbonePolicy):
     """Flow-matching chunks from a Hugging Face backbone and a small action expert (see the module's docstring).
 
     Build it with :meth:`from_pretrained` (a local directory and the env's spaces), or from a
@@ -157,7 +147,7 @@ class HFFlowPolicy(ChunkSpace, HFBackbonePolicy):
             raise ValueError("HFFlowPolicy needs finite action bounds with high > low (the flow lives in "
                              f"[-1, 1] and is mapped onto them), got low={low.tolist()}, high={high.tolist()}")
         chain = FlowChain(denoise_steps, chunk_2d(low.shape), predict=predict)
-        check_sigmas(sigma_min, init_sigma, sigma_max)
+        sigma = SigmoidSigma(sigma_min, init_sigma, sigma_max)
         if expert_layers < 1 or expert_heads < 1 or expert_width % expert_heads or expert_width % 2:
             raise ValueError(f"expert_width={expert_width} must be even (sin and cos pairs) and a multiple of "
                              f"expert_heads={expert_heads}, and expert_layers={expert_layers} >= 1")
@@ -165,14 +155,12 @@ class HFFlowPolicy(ChunkSpace, HFBackbonePolicy):
         self.chunk_shape = self.action_shape
         self.chunk_len, self.action_dim = chain.shape
         self.chunk_dim = self.chunk_len * self.action_dim
-        self.denoise_steps, self.predict = denoise_steps, predict
         self.chain = chain
-        self.sigma_min, self.sigma_max = float(sigma_min), float(sigma_max)
+        self.sigma = sigma
         self.action_low, self.action_high = low, high
         self.config.update({"denoise_steps": denoise_steps, "predict": predict, "expert_width": int(expert_width),
                             "expert_layers": int(expert_layers), "expert_heads": int(expert_heads),
-                            "sigma_min": self.sigma_min, "sigma_max": self.sigma_max,
-                            "init_sigma": float(init_sigma)})
+                            "sigma_min": sigma.sigma_min, "sigma_max": sigma.sigma_max, "init_sigma": sigma.init_sigma})
 
         # the expert's initial weights from the seed, without touching torch's global generator
         with torch.random.fork_rng(devices=[]):
@@ -188,7 +176,7 @@ class HFFlowPolicy(ChunkSpace, HFBackbonePolicy):
             self.action_head.weight.mul_(0.01)  # x1_hat starts near 0, the Box's centre
             self.action_head.bias.zero_()
             self.noise_head[-1].weight.mul_(0.01)
-        init_sigma_bias(self.noise_head[-1].bias, init_sigma, sigma_min, sigma_max)
+        sigma.init_bias(self.noise_head[-1].bias)
 
     # ---- building ----------------------------------------------------------------------------
 
@@ -241,7 +229,7 @@ class HFFlowPolicy(ChunkSpace, HFBackbonePolicy):
 
         def velocity(x: Tensor, tau: Tensor) -> tuple[Tensor, Tensor]:
             features = self.expert(x.float(), tau.float(), memory, padding)
-            sigma = bounded_sigma(self.noise_head(features), self.sigma_min, self.sigma_max)
+            sigma = self.sigma(self.noise_head(features))
             return self.action_head(features), sigma
 
         return velocity
