@@ -81,7 +81,7 @@ from torch import Tensor, nn
 from ebrl.policies.base import ActResult
 from ebrl.policies.encoders import as_tensor
 from ebrl.policies.flow_chain import ChunkSpace, FlowChain, HasChain, SigmoidSigma, TimeEmbedding, Velocity, chunk_2d
-from ebrl.policies.hf_backbone import HFBackbonePolicy, action_bounds, read_spaces
+from ebrl.policies.hf_backbone import HFBackbonePolicy, action_bounds
 
 
 class ActionExpert(nn.Module):
@@ -197,17 +197,15 @@ class HFFlowPolicy(HasChain, ChunkSpace, HFBackbonePolicy):
         ``state_tokens``, ``camera_grid``, ``autocast_bf16``, ...)."""
         from gymnasium import spaces
 
-        if not (isinstance(action_space, spaces.Box) and len(action_space.shape) in (1, 2)):
-            raise ValueError(f"HFFlowPolicy needs a Box action space of shape (K, A) or (A,), got {action_space!r}")
-        if not (np.isfinite(action_space.low).all() and np.isfinite(action_space.high).all()):
+        if isinstance(action_space, spaces.Box) and not (np.isfinite(action_space.low).all()
+                                                         and np.isfinite(action_space.high).all()):
             raise ValueError(f"HFFlowPolicy needs finite action bounds (actions are mapped from [-1, 1] onto "
                              f"them), got {action_space!r}")
-        layout, classes = read_spaces(observation_space, instruction, image_keys, state_keys, "HFFlowPolicy")
-        return cls._load(path, layout, action_space.low, action_space.high, classes, lora_rank=lora_rank,
-                         lora_alpha=lora_alpha, lora_targets=lora_targets, instruction=instruction, prompt=prompt,
-                         denoise_steps=denoise_steps, expert_width=expert_width, expert_layers=expert_layers,
-                         init_sigma=init_sigma, dtype=dtype, seed=seed, gradient_checkpointing=gradient_checkpointing,
-                         **kw)
+        return cls._load_for_spaces(path, observation_space, action_space, instruction=instruction,
+                                    image_keys=image_keys, state_keys=state_keys, prompt=prompt, lora_rank=lora_rank,
+                                    lora_alpha=lora_alpha, lora_targets=lora_targets, denoise_steps=denoise_steps,
+                                    expert_width=expert_width, expert_layers=expert_layers, init_sigma=init_sigma,
+                                    dtype=dtype, seed=seed, gradient_checkpointing=gradient_checkpointing, **kw)
 
     # ---- the flow ------------------------------------------------------------------------------
 

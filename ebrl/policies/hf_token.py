@@ -120,7 +120,7 @@ from torch import Tensor, nn
 
 from ebrl.policies import hf_backbone
 from ebrl.policies.base import ActResult
-from ebrl.policies.hf_backbone import OPENVLA_PROMPT, HFBackbonePolicy, action_bounds, read_spaces
+from ebrl.policies.hf_backbone import OPENVLA_PROMPT, HFBackbonePolicy, action_bounds
 from ebrl.policies.token import choose_token, cosine_bin_basis, forced_logp_entropy
 
 BINS = 256  # OpenVLA's bins per action dimension
@@ -221,16 +221,10 @@ class HFTokenPolicy(HFBackbonePolicy):
         one per row); a Box action space, ``(A,)`` or ``(K, A)``, with finite bounds unless
         ``action_stats`` gives ``q01``/``q99``. Further keywords go to the constructor
         (``value_head``, ``state_tokens``, ``camera_grid``, ``autocast_bf16``, ``vocab_size``, ...)."""
-        from gymnasium import spaces
-
-        if not (isinstance(action_space, spaces.Box) and len(action_space.shape) in (1, 2)):
-            raise ValueError(f"HFTokenPolicy needs a Box action space of shape (A,) or (K, A) (its tokens are bins of "
-                             f"each dimension), got {action_space!r}")
-        layout, classes = read_spaces(observation_space, instruction, image_keys, state_keys, "HFTokenPolicy")
-        return cls._load(path, layout, action_space.low, action_space.high, classes, lora_rank=lora_rank,
-                         lora_alpha=lora_alpha, lora_targets=lora_targets, instruction=instruction, prompt=prompt,
-                         dtype=dtype, seed=seed, gradient_checkpointing=gradient_checkpointing,
-                         action_stats=action_stats, **kw)
+        return cls._load_for_spaces(path, observation_space, action_space, instruction=instruction,
+                                    image_keys=image_keys, state_keys=state_keys, prompt=prompt, lora_rank=lora_rank,
+                                    lora_alpha=lora_alpha, lora_targets=lora_targets, dtype=dtype, seed=seed,
+                                    gradient_checkpointing=gradient_checkpointing, action_stats=action_stats, **kw)
 
     # ---- tokenisation ------------------------------------------------------------------------
 
