@@ -68,6 +68,17 @@ A toy velocity that flows every chunk to ``0.5`` (a real policy's reads its cont
     >>> loss = chain.flow_matching_loss(velocity, torch.full((5, 2, 3), 0.5), torch.Generator().manual_seed(0))
     >>> float(loss)                   # x1_hat is the target: nothing to learn
     0.0
+
+A VLA in π0's time (SmolVLA plugs in the same way): a chunk of 50 actions of 32 dims of which
+the env executes 5 of 7 dims, Flow-SDE; its ``velocity`` would read the KV-cached prefix it
+computed once, with one action-expert pass per flow state (``x[:, s]`` at ``t[:, s]``)::
+
+    >>> vla = FlowChain(steps=10, shape=(50, 32), block=(5, 7), method="flow-sde", noise_at=1)
+    >>> def velocity(x, t):  # v = noise - actions, toward zero actions: x / t
+    ...     return x / t[..., None, None], None
+    >>> states, logp = vla.sample(velocity, rows=2, generator=torch.Generator().manual_seed(0))
+    >>> states.shape, vla.executed(states[:, -1].reshape(2, 50, 32)).shape
+    (torch.Size([2, 11, 1600]), torch.Size([2, 35]))
 """
 
 from __future__ import annotations
