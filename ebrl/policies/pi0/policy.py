@@ -5,8 +5,9 @@
 it), loaded from a local directory with ``local_files_only=True``: ``config.json``, the
 weights, the tokenizer and the processor's ``processor_config.json`` (what
 ``PI0Processor.save_pretrained`` writes). The policy feeds the model exactly what the processor
-would (:mod:`ebrl.policies.pi0.preprocessing`): the prompt ``[<image> x tokens per camera] <bos> text`` (π0: ``text + "\\n"``; π0.5:
-``"Task: {task}, State: {256 bins of the state};\\nAction: "``) right-padded to the processor's
+would (:mod:`ebrl.policies.pi0.preprocessing`): the prompt ``[<image> x tokens per camera]
+<bos> text`` (π0: ``text + "\\n"``; π0.5: ``"Task: {task}, State: {256 bins of the
+state};\\nAction: "``) right-padded to the processor's
 ``max_length`` (48 / 200), the cameras resized to fit the image processor's ``size``,
 rescaled, normalised and padded, in torch on the model's device (transformers' own
 ``PI0ImageProcessor`` needs torchvision; its PIL backend is the definition the tests compare
