@@ -85,7 +85,7 @@ def stored_batch(policy, obs: dict, segments: int):
 def measure(path: Path, device: torch.device, dtype: str, batches: tuple[int, ...], reps: int, rows: int) -> dict:
     from ebrl.algos import PPO
     from ebrl.policies.base import published_state, state_nbytes
-    from ebrl.policies.pi0 import PI0Policy
+    from ebrl.policies.pi0.policy import PI0Policy
 
     obs_space, act_space = spaces()
     out: dict = {"path": str(path), "device": str(device), "dtype": dtype}

@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         print("paper_regime_gpu: skipped: no CUDA device here (torch.cuda.is_available() is False); "
               "--tiny --device cpu --env mock runs the same steps on the CPU")
         return 0
-    from ebrl.policies.pi0 import PI0Policy
+    from ebrl.policies.pi0.policy import PI0Policy
     from ebrl.testing import save_random_pi0
 
     device = torch.device(args.device)

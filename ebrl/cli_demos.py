@@ -107,9 +107,9 @@ def _print_epoch(epoch: int, train: float, val: float) -> None:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """``ebrl export RUN --format lerobot|transformers --out DIR``: the run's policy, trained
-    weights merged, in a layout other tools load (:mod:`ebrl.policies.lerobot_pi0`)."""
-    from ebrl.policies.lerobot_pi0 import save_lerobot, save_transformers
-    from ebrl.policies.pi0 import PI0Policy
+    weights merged, in a layout other tools load (:mod:`ebrl.policies.pi0.lerobot`)."""
+    from ebrl.policies.pi0.lerobot import save_lerobot, save_transformers
+    from ebrl.policies.pi0.policy import PI0Policy
     from ebrl.runs import load_run, read_spec
 
     out = Path(args.out)

@@ -112,7 +112,7 @@ def build_algo(spec: dict[str, Any], observation_space=None, action_space=None, 
     ``demos`` (a LeRobot dataset directory), ``demo_coef`` and ``demo_decay`` build the
     algorithm's :class:`~ebrl.algos.demo_loss.DemoLoss` for a policy acting in these spaces.
     A ``policy`` whose class names ``RL_DEFAULTS`` (a pretrained VLA's learning rates and critic
-    warm-up: :class:`~ebrl.policies.pi0.PI0Policy`) gets those of its keys the algorithm has,
+    warm-up: :class:`~ebrl.policies.pi0.policy.PI0Policy`) gets those of its keys the algorithm has,
     under the table's own; ``spec`` then holds what runs (``spec.json`` says it)."""
     from ebrl.algos import GRPO, PPO, DecoupledPPO, VTrace
     from ebrl.algos.demo_loss import DemoLoss

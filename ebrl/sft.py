@@ -122,7 +122,7 @@ def demo_actions(demos: Demos, action_shape: tuple[int, ...]) -> np.ndarray:
 def demo_shape(policy, action_space) -> tuple[int, ...]:
     """What the policy learns from each frame: the env's action, or the next ``K`` actions for a
     policy acting in chunks of ``K`` on a per-step env, or ``demo_chunk_len`` of them for a policy
-    that predicts longer chunks than it executes (π0's whole chunk, :class:`~ebrl.policies.pi0.PI0Policy`)."""
+    that predicts longer chunks than it executes (π0's whole chunk, :class:`~ebrl.policies.pi0.policy.PI0Policy`)."""
     chunk = policy_chunk(policy)
     one = chunk[1] if chunk else tuple(action_space.shape)
     k = getattr(policy, "demo_chunk_len", None) or (chunk[0] if chunk else None)

@@ -463,7 +463,7 @@ def save_random_pi0(path, *, kind: str = "pi0", state_dim: int = 4, action_dim: 
     which nothing in the directory records. Build and one sample take well under a second.
 
     ``layout="lerobot"`` writes the same model as a LeRobot policy folder instead
-    (:mod:`ebrl.policies.lerobot_pi0`), its tokenizer in ``tokenizer_dir`` (a LeRobot folder holds
+    (:mod:`ebrl.policies.pi0.lerobot`), its tokenizer in ``tokenizer_dir`` (a LeRobot folder holds
     none): features ``observation.images.<name>`` for ``camera_names`` (default ``image``, then
     ``image1``, ...) at ``image_size``, ``observation.state`` and ``action``; ``norm_modes``
     (``{"STATE": mode, "ACTION": mode}``, LeRobot's defaults for the kind otherwise) with every
@@ -580,7 +580,7 @@ def _save_lerobot_pi0(path, kind, model, tokenizer, tokenizer_dir, *, state_dim,
 
     import torch
 
-    from ebrl.policies.lerobot_pi0 import (ACTION, DEFAULT_NORMALIZATION, OBS_IMAGES, OBS_STATE, lerobot_config,
+    from ebrl.policies.pi0.lerobot import (ACTION, DEFAULT_NORMALIZATION, OBS_IMAGES, OBS_STATE, lerobot_config,
                                            write_folder)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

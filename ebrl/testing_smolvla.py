@@ -94,7 +94,7 @@ def save_random_smolvla(path, vlm_dir, *, state_dim: int = 4, action_dim: int = 
     defaults (chunks of 50 actions of 32 dims, 512-pixel cameras, 10 steps) instead, in ``dtype``.
     Returns the model."""
     from ebrl.policies.lerobot_layout import flat_stats
-    from ebrl.policies.lerobot_pi0 import ACTION, OBS_IMAGES, OBS_STATE
+    from ebrl.policies.pi0.lerobot import ACTION, OBS_IMAGES, OBS_STATE
     from ebrl.policies.smolvla.lerobot import (
         LEROBOT_CONFIG_DEFAULTS,
         lerobot_smolvla_config,

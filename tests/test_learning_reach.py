@@ -321,7 +321,7 @@ def test_pi0_policy_learns(task, tmp_path):
     πRL's 0.5 is too little from scratch). On damped-3d it closes 29.5% of its gap on this
     machine's seed 0 (17-58% over seeds 0-4): ``FLOORS``."""
     pytest.importorskip("peft")
-    from ebrl.policies.pi0 import PI0Policy
+    from ebrl.policies.pi0.policy import PI0Policy
     from ebrl.testing import save_random_pi0
 
     probe = make_env(task, 2)

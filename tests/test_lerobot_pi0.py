@@ -1,4 +1,4 @@
-"""LeRobot π0 / π0.5 policy folders: loaded, trained and written back (ebrl.policies.lerobot_pi0).
+"""LeRobot π0 / π0.5 policy folders: loaded, trained and written back (ebrl.policies.pi0.lerobot).
 
 Every folder here is a tiny random model that ``save_random_pi0(layout="lerobot")`` writes in
 LeRobot's layout (LeRobot's own policy code cannot run beside this torch): its parameter names are
@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from ebrl.algos import PPO
-from ebrl.policies.lerobot_pi0 import (
+from ebrl.policies.pi0.lerobot import (
     ACTION,
     EXPERT,
     OBS_STATE,
@@ -32,7 +32,7 @@ from ebrl.policies.lerobot_pi0 import (
     save_transformers,
 )
 from ebrl.policies.normalization import FeatureNorm, NormalizationMode
-from ebrl.policies.pi0 import PI0Policy
+from ebrl.policies.pi0.policy import PI0Policy
 from ebrl.policies.precision import fast_low_precision_linears
 from ebrl.testing import save_random_pi0
 from tests.test_pi0 import _ppo_batch
@@ -97,7 +97,7 @@ def test_the_folder_loads_through_transformers_conversion_with_every_weight(kind
     assert is_lerobot_policy(path) and not is_lerobot_policy(tok)
     names = json.loads((path / "config.json").read_text())
     assert names["type"] == kind and "model_type" not in names
-    from ebrl.policies.lerobot_pi0 import weight_shapes
+    from ebrl.policies.pi0.lerobot import weight_shapes
 
     keys = set(weight_shapes(path / "model.safetensors"))
     # LeRobot's names: its PI0Pytorch under "model.", PaliGemma's SigLIP with its vision_model, tied lm_heads

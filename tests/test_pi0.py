@@ -25,7 +25,8 @@ pytest.importorskip("PIL")
 from ebrl.algos import GRPO, PPO, Batch
 from ebrl.policies.base import acting_copy
 from ebrl.policies.hf_backbone import pil_pi0_image_processor
-from ebrl.policies.pi0 import ImageSettings, PI0Policy, preprocess_images
+from ebrl.policies.pi0.policy import PI0Policy
+from ebrl.policies.pi0.preprocessing import ImageSettings, preprocess_images
 from ebrl.testing import save_random_pi0
 
 pytestmark = pytest.mark.usefixtures("hf_offline")  # conftest: sockets refused, the hub offline

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
-from ebrl.policies.lerobot_pi0 import ACTION, OBS_STATE
+from ebrl.policies.pi0.lerobot import ACTION, OBS_STATE
 from ebrl.policies.smolvla.attention import attention, make_att_2d_masks, rope, sinusoidal_time_embedding
 from ebrl.policies.smolvla.lerobot import (
     LEROBOT_CONFIG_DEFAULTS,

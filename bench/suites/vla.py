@@ -120,7 +120,7 @@ def camera_reach_env(i: int):
 
 def pi0_policy_fn(kind: str):
     def build(obs_space, act_space, seed):
-        from ebrl.policies.pi0 import PI0Policy
+        from ebrl.policies.pi0.policy import PI0Policy
 
         words = InstructedReach(tasks=TASKS).instructions()
         return PI0Policy.from_pretrained(pi0_dir(kind), obs_space, act_space, lora_rank=LORA_RANK, execute=EXECUTE,

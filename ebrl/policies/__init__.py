@@ -20,7 +20,7 @@ from ebrl.policies.registry import (
 from ebrl.policies.token import TokenPolicy
 
 _LAZY = {"HFTokenPolicy": "ebrl.policies.hf_token", "HFFlowPolicy": "ebrl.policies.hf_flow",
-         "PI0Policy": "ebrl.policies.pi0"}
+         "PI0Policy": "ebrl.policies.pi0.policy"}
 
 __all__ = ["ActResult", "CNNPolicy", "FlowPolicy", "HFFlowPolicy", "HFTokenPolicy", "MLPPolicy", "ObsEncoder",
            "ObsLayout", "PI0Policy", "Policy", "PolicySpaces", "TokenPolicy", "build_policy", "check_policy_spaces",

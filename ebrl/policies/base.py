@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
+import torch
 
 
 @dataclass
@@ -42,6 +43,22 @@ class Policy(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict, strict: bool = True): ...
+
+
+class SeededSampling:
+    """A policy's sampling stream ``_gen``, seeded by ``seed``: a plain attribute (never in a
+    ``state_dict``) that restarts from the seed on whatever device the policy's tensors move to."""
+
+    seed: int
+    _gen: torch.Generator
+
+    def _start_sampling(self) -> None:
+        self._gen = torch.Generator().manual_seed(self.seed)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if self._gen.device != device:  # moved to another device: restart the stream there
+            self._gen = torch.Generator(device).manual_seed(self.seed)
+        return self._gen
 
 
 # ------------------------------------------------------------------ what weight publication moves

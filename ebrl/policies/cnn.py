@@ -131,7 +131,7 @@ class CNNPolicy(ReadsObservations, ActorCriticHeads, nn.Module):
         if not self.discrete:
             self.log_std = nn.Parameter(torch.full((self.act_dim,), float(init_log_std)))
         self.action_low, self.action_high = action_bounds(action_low, action_high, self.act_dim)
-        self._gen = torch.Generator().manual_seed(self.seed)  # not a buffer: never in state_dict
+        self._start_sampling()
         self.register_load_state_dict_pre_hook(load_legacy_keys)
 
     @classmethod

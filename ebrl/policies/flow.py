@@ -55,66 +55,18 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ebrl.policies.base import ActResult
+from ebrl.policies.base import ActResult, SeededSampling
 from ebrl.policies.cnn import image_cnn
-from ebrl.policies.encoders import (
-    ObsEncoder,
-    ObsEntry,
-    ObsLayout,
-    Read,
-    ReadsObservations,
-    as_tensor,
-    load_legacy_keys,
-)
+from ebrl.policies.encoders import ObsEncoder, ObsEntry, ObsLayout, Read, ReadsObservations, as_tensor, load_legacy_keys
 from ebrl.policies.expects import ActionSpec, PolicySpaces
-from ebrl.policies.heads import LOG_SQRT_2PI
+from ebrl.policies.flow_chain import ChunkSpace, FlowChain, HasChain, SigmoidSigma, TimeEmbedding, Velocity, chunk_2d
 from ebrl.policies.mlp import _mlp
 from ebrl.policies.pretrained import Pretrained
 
 ObsLike = Any  # a Tensor/array [N, ...], or a (nested) dict of them for Dict observation spaces
 
 
-def _gauss_logp(x: Tensor, mean: Tensor, sigma: Tensor) -> Tensor:
-    """``log N(x; mean, diag(sigma^2))`` summed over the last dimension."""
-    z = (x - mean) / sigma
-    return (-0.5 * z.square() - sigma.log() - LOG_SQRT_2PI).sum(-1)
-
-
-def check_flow_args(predict: str, denoise_steps: int, sigma_min: float, init_sigma: float, sigma_max: float) -> None:
-    """The flow's own arguments, one ``ValueError`` naming the bad one."""
-    if predict not in ("action", "velocity"):
-        raise ValueError(f"predict={predict!r} must be 'action' (the network predicts the final chunk) "
-                         "or 'velocity' (it predicts the velocity field)")
-    if not isinstance(denoise_steps, int) or denoise_steps < 1:
-        raise ValueError(f"denoise_steps={denoise_steps!r} must be an int >= 1")
-    if not 0 < sigma_min < init_sigma < sigma_max:
-        raise ValueError(f"need 0 < sigma_min < init_sigma < sigma_max, got {sigma_min!r}, {init_sigma!r}, {sigma_max!r}")
-
-
-class ChunkSpace:
-    """Between the env's chunk Box and the flow's ``[-1, 1]`` space, for a policy with
-    ``chunk_shape``, ``chunk_dim`` and the Box bounds ``action_low``/``action_high``
-    (:class:`FlowPolicy`, :class:`~ebrl.policies.hf_flow.HFFlowPolicy`)."""
-
-    chunk_shape: tuple[int, ...]
-    chunk_dim: int
-    action_low: np.ndarray
-    action_high: np.ndarray
-
-    def to_env(self, x: np.ndarray) -> np.ndarray:
-        """Final flow states ``[B, K * A]`` (normalised space) -> env actions ``[B, *chunk_shape]``."""
-        x = np.clip(x.reshape(-1, *self.chunk_shape), -1.0, 1.0)
-        return (self.action_low + (x + 1.0) * 0.5 * (self.action_high - self.action_low)).astype(np.float32)
-
-    def normalize_actions(self, chunks: Tensor) -> Tensor:
-        """Env-space chunks ``[B, *chunk_shape]`` -> the flow's ``[-1, 1]`` space, ``[B, K * A]``."""
-        low = torch.as_tensor(self.action_low, device=chunks.device, dtype=chunks.dtype)
-        high = torch.as_tensor(self.action_high, device=chunks.device, dtype=chunks.dtype)
-        x = 2.0 * (chunks.reshape(-1, *self.chunk_shape) - low) / (high - low) - 1.0
-        return x.clamp(-1.0, 1.0).reshape(-1, self.chunk_dim)
-
-
-class FlowPolicy(ChunkSpace, ReadsObservations, Pretrained, nn.Module):
+class FlowPolicy(HasChain, ChunkSpace, ReadsObservations, SeededSampling, Pretrained, nn.Module):
     """Flow-matching actor (velocity field + learned noise head) and an MLP critic.
 
     ``obs_dim`` is the size of the observation features the networks read: with ``obs_layout``
@@ -160,7 +112,8 @@ class FlowPolicy(ChunkSpace, ReadsObservations, Pretrained, nn.Module):
         self.chunk_shape = tuple(int(d) for d in chunk_shape)
         if len(self.chunk_shape) not in (1, 2) or min(self.chunk_shape) < 1:
             raise ValueError(f"chunk_shape={self.chunk_shape} must be (K, A) or (A,) with positive sizes")
-        check_flow_args(predict, denoise_steps, sigma_min, init_sigma, sigma_max)
+        self.chain = FlowChain(denoise_steps, chunk_2d(self.chunk_shape), predict=predict)
+        self.sigma = SigmoidSigma(sigma_min, init_sigma, sigma_max)
         if time_dim < 2 or time_dim % 2:
             raise ValueError(f"time_dim={time_dim!r} must be an even int >= 2 (sin and cos pairs)")
         low = np.broadcast_to(np.asarray(action_low, np.float32), self.chunk_shape).copy()
@@ -187,8 +140,6 @@ class FlowPolicy(ChunkSpace, ReadsObservations, Pretrained, nn.Module):
             raise ValueError(f"obs_dim={obs_dim}, but the observation gives {self.obs_encoder.out_dim} features")
         self.obs_dim = self.obs_encoder.out_dim
         self.chunk_dim = math.prod(self.chunk_shape)
-        self.denoise_steps, self.predict = denoise_steps, predict
-        self.sigma_min, self.sigma_max = float(sigma_min), float(sigma_max)
         self.normalize_obs, self.seed = bool(normalize_obs), int(seed)
         self.action_low, self.action_high = low, high
         # what from_pretrained needs to rebuild this module (JSON-able)
@@ -196,7 +147,8 @@ class FlowPolicy(ChunkSpace, ReadsObservations, Pretrained, nn.Module):
                        "action_low": low.tolist(), "action_high": high.tolist(), "hidden": list(hidden),
                        "noise_hidden": list(noise_hidden), "critic_hidden": list(critic_hidden),
                        "time_dim": int(time_dim), "denoise_steps": denoise_steps, "predict": predict,
-                       "sigma_min": self.sigma_min, "sigma_max": self.sigma_max, "init_sigma": float(init_sigma),
+                       "sigma_min": self.sigma.sigma_min, "sigma_max": self.sigma.sigma_max,
+                       "init_sigma": self.sigma.init_sigma,
                        "normalize_obs": self.normalize_obs, "obs_keys": list(obs_keys) if obs_keys else None,
                        "obs_layout": layout.to_config() if obs_layout is not None else None,
                        "conv": None if conv is None else [list(c) for c in conv], "feature_dim": int(feature_dim),
@@ -207,14 +159,10 @@ class FlowPolicy(ChunkSpace, ReadsObservations, Pretrained, nn.Module):
         # separate from the velocity field, as in Flow-Noise: BC warm starts shape the velocity
         # only, and RL can grow or shrink exploration per state and step without disturbing it
         self.noise = _mlp(d_in, noise_hidden, self.chunk_dim, nn.SiLU, 0.01, init_gen)
-        with torch.no_grad():  # sigmoid(bias) puts sigma at init_sigma
-            p = (init_sigma - sigma_min) / (sigma_max - sigma_min)
-            self.noise[-1].bias.fill_(math.log(p / (1.0 - p)))
+        self.sigma.init_bias(self.noise[-1].bias)
         self.critic = _mlp(self.obs_dim, critic_hidden, 1, nn.Tanh, 1.0, init_gen)
-        # π0's sinusoidal time embedding: periods geometric in [4e-3, 4]
-        periods = torch.logspace(math.log10(4e-3), math.log10(4.0), time_dim // 2)
-        self.register_buffer("time_freqs", 2.0 * math.pi / periods, persistent=False)
-        self._gen = torch.Generator().manual_seed(self.seed)  # a plain attribute: not in state_dict
+        self.time_embedding = TimeEmbedding(time_dim)
+        self._start_sampling()
         self.register_load_state_dict_pre_hook(load_legacy_keys)
 
     @classmethod
@@ -248,29 +196,26 @@ class FlowPolicy(ChunkSpace, ReadsObservations, Pretrained, nn.Module):
     # ---- the flow --------------------------------------------------------------------------
 
     def _time_embed(self, tau: Tensor) -> Tensor:
-        angles = tau[:, None] * self.time_freqs
-        return torch.cat([angles.sin(), angles.cos()], -1)
+        return self.time_embedding(tau)
 
-    def _mean_sigma(self, x: Tensor, tau: Tensor, feat: Tensor) -> tuple[Tensor, Tensor]:
-        """One denoising step's Gaussian: ``mean = x + dt * v(x, tau, obs)`` and ``sigma(x, tau, obs)``."""
-        inp = torch.cat([x, feat, self._time_embed(tau)], -1)
-        sigma = self.sigma_min + (self.sigma_max - self.sigma_min) * torch.sigmoid(self.noise(inp))
-        out = self.velocity(inp)
-        if self.predict == "action":  # v = (x1_hat - x) / (1 - tau): the last step lands on x1_hat
-            out = (out - x) / (1.0 - tau)[:, None]
-        return x + out / self.denoise_steps, sigma
+    def _velocity(self, feat: Tensor) -> Velocity:
+        """The chain's velocity for observation features ``feat [R, obs_dim]``: the velocity
+        network's output and the noise head's sigma at ``S`` flow states per row."""
+
+        def velocity(x: Tensor, tau: Tensor) -> tuple[Tensor, Tensor]:
+            r, s = tau.shape
+            inp = torch.cat([x.reshape(r * s, self.chunk_dim), feat.repeat_interleave(s, 0),
+                             self._time_embed(tau.reshape(r * s))], -1)
+            sigma = self.sigma(self.noise(inp))
+            return self.velocity(inp).reshape(x.shape), sigma.reshape(x.shape)
+
+        return velocity
 
     def step_params(self, obs: ObsLike, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """``(mean_k, sigma_k)`` of the transition from ``x = x_k [N, K * A]`` at step ``k``
         (``tau_k = k / N``), with gradients: the density the chain's log-prob is made of."""
         feat = self._features(obs)
-        tau = torch.full((x.shape[0],), k / self.denoise_steps, device=feat.device, dtype=feat.dtype)
-        return self._mean_sigma(x.to(feat.dtype), tau, feat)
-
-    def _generator(self, device: torch.device) -> torch.Generator:
-        if self._gen.device != device:  # moved to another device: restart the stream there
-            self._gen = torch.Generator(device).manual_seed(self.seed)
-        return self._gen
+        return self.chain.step_params(self._velocity(feat), x.to(feat.dtype), k)
 
     # ---- acting (runtime) ------------------------------------------------------------------
 
@@ -282,21 +227,9 @@ class FlowPolicy(ChunkSpace, ReadsObservations, Pretrained, nn.Module):
         ``env_actions`` is ``x_N`` as a ``[B, *chunk_shape]`` chunk inside the Box.
         """
         feat = self._features(obs)
-        b, gen = feat.shape[0], self._generator(feat.device)
-        x = torch.randn((b, self.chunk_dim), generator=gen, device=feat.device, dtype=feat.dtype)
-        if self.deterministic:  # the mode: from zero noise, no noise on the way
-            x = torch.zeros_like(x)
-        logp = (-0.5 * x.square() - LOG_SQRT_2PI).sum(-1)
-        chain = [x]
-        for k in range(self.denoise_steps):
-            tau = torch.full((b,), k / self.denoise_steps, device=feat.device, dtype=feat.dtype)
-            mean, sigma = self._mean_sigma(x, tau, feat)
-            eps = torch.randn(mean.shape, generator=gen, device=feat.device, dtype=feat.dtype)
-            eps = eps * (not self.deterministic)
-            x = mean + sigma * eps
-            logp = logp + _gauss_logp(x, mean, sigma)  # as evaluate() computes it, not from eps
-            chain.append(x)
-        actions = torch.stack(chain, 1).float().cpu().numpy()
+        states, logp = self.chain.sample(self._velocity(feat), feat.shape[0], self._generator(feat.device),
+                                         device=feat.device, dtype=feat.dtype, deterministic=self.deterministic)
+        actions = states.float().cpu().numpy()
         return ActResult(actions=actions, env_actions=self.to_env(actions[:, -1]),
                          logprobs=logp.float().cpu().numpy(),
                          values=self.critic(feat).squeeze(-1).float().cpu().numpy())
@@ -315,13 +248,7 @@ class FlowPolicy(ChunkSpace, ReadsObservations, Pretrained, nn.Module):
         stored states.
         """
         feat = self._features(obs)
-        m, n, d = feat.shape[0], self.denoise_steps, self.chunk_dim
-        chain = actions.to(feat.device, feat.dtype).reshape(m, n + 1, d)
-        tau = (torch.arange(n, device=feat.device, dtype=feat.dtype) / n).repeat(m)  # row m*n+k: k/n
-        mean, sigma = self._mean_sigma(chain[:, :-1].reshape(m * n, d), tau, feat.repeat_interleave(n, 0))
-        logp = _gauss_logp(chain[:, 1:].reshape(m * n, d), mean, sigma).reshape(m, n).sum(1)
-        logp = logp + (-0.5 * chain[:, 0].square() - LOG_SQRT_2PI).sum(-1)
-        entropy = (0.5 + LOG_SQRT_2PI + sigma.log()).sum(-1).reshape(m, n).sum(1) + d * (0.5 + LOG_SQRT_2PI)
+        logp, entropy = self.chain.score(self._velocity(feat), actions.to(feat.device, feat.dtype))
         return logp, entropy, self.critic(feat).squeeze(-1)
 
     def flow_matching_loss(self, obs: ObsLike, chunks: Tensor, generator: torch.Generator | None = None) -> Tensor:
@@ -336,11 +263,5 @@ class FlowPolicy(ChunkSpace, ReadsObservations, Pretrained, nn.Module):
         """
         feat = self._features(obs)
         target = self.normalize_actions(as_tensor(chunks, feat.device).to(feat.dtype))
-        gen = generator or self._generator(feat.device)
-        noise = torch.randn(target.shape, generator=gen, device=feat.device, dtype=feat.dtype)
-        tau = torch.rand((target.shape[0],), generator=gen, device=feat.device, dtype=feat.dtype)
-        x_tau = (1.0 - tau[:, None]) * noise + tau[:, None] * target
-        out = self.velocity(torch.cat([x_tau, feat, self._time_embed(tau)], -1))
-        if self.predict == "action":  # the velocity loss divided by (1 - tau)^2: well defined at tau -> 1
-            return (out - target).square().mean()
-        return (out - (target - noise)).square().mean()
+        return self.chain.flow_matching_loss(self._velocity(feat), target.reshape(-1, *self.chain.shape),
+                                             generator or self._generator(feat.device))

@@ -4,7 +4,7 @@ running mean/variance behind observation normalisation.
 
 A policy using :class:`ActorCriticHeads` provides ``actor`` and ``critic`` (feature ->
 outputs), ``discrete``, ``log_std`` (Gaussian only), ``action_low``/``action_high`` (numpy
-or None), ``seed`` and a ``torch.Generator`` in ``_gen``.
+or None) and ``seed``; :class:`~ebrl.policies.base.SeededSampling` gives it its sampling stream.
 """
 
 from __future__ import annotations
@@ -15,27 +15,26 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ebrl.policies.base import ActResult
+from ebrl.policies.base import ActResult, SeededSampling
 
 LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 
 
-class ActorCriticHeads:
+class ActorCriticHeads(SeededSampling):
     def _sample(self, x: Tensor) -> ActResult:
         """Sample from the heads on features ``x [B, F]`` (call under ``torch.no_grad``)."""
-        if self._gen.device != x.device:  # moved to another device: restart the stream there
-            self._gen = torch.Generator(x.device).manual_seed(self.seed)
+        gen = self._generator(x.device)
         values = self.critic(x).squeeze(-1)
         out = self.actor(x)
         if self.discrete:
             logp_all = torch.log_softmax(out, -1)
             a = (logp_all.argmax(-1, keepdim=True) if self.deterministic
-                 else torch.multinomial(logp_all.exp(), 1, generator=self._gen))
+                 else torch.multinomial(logp_all.exp(), 1, generator=gen))
             logp = logp_all.gather(-1, a).squeeze(-1)
             actions = env_actions = a.squeeze(-1).cpu().numpy()  # nothing to clip
         else:
             noise = (torch.zeros_like(out) if self.deterministic  # the mean
-                     else torch.randn(out.shape, generator=self._gen, device=x.device, dtype=out.dtype))
+                     else torch.randn(out.shape, generator=gen, device=x.device, dtype=out.dtype))
             # log N(a; mu, sigma) with (a - mu) / sigma == noise exactly
             logp = (-0.5 * noise.square() - self.log_std - LOG_SQRT_2PI).sum(-1)
             actions = env_actions = (out + noise * self.log_std.exp()).cpu().numpy()

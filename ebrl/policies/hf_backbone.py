@@ -49,6 +49,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ebrl.policies.base import SeededSampling
 from ebrl.policies.encoders import ObsEncoder, ObsLayout, ReadsObservations, as_tensor, lookup
 from ebrl.policies.expects import ActionSpec, DType, ObsSpec, PolicySpaces
 from ebrl.policies.precision import fast_low_precision_linears
@@ -67,10 +68,16 @@ NEVER_DOWNLOADS = "EBRL loads local directories only and never downloads a model
 
 # ---- the model directory ---------------------------------------------------------------------
 
-def check_model_dir(path: str | Path, *, needs_image_processor: bool = False, owner: str | None = None) -> Path:
+def check_model_dir(path: str | Path, *, needs_image_processor: bool = False, owner: str | None = None,
+                    processor: tuple[Sequence[str], str] | None = None) -> Path:
     """``path`` as a :class:`Path` if it holds a model EBRL can load (``config.json``, weights,
-    tokenizer files; an image processor's config when ``needs_image_processor``), else one
-    :class:`FileNotFoundError` naming the path and what is missing (after ``owner: ``, if given)."""
+    a processor's file where one is needed, tokenizer files), else one :class:`FileNotFoundError`
+    naming the path and what is missing (after ``owner: ``, if given). ``processor`` is
+    ``(file names, what they are)``, one of the names needed; ``needs_image_processor`` asks for
+    an image processor's config."""
+    if needs_image_processor:
+        processor = (IMAGE_PROCESSOR_FILES, "the image processor's " + " or ".join(IMAGE_PROCESSOR_FILES)
+                     + " (the observation has cameras)")
     path = Path(path).expanduser()
     said = f"{owner}: " if owner else ""
     if not path.is_dir():
@@ -80,10 +87,10 @@ def check_model_dir(path: str | Path, *, needs_image_processor: bool = False, ow
         missing.append("config.json")
     if not any((path / name).is_file() for name in WEIGHT_FILES):
         missing.append("weights (one of " + ", ".join(WEIGHT_FILES) + ")")
+    if processor is not None and not any((path / name).is_file() for name in processor[0]):
+        missing.append(processor[1])
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         missing.append("tokenizer files (one of " + ", ".join(TOKENIZER_FILES) + ", with tokenizer_config.json)")
-    if needs_image_processor and not any((path / name).is_file() for name in IMAGE_PROCESSOR_FILES):
-        missing.append("the image processor's " + " or ".join(IMAGE_PROCESSOR_FILES) + " (the observation has cameras)")
     if missing:
         raise FileNotFoundError(f"{said}model directory {str(path)!r} has no " + "; no ".join(missing)
                                 + f" ({NEVER_DOWNLOADS})")
@@ -152,15 +159,15 @@ class CameraPatches(nn.Module):
         return self.proj(self.pool(x * 2.0 - 1.0)).flatten(2).transpose(1, 2)
 
 
-class FrozenModes(nn.Module):
+class FrozenModes(SeededSampling, nn.Module):
     """What a policy around a pretrained model (``self.backbone``) shares: ``hf_model`` (the model
     under its LoRA wrapper); the model staying in eval mode whatever ``train()`` says (no dropout,
     so the acting and the training pass compute the same function, which the PPO ratio needs);
-    and a sampling generator seeded by ``self.seed`` that follows the policy to its device."""
+    a sampling stream (:class:`~ebrl.policies.base.SeededSampling`); gradient checkpointing; and
+    loading what ``trainable_state_dict()`` gave."""
 
     backbone: nn.Module
-    seed: int
-    _gen: torch.Generator
+    gradient_checkpointing: bool = False
 
     @property
     def hf_model(self) -> nn.Module:
@@ -173,10 +180,44 @@ class FrozenModes(nn.Module):
         self.backbone.eval()
         return self
 
-    def _generator(self, device: torch.device) -> torch.Generator:
-        if self._gen.device != device:  # moved to another device: restart the stream there
-            self._gen = torch.Generator(device).manual_seed(self.seed)
-        return self._gen
+    def _enable_checkpointing(self) -> None:
+        """Have the model's layers recompute their activations in the backward pass."""
+        hf = self.hf_model
+        # transformers 5 renames gradient_checkpointing_enable to activation_checkpointing_enable
+        if hasattr(hf, "activation_checkpointing_enable"):
+            hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.gradient_checkpointing = True
+
+    @contextlib.contextmanager
+    def _checkpointing(self) -> Iterator[None]:
+        """transformers checkpoints a layer only in training mode; the model stays in eval mode
+        (no dropout), so for a pass with gradients the checkpointed layers themselves are put in
+        training mode: the layers only, as a model flagged so too would turn its cache off, and warn."""
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        layers = ([m for m in self.backbone.modules() if isinstance(m, GradientCheckpointingLayer)
+                   and m.gradient_checkpointing is True] if self.gradient_checkpointing and torch.is_grad_enabled()
+                  else [])
+        was = [m.training for m in layers]
+        for m in layers:
+            m.training = True
+        try:
+            yield
+        finally:
+            for m, mode in zip(layers, was):
+                m.training = mode
+
+    def load_trainable_state_dict(self, state: Mapping[str, Tensor]) -> None:
+        """Load what ``trainable_state_dict()`` gave (every key of it, and nothing else)."""
+        want = set(self.trainable_state_dict())
+        missing, unexpected = sorted(want - set(state)), sorted(set(state) - want)
+        if missing or unexpected:
+            raise KeyError(f"{type(self).__name__}.load_trainable_state_dict: missing {missing[:5]}"
+                           f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+                           f"{' ...' if len(unexpected) > 5 else ''}")
+        self.load_state_dict(dict(state), strict=False)
 
 
 class HFBackbonePolicy(ReadsObservations, FrozenModes):
@@ -244,12 +285,7 @@ class HFBackbonePolicy(ReadsObservations, FrozenModes):
         self.backbone = model
         hf = self.hf_model
         if gradient_checkpointing:
-            # transformers 5 renames gradient_checkpointing_enable to activation_checkpointing_enable
-            if hasattr(hf, "activation_checkpointing_enable"):
-                hf.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.gradient_checkpointing = bool(gradient_checkpointing)
+            self._enable_checkpointing()
         embed = hf.get_input_embeddings()
         self.hidden = int(embed.weight.shape[1])
         self._register_prompts(instructions, prompt, tokenizer)
@@ -279,7 +315,7 @@ class HFBackbonePolicy(ReadsObservations, FrozenModes):
         decoder = hf.get_decoder()
         params = inspect.signature(decoder.forward).parameters  # transformers 5 renames past_key_values to cache
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._gen = torch.Generator().manual_seed(self.seed)  # sampling; not a buffer: never in state_dict
+        self._start_sampling()
         self.train(True)
 
     # ---- building ----------------------------------------------------------------------------
@@ -288,6 +324,18 @@ class HFBackbonePolicy(ReadsObservations, FrozenModes):
     def from_spaces(cls, observation_space, action_space, *, path: str | Path, **kw):
         """:meth:`from_pretrained` with the spaces first, as the other policies' ``from_spaces``."""
         return cls.from_pretrained(path, observation_space, action_space, **kw)
+
+    @classmethod
+    def _load_for_spaces(cls, path, observation_space, action_space, *, instruction=None, image_keys=None,
+                         state_keys=None, **kw):
+        """What ``from_pretrained`` shares: a Box action space ``(A,)`` or ``(K, A)``, the
+        observation's layout (:func:`read_spaces`), then :meth:`_load`."""
+        from gymnasium import spaces
+
+        if not (isinstance(action_space, spaces.Box) and len(action_space.shape) in (1, 2)):
+            raise ValueError(f"{cls.__name__} needs a Box action space of shape (A,) or (K, A), got {action_space!r}")
+        layout, classes = read_spaces(observation_space, instruction, image_keys, state_keys, cls.__name__)
+        return cls._load(path, layout, action_space.low, action_space.high, classes, instruction=instruction, **kw)
 
     @classmethod
     def _load(cls, path, layout: ObsLayout, low, high, classes, *, dtype="auto", **kw):
@@ -393,14 +441,8 @@ class HFBackbonePolicy(ReadsObservations, FrozenModes):
         if self.state_tokens:
             state = self.obs_encoder.vector(obs, self.state_proj.weight)
             extra.append(self.state_proj(state).view(-1, self.state_tokens, self.hidden).to(dtype))
-        if self.instruction_classes is not None:
-            index = as_tensor(lookup(obs, (INSTRUCTION_KEY,)), device).reshape(-1).long() - self.instruction_classes[1]
-            if index.numel() and (int(index.min()) < 0 or int(index.max()) >= self.prompt_ids.shape[0]):
-                raise ValueError(f"observation entry 'instruction' must index the {self.prompt_ids.shape[0]} "
-                                 f"instructions, got values in [{int(index.min())}, {int(index.max())}]")
-        else:
-            rows = extra[0].shape[0] if extra else 1
-            index = torch.zeros(rows, dtype=torch.long, device=device)
+        index = instruction_index(obs, self.instruction_classes, self.prompt_ids.shape[0], device,
+                                  extra[0].shape[0] if extra else 1)
         n, width = index.shape[0], self.prompt_ids.shape[1]
         parts = [self._embed(self.prompt_ids[index])]
         if self.bos_id is not None:
@@ -426,21 +468,6 @@ class HFBackbonePolicy(ReadsObservations, FrozenModes):
     def _autocast(self):
         device = self.prompt_ids.device.type
         return torch.autocast(device, dtype=torch.bfloat16) if self.autocast_bf16 else contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def _checkpointing(self) -> Iterator[None]:
-        """transformers checkpoints a decoder layer only in training mode; the backbone stays in
-        eval mode (no dropout), so the layers themselves (not their children) are flagged for the pass."""
-        layers = ([m for m in self.backbone.modules() if getattr(m, "gradient_checkpointing", False) is True]
-                  if self.gradient_checkpointing and torch.is_grad_enabled() else [])
-        was = [m.training for m in layers]
-        for m in layers:
-            m.training = True
-        try:
-            yield
-        finally:
-            for m, mode in zip(layers, was):
-                m.training = mode
 
     def _hidden(self, embeds: Tensor, mask: Tensor, positions: Tensor, cache: Any = None,
                 use_cache: bool = False) -> tuple[Tensor, Any]:
@@ -478,16 +505,6 @@ class HFBackbonePolicy(ReadsObservations, FrozenModes):
             elif not isinstance(t, nn.Parameter) and not name.startswith("backbone."):
                 out[name] = t.detach()
         return out
-
-    def load_trainable_state_dict(self, state: Mapping[str, Tensor]) -> None:
-        """Load what :meth:`trainable_state_dict` gave (every key of it, and nothing else)."""
-        want = set(self.trainable_state_dict())
-        missing, unexpected = sorted(want - set(state)), sorted(set(state) - want)
-        if missing or unexpected:
-            raise KeyError(f"{type(self).__name__}.load_trainable_state_dict: missing {missing[:5]}"
-                           f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
-                           f"{' ...' if len(unexpected) > 5 else ''}")
-        self.load_state_dict(dict(state), strict=False)
 
     def save_adapters(self, path: str | Path) -> None:
         """Write ``adapters.safetensors`` (:meth:`trainable_state_dict`) and ``ebrl_policy.json``
@@ -550,21 +567,42 @@ class HFBackbonePolicy(ReadsObservations, FrozenModes):
 
 # ---- helpers ---------------------------------------------------------------------------------
 
-def read_spaces(observation_space, instruction, image_keys=None, state_keys=None, owner: str = "the policy"):
+def read_spaces(observation_space, instruction, image_keys=None, state_keys=None, owner: str = "the policy", *,
+                index_only: bool = False):
     """``(layout, instruction_classes)`` from a gymnasium observation space: with a list of
-    instructions, its Discrete ``instruction`` entry chooses one per row (and is left out of the layout)."""
+    instructions, its Discrete ``instruction`` entry chooses one per row (and is left out of the
+    layout). ``index_only``: that entry is never read as state, and needs ``instruction``."""
     from gymnasium import spaces
 
-    classes, exclude = None, ()
+    entry = observation_space.spaces.get(INSTRUCTION_KEY) if isinstance(observation_space, spaces.Dict) else None
+    classes, exclude = None, (INSTRUCTION_KEY,) if index_only and entry is not None else ()
     if instruction is not None and not isinstance(instruction, str):
-        entry = observation_space.spaces.get(INSTRUCTION_KEY) if isinstance(observation_space, spaces.Dict) else None
         if not isinstance(entry, spaces.Discrete):
             raise ValueError(f"{owner}: a list of {len(instruction)} instructions is chosen per row by a "
                              f"Discrete 'instruction' entry of the observation, but the observation space "
                              f"{observation_space} has none (give one instruction string instead)")
+        if len(instruction) != int(entry.n):
+            raise ValueError(f"{owner}: {len(instruction)} instructions, but the 'instruction' entry is "
+                             f"Discrete({entry.n}): give one instruction per value")
         classes, exclude = (int(entry.n), int(entry.start)), (INSTRUCTION_KEY,)
+    elif index_only and instruction is None and isinstance(entry, spaces.Discrete):
+        raise ValueError(f"{owner}: the observation has an 'instruction' index: give instruction= (the env's "
+                         "instructions(), one per value)")
     layout = ObsLayout.from_space(observation_space, image_keys=image_keys, state_keys=state_keys, exclude=exclude)
     return layout, classes
+
+
+def instruction_index(obs: Any, classes: tuple[int, int] | None, count: int, device: torch.device,
+                      rows: int) -> Tensor:
+    """Each row's instruction ``[N]``: the observation's Discrete ``instruction`` entry (of
+    ``classes = (n, start)``) checked against the ``count`` instructions, or zeros for ``rows`` rows."""
+    if classes is None:
+        return torch.zeros(rows, dtype=torch.long, device=device)
+    index = as_tensor(lookup(obs, (INSTRUCTION_KEY,)), device).reshape(-1).long() - classes[1]
+    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= count):
+        raise ValueError(f"observation entry 'instruction' must index the {count} instructions, got values in "
+                         f"[{int(index.min())}, {int(index.max())}]")
+    return index
 
 
 def action_bounds(low, high, owner: str) -> tuple[np.ndarray, np.ndarray]:
@@ -640,7 +678,7 @@ def pil_pi0_image_processor(**settings: Any):
     """transformers' ``PI0ImageProcessor`` (resize to fit, rescale, normalise, pad) on the PIL
     backend: the image processor's own definition, which runs without torchvision (its torchvision
     backend does not import here). ``settings`` override its defaults (``size``, ``pad_size``,
-    ``image_seq_length``, ...): what :func:`~ebrl.policies.lerobot_pi0.save_transformers` saves, and the
+    ``image_seq_length``, ...): what :func:`~ebrl.policies.pi0.lerobot.save_transformers` saves, and the
     tests' reference. Needs PIL."""
     from transformers.image_processing_backends import PilBackend
     from transformers.models.pi0.image_processing_pi0 import PI0ImageProcessor

@@ -70,7 +70,6 @@ Example (a model directory of your own; nothing is fetched)::
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -81,9 +80,8 @@ from torch import Tensor, nn
 
 from ebrl.policies.base import ActResult
 from ebrl.policies.encoders import as_tensor
-from ebrl.policies.flow import ChunkSpace, _gauss_logp, check_flow_args
-from ebrl.policies.heads import LOG_SQRT_2PI
-from ebrl.policies.hf_backbone import HFBackbonePolicy, action_bounds, read_spaces
+from ebrl.policies.flow_chain import ChunkSpace, FlowChain, HasChain, SigmoidSigma, TimeEmbedding, Velocity, chunk_2d
+from ebrl.policies.hf_backbone import HFBackbonePolicy, action_bounds
 
 
 class ActionExpert(nn.Module):
@@ -105,9 +103,7 @@ class ActionExpert(nn.Module):
             nn.TransformerDecoderLayer(width, heads, 4 * width, dropout=0.0, activation="gelu", batch_first=True,
                                        norm_first=True) for _ in range(layers))
         self.norm = nn.LayerNorm(width)
-        # π0's sinusoidal time embedding: periods geometric in [4e-3, 4]
-        periods = torch.logspace(math.log10(4e-3), math.log10(4.0), width // 2)
-        self.register_buffer("time_freqs", 2.0 * math.pi / periods, persistent=False)
+        self.time = TimeEmbedding(width)
 
     def memory(self, hidden: Tensor) -> Tensor:
         """The backbone's hidden states ``[R, P, hidden]`` (any dtype) as float32 keys and values ``[R, P, width]``."""
@@ -115,8 +111,7 @@ class ActionExpert(nn.Module):
 
     def forward(self, x: Tensor, tau: Tensor, memory: Tensor, padding: Tensor) -> Tensor:
         r, s, k, _ = x.shape
-        angles = tau[..., None] * self.time_freqs
-        time = torch.cat([angles.sin(), angles.cos()], -1)[:, :, None].expand(r, s, k, -1)
+        time = self.time(tau)[:, :, None].expand(r, s, k, -1)
         tokens = self.action_time_in(torch.cat([self.action_in(x), time], -1))
         tokens = (self.action_time_out(nn.functional.silu(tokens)) + self.position).reshape(r, s * k, -1)
         step = torch.arange(s * k, device=x.device) // k
@@ -126,7 +121,7 @@ class ActionExpert(nn.Module):
         return self.norm(tokens).reshape(r, s, k, -1)
 
 
-class HFFlowPolicy(ChunkSpace, HFBackbonePolicy):
+class HFFlowPolicy(HasChain, ChunkSpace, HFBackbonePolicy):
     """Flow-matching chunks from a Hugging Face backbone and a small action expert (see the module's docstring).
 
     Build it with :meth:`from_pretrained` (a local directory and the env's spaces), or from a
@@ -151,21 +146,21 @@ class HFFlowPolicy(ChunkSpace, HFBackbonePolicy):
         if not (np.isfinite(low).all() and np.isfinite(high).all() and (high > low).all()):
             raise ValueError("HFFlowPolicy needs finite action bounds with high > low (the flow lives in "
                              f"[-1, 1] and is mapped onto them), got low={low.tolist()}, high={high.tolist()}")
-        check_flow_args(predict, denoise_steps, sigma_min, init_sigma, sigma_max)
+        chain = FlowChain(denoise_steps, chunk_2d(low.shape), predict=predict)
+        sigma = SigmoidSigma(sigma_min, init_sigma, sigma_max)
         if expert_layers < 1 or expert_heads < 1 or expert_width % expert_heads or expert_width % 2:
             raise ValueError(f"expert_width={expert_width} must be even (sin and cos pairs) and a multiple of "
                              f"expert_heads={expert_heads}, and expert_layers={expert_layers} >= 1")
         super().__init__(model, tokenizer, action_low=low, action_high=high, **backbone)
         self.chunk_shape = self.action_shape
-        self.chunk_len, self.action_dim = self.chunk_shape if len(self.chunk_shape) == 2 else (1, self.chunk_shape[0])
+        self.chunk_len, self.action_dim = chain.shape
         self.chunk_dim = self.chunk_len * self.action_dim
-        self.denoise_steps, self.predict = denoise_steps, predict
-        self.sigma_min, self.sigma_max = float(sigma_min), float(sigma_max)
+        self.chain = chain
+        self.sigma = sigma
         self.action_low, self.action_high = low, high
         self.config.update({"denoise_steps": denoise_steps, "predict": predict, "expert_width": int(expert_width),
                             "expert_layers": int(expert_layers), "expert_heads": int(expert_heads),
-                            "sigma_min": self.sigma_min, "sigma_max": self.sigma_max,
-                            "init_sigma": float(init_sigma)})
+                            "sigma_min": sigma.sigma_min, "sigma_max": sigma.sigma_max, "init_sigma": sigma.init_sigma})
 
         # the expert's initial weights from the seed, without touching torch's global generator
         with torch.random.fork_rng(devices=[]):
@@ -181,8 +176,7 @@ class HFFlowPolicy(ChunkSpace, HFBackbonePolicy):
             self.action_head.weight.mul_(0.01)  # x1_hat starts near 0, the Box's centre
             self.action_head.bias.zero_()
             self.noise_head[-1].weight.mul_(0.01)
-            p = (init_sigma - sigma_min) / (sigma_max - sigma_min)  # sigmoid(bias) puts sigma at init_sigma
-            self.noise_head[-1].bias.fill_(math.log(p / (1.0 - p)))
+        sigma.init_bias(self.noise_head[-1].bias)
 
     # ---- building ----------------------------------------------------------------------------
 
@@ -203,17 +197,15 @@ class HFFlowPolicy(ChunkSpace, HFBackbonePolicy):
         ``state_tokens``, ``camera_grid``, ``autocast_bf16``, ...)."""
         from gymnasium import spaces
 
-        if not (isinstance(action_space, spaces.Box) and len(action_space.shape) in (1, 2)):
-            raise ValueError(f"HFFlowPolicy needs a Box action space of shape (K, A) or (A,), got {action_space!r}")
-        if not (np.isfinite(action_space.low).all() and np.isfinite(action_space.high).all()):
+        if isinstance(action_space, spaces.Box) and not (np.isfinite(action_space.low).all()
+                                                         and np.isfinite(action_space.high).all()):
             raise ValueError(f"HFFlowPolicy needs finite action bounds (actions are mapped from [-1, 1] onto "
                              f"them), got {action_space!r}")
-        layout, classes = read_spaces(observation_space, instruction, image_keys, state_keys, "HFFlowPolicy")
-        return cls._load(path, layout, action_space.low, action_space.high, classes, lora_rank=lora_rank,
-                         lora_alpha=lora_alpha, lora_targets=lora_targets, instruction=instruction, prompt=prompt,
-                         denoise_steps=denoise_steps, expert_width=expert_width, expert_layers=expert_layers,
-                         init_sigma=init_sigma, dtype=dtype, seed=seed, gradient_checkpointing=gradient_checkpointing,
-                         **kw)
+        return cls._load_for_spaces(path, observation_space, action_space, instruction=instruction,
+                                    image_keys=image_keys, state_keys=state_keys, prompt=prompt, lora_rank=lora_rank,
+                                    lora_alpha=lora_alpha, lora_targets=lora_targets, denoise_steps=denoise_steps,
+                                    expert_width=expert_width, expert_layers=expert_layers, init_sigma=init_sigma,
+                                    dtype=dtype, seed=seed, gradient_checkpointing=gradient_checkpointing, **kw)
 
     # ---- the flow ------------------------------------------------------------------------------
 
@@ -229,25 +221,23 @@ class HFFlowPolicy(ChunkSpace, HFBackbonePolicy):
         memory = self.expert.memory(h.masked_fill(padding[..., None], 0.0))
         return memory, padding, h[:, -1]
 
-    def _mean_sigma(self, x: Tensor, tau: Tensor, memory: Tensor, padding: Tensor) -> tuple[Tensor, Tensor]:
-        """Each step's Gaussian for ``S`` flow states per row, ``x [R, S, K * A]`` at ``tau [R, S]``:
-        ``mean = x + v(x, tau, obs) / N`` and ``sigma(x, tau, obs)``, both ``[R, S, K * A]``."""
-        r, s, _ = x.shape
-        features = self.expert(x.reshape(r, s, self.chunk_len, self.action_dim), tau, memory, padding)
-        out = self.action_head(features).reshape(r, s, self.chunk_dim)
-        sigma = self.sigma_min + (self.sigma_max - self.sigma_min) * torch.sigmoid(self.noise_head(features))
-        if self.predict == "action":  # v = (x1_hat - x) / (1 - tau): the last step lands on x1_hat
-            out = (out - x) / (1.0 - tau)[..., None]
-        return x + out / self.denoise_steps, sigma.reshape(r, s, self.chunk_dim)
+    def _velocity(self, memory: Tensor, padding: Tensor) -> Velocity:
+        """The chain's velocity on a prefix (:meth:`_read_prefix`): the expert's action head and
+        noise head at ``S`` flow states per row, in one pass of the expert, float32."""
+
+        def velocity(x: Tensor, tau: Tensor) -> tuple[Tensor, Tensor]:
+            features = self.expert(x.float(), tau.float(), memory, padding)
+            sigma = self.sigma(self.noise_head(features))
+            return self.action_head(features), sigma
+
+        return velocity
 
     def step_params(self, obs: Any, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """``(mean_k, sigma_k)`` of the transition from ``x = x_k [N, K * A]`` at step ``k``
         (``tau_k = k / N``), with gradients: the density the chain's log-prob is made of."""
         memory, padding, _ = self._read_prefix(obs)
         x = torch.as_tensor(x, device=memory.device).float()
-        tau = torch.full((x.shape[0], 1), k / self.denoise_steps, device=memory.device)
-        mean, sigma = self._mean_sigma(x[:, None], tau, memory, padding)
-        return mean[:, 0], sigma[:, 0]
+        return self.chain.step_params(self._velocity(memory, padding), x, k)
 
     # ---- acting (runtime) ----------------------------------------------------------------------
 
@@ -259,20 +249,10 @@ class HFFlowPolicy(ChunkSpace, HFBackbonePolicy):
         ``env_actions`` is ``x_N`` as a ``[B, *chunk_shape]`` chunk inside the Box.
         """
         memory, padding, last = self._read_prefix(obs)
-        b, device, gen = memory.shape[0], memory.device, self._generator(memory.device)
-        x = torch.randn((b, self.chunk_dim), generator=gen, device=device, dtype=memory.dtype)
-        if self.deterministic:  # the mode: from zero noise, no noise on the way
-            x = torch.zeros_like(x)
-        logp = (-0.5 * x.square() - LOG_SQRT_2PI).sum(-1)
-        chain = [x]
-        for k in range(self.denoise_steps):
-            tau = torch.full((b, 1), k / self.denoise_steps, device=device)
-            mean, sigma = (t[:, 0] for t in self._mean_sigma(x[:, None], tau, memory, padding))
-            x = mean + sigma * torch.randn(mean.shape, generator=gen, device=device, dtype=mean.dtype) * (
-                not self.deterministic)
-            logp = logp + _gauss_logp(x, mean, sigma)  # as evaluate() computes it, not from eps
-            chain.append(x)
-        actions = torch.stack(chain, 1).cpu().numpy()
+        states, logp = self.chain.sample(self._velocity(memory, padding), memory.shape[0],
+                                         self._generator(memory.device), device=memory.device, dtype=memory.dtype,
+                                         deterministic=self.deterministic)
+        actions = states.cpu().numpy()
         return ActResult(actions=actions, env_actions=self.to_env(actions[:, -1]), logprobs=logp.cpu().numpy(),
                          values=self._values(last).cpu().numpy())
 
@@ -286,12 +266,8 @@ class HFFlowPolicy(ChunkSpace, HFBackbonePolicy):
         Gaussian's, given the stored states.
         """
         memory, padding, last = self._read_prefix(obs)
-        m, n, d = memory.shape[0], self.denoise_steps, self.chunk_dim
-        chain = torch.as_tensor(actions, device=memory.device).float().reshape(m, n + 1, d)
-        tau = (torch.arange(n, device=memory.device, dtype=torch.float32) / n).expand(m, n)
-        mean, sigma = self._mean_sigma(chain[:, :-1], tau, memory, padding)
-        logp = _gauss_logp(chain[:, 1:], mean, sigma).sum(1) + (-0.5 * chain[:, 0].square() - LOG_SQRT_2PI).sum(-1)
-        entropy = (0.5 + LOG_SQRT_2PI + sigma.log()).sum((1, 2)) + d * (0.5 + LOG_SQRT_2PI)
+        states = torch.as_tensor(actions, device=memory.device).float()
+        logp, entropy = self.chain.score(self._velocity(memory, padding), states)
         return logp, entropy, self._values(last)
 
     def flow_matching_loss(self, obs: Any, chunks: Any, generator: torch.Generator | None = None) -> Tensor:
@@ -305,17 +281,9 @@ class HFFlowPolicy(ChunkSpace, HFBackbonePolicy):
         normalising.
         """
         memory, padding, _ = self._read_prefix(obs)
-        device = memory.device
-        target = self.normalize_actions(as_tensor(chunks, device).float())
-        gen = generator or self._generator(device)
-        noise = torch.randn(target.shape, generator=gen, device=device)
-        tau = torch.rand((target.shape[0], 1), generator=gen, device=device)
-        x_tau = (1.0 - tau) * noise + tau * target
-        features = self.expert(x_tau.reshape(-1, 1, self.chunk_len, self.action_dim), tau, memory, padding)
-        out = self.action_head(features).reshape(-1, self.chunk_dim)
-        if self.predict == "action":  # the velocity loss divided by (1 - tau)^2: well defined at tau -> 1
-            return (out - target).square().mean()
-        return (out - (target - noise)).square().mean()
+        target = self.normalize_actions(as_tensor(chunks, memory.device).float())
+        return self.chain.flow_matching_loss(self._velocity(memory, padding), target.reshape(-1, *self.chain.shape),
+                                             generator or self._generator(memory.device))
 
 
 __all__ = ["HFFlowPolicy"]

@@ -120,8 +120,8 @@ from torch import Tensor, nn
 
 from ebrl.policies import hf_backbone
 from ebrl.policies.base import ActResult
-from ebrl.policies.hf_backbone import OPENVLA_PROMPT, HFBackbonePolicy, action_bounds, read_spaces
-from ebrl.policies.token import cosine_bin_basis
+from ebrl.policies.hf_backbone import OPENVLA_PROMPT, HFBackbonePolicy, action_bounds
+from ebrl.policies.token import choose_token, cosine_bin_basis, forced_logp_entropy
 
 BINS = 256  # OpenVLA's bins per action dimension
 
@@ -221,16 +221,10 @@ class HFTokenPolicy(HFBackbonePolicy):
         one per row); a Box action space, ``(A,)`` or ``(K, A)``, with finite bounds unless
         ``action_stats`` gives ``q01``/``q99``. Further keywords go to the constructor
         (``value_head``, ``state_tokens``, ``camera_grid``, ``autocast_bf16``, ``vocab_size``, ...)."""
-        from gymnasium import spaces
-
-        if not (isinstance(action_space, spaces.Box) and len(action_space.shape) in (1, 2)):
-            raise ValueError(f"HFTokenPolicy needs a Box action space of shape (A,) or (K, A) (its tokens are bins of "
-                             f"each dimension), got {action_space!r}")
-        layout, classes = read_spaces(observation_space, instruction, image_keys, state_keys, "HFTokenPolicy")
-        return cls._load(path, layout, action_space.low, action_space.high, classes, lora_rank=lora_rank,
-                         lora_alpha=lora_alpha, lora_targets=lora_targets, instruction=instruction, prompt=prompt,
-                         dtype=dtype, seed=seed, gradient_checkpointing=gradient_checkpointing,
-                         action_stats=action_stats, **kw)
+        return cls._load_for_spaces(path, observation_space, action_space, instruction=instruction,
+                                    image_keys=image_keys, state_keys=state_keys, prompt=prompt, lora_rank=lora_rank,
+                                    lora_alpha=lora_alpha, lora_targets=lora_targets, dtype=dtype, seed=seed,
+                                    gradient_checkpointing=gradient_checkpointing, action_stats=action_stats, **kw)
 
     # ---- tokenisation ------------------------------------------------------------------------
 
@@ -328,15 +322,10 @@ class HFTokenPolicy(HFBackbonePolicy):
         last = positions[:, -1:]
         chosen, all_logits = [], []
         for j in range(self.num_tokens):
-            logits = self.bin_logits(h, j)
-            all_logits.append(logits)
-            if forced is None:
-                token = (logits.argmax(-1) if self.deterministic
-                         else torch.multinomial(logits.softmax(-1), 1, generator=gen).squeeze(-1))
-            else:
-                token = forced[:, j]
-            chosen.append(token)
+            all_logits.append(self.bin_logits(h, j))
+            chosen.append(choose_token(all_logits[-1], forced, j, self.deterministic, gen))
             if j + 1 < self.num_tokens:
+                token = chosen[-1]
                 mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
                 step = self._embed(self.token_ids(token))[:, None].to(embeds.dtype)
                 h, cache = self._hidden(step, mask, last + 1 + j, cache, use_cache=True)
@@ -367,10 +356,7 @@ class HFTokenPolicy(HFBackbonePolicy):
         sums over dimensions of the teacher-forced log-probs and conditional entropies."""
         ids = self._bin_ids(actions)
         logits, value = self._logits(obs, ids)
-        logp_all = logits.log_softmax(-1)
-        logp = logp_all.gather(-1, ids[..., None]).squeeze(-1).sum(-1)
-        entropy = -(logp_all.exp() * logp_all).sum((-1, -2))
-        return logp, entropy, value
+        return (*forced_logp_entropy(logits, ids), value)
 
 
 # ---- helpers ---------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ metadata ``{"format": "pt"}``, of tensors sharing storage only the sorted-first 
 indent) whose stateful steps keep their tensors in ``<pipeline>_step_<i>_<registry_name>.safetensors``
 (no metadata). The normaliser steps' state is ``{"<feature>.<statistic>": tensor}``.
 
-These functions write and read those files generically; :mod:`ebrl.policies.lerobot_pi0` has
+These functions write and read those files generically; :mod:`ebrl.policies.pi0.lerobot` has
 π0-specific versions of some of them (its ``write_folder``'s pipeline part, ``_stats_file``,
 ``_pipeline_files``) that could be replaced by these.
 
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ebrl.policies.lerobot_pi0 import CONFIG, WEIGHTS
+from ebrl.policies.pi0.lerobot import CONFIG, WEIGHTS
 
 
 def state_file_name(pipeline: str, index: int, registry_name: str) -> str:

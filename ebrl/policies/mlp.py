@@ -132,7 +132,7 @@ class MLPPolicy(ReadsObservations, ActorCriticHeads, nn.Module):
         self.register_load_state_dict_pre_hook(load_legacy_keys)
 
         # Plain attributes (not buffers), so they never enter state_dict.
-        self._gen = torch.Generator().manual_seed(self.seed)
+        self._start_sampling()
         self._np_rng = np.random.default_rng(self.seed)
         self._np_cache: tuple | None = None  # numpy mirror of the weights for CPU inference
         self._np_versions: tuple | None = None

@@ -79,9 +79,9 @@ PI0_MODEL_TYPES = ("pi0", "pi05")
 def from_pretrained(path, observation_space, action_space, **options):
     """The policy for a checkpoint in the local directory ``path``, chosen by its
     ``config.json``'s ``model_type``: ``pi0`` / ``pi05`` give
-    :class:`~ebrl.policies.pi0.PI0Policy` on the checkpoint's own model (action expert included),
+    :class:`~ebrl.policies.pi0.policy.PI0Policy` on the checkpoint's own model (action expert included),
     and so does a LeRobot π0 / π0.5 policy folder (``"type": "pi0"`` / ``"pi05"``,
-    :mod:`ebrl.policies.lerobot_pi0`);
+    :mod:`ebrl.policies.pi0.lerobot`);
     a causal LM or an image-text model gives :class:`~ebrl.policies.hf_token.HFTokenPolicy`.
     ``options`` go to that class's ``from_pretrained``. Local files only: a missing directory or
     ``config.json`` is one ``FileNotFoundError`` naming it. ``policy.kind=hf`` with
@@ -105,12 +105,12 @@ def from_pretrained(path, observation_space, action_space, **options):
     config = root / "config.json"
     if not config.is_file():
         raise FileNotFoundError(f"from_pretrained: {str(config)!r} does not exist ({NEVER_DOWNLOADS})")
-    from ebrl.policies.lerobot_pi0 import is_lerobot_config
+    from ebrl.policies.pi0.lerobot import is_lerobot_config
 
     parsed = json.loads(config.read_text())
     model_type = parsed.get("model_type")
     if model_type in PI0_MODEL_TYPES or is_lerobot_config(parsed):
-        from ebrl.policies.pi0 import PI0Policy
+        from ebrl.policies.pi0.policy import PI0Policy
 
         return PI0Policy.from_pretrained(root, observation_space, action_space, **options)
     from transformers import AutoConfig

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ebrl.policies.base import ActResult
+from ebrl.policies.base import ActResult, SeededSampling
 from ebrl.policies.encoders import (
     ObsEncoder,
     ObsEntry,
@@ -68,6 +68,24 @@ INSTRUCTION_KEY = "instruction"  # a Box entry of this name is one token of its 
 
 KVCache = list[tuple[Tensor, Tensor]]  # per layer: keys and values [B, heads, max_len, head_dim]
 
+
+
+def choose_token(logits: Tensor, forced: Tensor | None, j: int, deterministic: bool, gen: torch.Generator) -> Tensor:
+    """Decoding step ``j``'s token ``[B]`` from its ``logits [B, bins]``: the forced one (``forced
+    [B, D]``, teacher forcing), the mode, or a draw from ``gen``."""
+    if forced is not None:
+        return forced[:, j]
+    if deterministic:
+        return logits.argmax(-1)
+    return torch.multinomial(logits.softmax(-1), 1, generator=gen).squeeze(-1)
+
+
+def forced_logp_entropy(logits: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+    """``(logp [N], entropy [N])`` of tokens ``ids [N, D]`` under teacher-forced ``logits [N, D,
+    bins]``: the sums over the ``D`` tokens of their log-probs and conditional entropies."""
+    logp_all = logits.log_softmax(-1)
+    logp = logp_all.gather(-1, ids[..., None]).squeeze(-1).sum(-1)
+    return logp, -(logp_all.exp() * logp_all).sum((-1, -2))
 
 class _SelfAttention(nn.Module):
     """Multi-head attention written out, so that :meth:`forward` can read and extend a KV cache."""
@@ -124,7 +142,7 @@ class _Patchify(nn.Module):
         return self.proj(self.conv(x).flatten(2).transpose(1, 2))
 
 
-class TokenPolicy(ReadsObservations, Pretrained, nn.Module):
+class TokenPolicy(ReadsObservations, SeededSampling, Pretrained, nn.Module):
     """Autoregressive action tokens over a prefix built from the observation's vectors, cameras and instruction.
 
     ``action_low``/``action_high`` give the action shape (``(A,)`` or a chunk ``(K, A)``, whose
@@ -230,7 +248,7 @@ class TokenPolicy(ReadsObservations, Pretrained, nn.Module):
         self.register_buffer("attn_mask", (pos[None, :] <= pos[:, None]) | (pos[None, :] < num_prefix),
                              persistent=False)
         self._init_weights(torch.Generator().manual_seed(self.seed))
-        self._gen = torch.Generator().manual_seed(self.seed)  # not a buffer: never in state_dict
+        self._start_sampling()
         self.register_load_state_dict_pre_hook(load_legacy_keys)
 
     def _init_weights(self, gen: torch.Generator) -> None:
@@ -392,8 +410,7 @@ class TokenPolicy(ReadsObservations, Pretrained, nn.Module):
         forced = None if tokens is None else self._token_ids(tokens)
         inputs = self._prefix_and_bos(obs)
         batch, device = inputs.shape[0], inputs.device
-        if self._gen.device != device:  # moved to another device: restart the stream there
-            self._gen = torch.Generator(device).manual_seed(self.seed)
+        gen = self._generator(device)
         first = self.blocks[0].attn
         shape = (batch, first.heads, self.num_prefix + self.num_tokens, first.head_dim)
         cache = [(inputs.new_empty(shape), inputs.new_empty(shape)) for _ in self.blocks]
@@ -401,15 +418,10 @@ class TokenPolicy(ReadsObservations, Pretrained, nn.Module):
         values = self.value_head(h).squeeze(-1)
         chosen, all_logits = [], []
         for j in range(self.num_tokens):
-            logits = self.bin_logits(h)
-            all_logits.append(logits)
-            if forced is None:
-                token = (logits.argmax(-1) if self.deterministic
-                         else torch.multinomial(logits.softmax(-1), 1, generator=self._gen).squeeze(-1))
-            else:
-                token = forced[:, j]
-            chosen.append(token)
+            all_logits.append(self.bin_logits(h))
+            chosen.append(choose_token(all_logits[-1], forced, j, self.deterministic, gen))
             if j + 1 < self.num_tokens:
+                token = chosen[-1]
                 step = (self.embed_tokens(token) + self.action_pos[j + 1])[:, None]
                 h = self._transform(step, self.num_prefix + 1 + j, cache)[:, -1]
         return torch.stack(chosen, 1), torch.stack(all_logits, 1), values
@@ -440,10 +452,7 @@ class TokenPolicy(ReadsObservations, Pretrained, nn.Module):
         """
         ids = self._token_ids(actions)
         logits, value = self._logits(obs, ids)
-        logp_all = logits.log_softmax(-1)
-        logp = logp_all.gather(-1, ids[..., None]).squeeze(-1).sum(-1)
-        entropy = -(logp_all.exp() * logp_all).sum((-1, -2))
-        return logp, entropy, value
+        return (*forced_logp_entropy(logits, ids), value)
 
     def value(self, obs: Any) -> Tensor:
         """State values ``[N]``, with gradients: a pass over the prefix and BOS only."""

@@ -42,7 +42,7 @@ from ebrl.policies.lerobot_layout import (
     write_pipeline,
     write_weights,
 )
-from ebrl.policies.lerobot_pi0 import (
+from ebrl.policies.pi0.lerobot import (
     ACTION,
     CONFIG,
     OBS_IMAGES,

@@ -1,4 +1,4 @@
-"""LeRobot's π0 / π0.5 policy folders: loaded as :class:`~ebrl.policies.pi0.PI0Policy`, and
+"""LeRobot's π0 / π0.5 policy folders: loaded as :class:`~ebrl.policies.pi0.policy.PI0Policy`, and
 trained policies written back for LeRobot (``lerobot-record``, ``lerobot-eval``) on the robot.
 
 A folder that LeRobot's ``PI0Policy.save_pretrained`` / ``PI05Policy.save_pretrained`` writes holds:
@@ -26,7 +26,7 @@ empty, masked image: the model attends to none of its tokens), and ``empty_camer
 The folder holds no tokenizer: ``tokenizer=DIR`` names a local copy of the one its preprocessor
 names (PaliGemma's).
 
-**Out.** :func:`save_lerobot` writes a trained :class:`~ebrl.policies.pi0.PI0Policy` as such a
+**Out.** :func:`save_lerobot` writes a trained :class:`~ebrl.policies.pi0.policy.PI0Policy` as such a
 folder: the weights with LoRA merged, in LeRobot's names (the inverse of transformers' mapping,
 checked by loading them back through it), ``config.json`` and both pipelines with their statistics,
 plus the tokenizer (LeRobot ignores it; EBRL reloads the folder without ``tokenizer=``). The noise
@@ -385,7 +385,7 @@ class LeRobotFolder:
         return FeatureNorm(mode, stats, float(config.get("eps", EPS)))
 
     def processing(self, model_config) -> dict[str, Any]:
-        """The fields of this folder's :class:`~ebrl.policies.pi0.Processing`."""
+        """The fields of this folder's :class:`~ebrl.policies.pi0.preprocessing.Processing`."""
         vision = model_config.vlm_config.vision_config
         resolution = tuple(int(v) for v in self.config.get("image_resolution", (224, 224)))
         tokens = (int(vision.image_size) // int(vision.patch_size)) ** 2
@@ -589,7 +589,7 @@ def _fresh(out: str | Path) -> Path:
 
 
 def save_lerobot(policy, out: str | Path) -> Path:
-    """Write ``policy`` (a :class:`~ebrl.policies.pi0.PI0Policy`) as a LeRobot policy folder in
+    """Write ``policy`` (a :class:`~ebrl.policies.pi0.policy.PI0Policy`) as a LeRobot policy folder in
     the new directory ``out``: ``config.json``, ``model.safetensors`` (LoRA merged, LeRobot's
     names), both processor pipelines with their statistics, and the tokenizer."""
     out = _fresh(out)
