@@ -584,19 +584,30 @@ class PI0Policy(HasChain, FrozenModes):
         x = torch.as_tensor(x, device=self._device).float()
         return self.chain.step_params(self._velocity(prefix), x, k)
 
+    def _value_features(self, prefix: Prefix) -> Tensor:
+        """What the value head reads ``[B, width]``: π0's action expert at ``t = 1`` on the zero
+        chunk, π0.5's VLM prefix averaged over its real tokens (RLinf's places)."""
+        rows = prefix.mask.shape[0]
+        with torch.no_grad() if self.detach_value_input else contextlib.nullcontext():
+            if self.kind == "pi0":
+                x = torch.zeros(rows, self.chunk_size, self.max_action_dim, device=self._device)
+                return self._expert(prefix, x, torch.ones(rows, device=self._device))[1].mean(1)
+            m = prefix.mask[..., None].float()
+            return (prefix.hidden.float() * m).sum(1) / m.sum(1).clamp(min=1)
+
     def _values(self, prefix: Prefix) -> Tensor:
         """The value head ``[B]`` (zeros without one), float32."""
-        rows = prefix.mask.shape[0]
         if not self.has_value_head:
-            return torch.zeros(rows, device=self._device)
-        with torch.no_grad() if self.detach_value_input else contextlib.nullcontext():
-            if self.kind == "pi0":  # the action expert's tokens at t = 1 on the zero chunk
-                x = torch.zeros(rows, self.chunk_size, self.max_action_dim, device=self._device)
-                features = self._expert(prefix, x, torch.ones(rows, device=self._device))[1].mean(1)
-            else:  # the VLM's prefix, its real tokens
-                m = prefix.mask[..., None].float()
-                features = (prefix.hidden.float() * m).sum(1) / m.sum(1).clamp(min=1)
-        return self.value_head(features).squeeze(-1)
+            return torch.zeros(prefix.mask.shape[0], device=self._device)
+        return self.value_from_features(self._value_features(prefix))
+
+    def value_features(self, obs: Any) -> Tensor:
+        """The value head's input for ``obs`` (SFT's value pass computes it once per frame)."""
+        return self._value_features(self._prefix(obs))
+
+    def value_from_features(self, features: Tensor) -> Tensor:
+        """State values ``[N]`` from :meth:`value_features`."""
+        return self.value_head(features.float()).squeeze(-1)
 
     # ---- acting (runtime) -------------------------------------------------------------------------
 
