@@ -277,5 +277,24 @@ def write_smolvla_folder(out: str | Path, config: Mapping[str, Any], weights: Ma
     return out
 
 
-__all__ = ["LEROBOT_CONFIG_DEFAULTS", "SMOLVLM", "SmolVLAFolder", "lerobot_smolvla_config", "lerobot_state_dict",
-           "smolvla_pipelines", "write_smolvla_folder"]
+def save_smolvla_lerobot(policy, out: str | Path) -> Path:
+    """Write a trained :class:`~ebrl.policies.smolvla.policy.SmolVLAPolicy` as a LeRobot SmolVLA
+    folder in the new directory ``out``: the folder it was loaded from (``config.json`` and both
+    pipelines with their statistics, as they were) with ``model.safetensors`` replaced by the
+    trained weights, LoRA merged, in LeRobot's names. The noise and value heads are RL's alone and
+    are not written (LeRobot samples with the ODE)."""
+    from ebrl.policies.pi0.lerobot import _fresh, merged_state_dict
+
+    source = SmolVLAFolder.read(policy.config["base_path"])
+    out = _fresh(out)
+    weights = {PREFIX + k: v for k, v in merged_state_dict(policy).items()}
+    return write_smolvla_folder(out, source.config, weights, source.pipelines())
+
+
+def is_smolvla_config(config: Any) -> bool:
+    """Whether a parsed ``config.json`` is a LeRobot SmolVLA policy config (``type``, no ``model_type``)."""
+    return isinstance(config, dict) and "model_type" not in config and config.get("type") == TYPE
+
+
+__all__ = ["LEROBOT_CONFIG_DEFAULTS", "SMOLVLM", "SmolVLAFolder", "is_smolvla_config", "lerobot_smolvla_config",
+           "lerobot_state_dict", "save_smolvla_lerobot", "smolvla_pipelines", "write_smolvla_folder"]
