@@ -25,16 +25,12 @@ from ebrl.policies.smolvla.lerobot import SmolVLAFolder, save_smolvla_lerobot
 from ebrl.policies.smolvla.policy import SmolVLAPolicy
 from ebrl.policies.smolvla.preprocess import pad_vector, prepare_images, resize_with_pad, tokenize_prompts
 from ebrl.testing_smolvla import save_random_smolvla
+from tests.test_lerobot_pi0 import ACTIONS, SMALL, STATS, TASK  # the π0 folders' task, sizes and statistics
 from tests.test_pi0 import _ppo_batch
 
 pytestmark = pytest.mark.usefixtures("hf_offline")  # conftest: sockets refused, the hub offline
 torch.set_num_threads(1)
 
-TASK = "pick up the red block"
-ACTIONS = gym.spaces.Box(-10.0, 10.0, (3,), np.float32)
-SMALL = {"noise_hidden": (16,), "value_hidden": (16,)}
-STATS = {"state_mean": [0.5, -1.0, 0.0, 2.0], "state_std": [1.0, 2.0, 0.5, 1.5],
-         "action_mean": [0.1, -0.2, 0.3], "action_std": [0.5, 1.0, 2.0]}
 
 
 @pytest.fixture(scope="module")

@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -70,7 +69,6 @@ from torch import Tensor, nn
 
 from ebrl.policies.base import ActResult
 from ebrl.policies.encoders import ObsEncoder, ObsLayout, as_tensor, lookup
-from ebrl.policies.expects import ActionSpec, DType, ObsSpec, PolicySpaces
 from ebrl.policies.flow_chain import FlowChain, HasChain, Velocity, tanh_sigma
 from ebrl.policies.hf_backbone import (
     DEFAULT_LORA_TARGETS,
@@ -83,6 +81,7 @@ from ebrl.policies.hf_backbone import (
 )
 from ebrl.policies.mlp import _mlp
 from ebrl.policies.normalization import FeatureNorm, NormalizationMode
+from ebrl.policies.pi0.policy import PI0Policy
 from ebrl.policies.precision import fast_low_precision_linears
 from ebrl.policies.smolvla.lerobot import OBS_IMAGES, SmolVLAFolder
 from ebrl.policies.smolvla.model import PrefixKV, SmolVLAModel
@@ -99,7 +98,7 @@ class SmolVLAPolicy(HasChain, FrozenModes):
 
     deterministic: bool = False  # True: act() gives the mode (the ODE from zero noise)
     # PPO's settings for RL from a pretrained or SFT-tuned VLA, PI0Policy's (ebrl.runs.build_algo applies them)
-    RL_DEFAULTS: ClassVar[dict[str, Any]] = {"lr": 2e-5, "critic_lr": 3e-4, "critic_warmup_updates": 10, "max_kl": 0.02}
+    RL_DEFAULTS: ClassVar[dict[str, Any]] = PI0Policy.RL_DEFAULTS
 
     def __init__(self, model: SmolVLAModel, tokenizer: Any, processing: Mapping[str, Any], *,
                  obs_layout: ObsLayout, camera_features: Sequence[str], action_low, action_high, execute: int,
@@ -255,25 +254,13 @@ class SmolVLAPolicy(HasChain, FrozenModes):
 
     # ---- what it is -----------------------------------------------------------------------------
 
-    @property
-    def obs_layout(self) -> ObsLayout:
-        return self._layout
-
-    @property
-    def chain_dim(self) -> int:
-        return self.chain.dim
-
-    @property
-    def _device(self) -> torch.device:
-        return self.device_anchor.device
-
-    def expected_spaces(self) -> PolicySpaces:
-        """The cameras and state entries read, the Discrete ``instruction`` entry of a list of
-        instructions, and Box actions of ``action_shape``."""
-        obs = self._layout.expected()
-        if self.instruction_classes is not None:
-            obs += (ObsSpec(keys=(INSTRUCTION_KEY,), size=self.instruction_classes[0], dtype=DType.CATEGORICAL),)
-        return PolicySpaces(obs, ActionSpec(shape=self.action_shape))
+    # PI0Policy's generic pieces, as they are: they read only the layout, the chain and the action shape
+    obs_layout = PI0Policy.obs_layout
+    chain_dim = PI0Policy.chain_dim
+    _device = PI0Policy._device
+    expected_spaces = PI0Policy.expected_spaces
+    _rows = PI0Policy._rows
+    trainable_state_dict = PI0Policy.trainable_state_dict
 
     def describe_inputs(self) -> list[dict[str, Any]]:
         """The observation entries read, and how."""
@@ -291,12 +278,6 @@ class SmolVLAPolicy(HasChain, FrozenModes):
         if self.instruction_classes is not None:
             out.append({"key": INSTRUCTION_KEY, "as": "instruction index", "classes": [self.instruction_classes[0]]})
         return out
-
-    def _rows(self, obs: Any) -> int:
-        """The batch size of ``obs``, from its first entry read (or the instruction index)."""
-        entry = self._layout.entries[0] if self._layout.entries else None
-        value = lookup(obs, entry.path if entry is not None else (INSTRUCTION_KEY,))
-        return int(np.prod(np.shape(value))) // max(1, math.prod(entry.shape) if entry is not None else 1)
 
     # ---- the prefix -----------------------------------------------------------------------------
 
@@ -441,15 +422,6 @@ class SmolVLAPolicy(HasChain, FrozenModes):
         gen = generator if generator is not None else self._generator(device)
         return self.chain.flow_matching_loss(self._velocity(prefix), target, gen, scored=(k, dims),
                                              sample_time=_sample_time)
-
-    # ---- weights ----------------------------------------------------------------------------------
-
-    def trainable_state_dict(self) -> dict[str, Tensor]:
-        """What training changes, named as in ``state_dict()``: the trainable parameters (under
-        LoRA the adapters, the projections and the heads; without it, everything)."""
-        return {name: t.detach() for name, t in self.state_dict(keep_vars=True).items()
-                if isinstance(t, nn.Parameter) and t.requires_grad}
-
 
 # ---- helpers -----------------------------------------------------------------------------------
 
