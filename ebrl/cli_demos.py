@@ -107,9 +107,12 @@ def _print_epoch(epoch: int, train: float, val: float) -> None:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """``ebrl export RUN --format lerobot|transformers --out DIR``: the run's policy, trained
-    weights merged, in a layout other tools load (:mod:`ebrl.policies.pi0.lerobot`)."""
+    weights merged, in a layout other tools load (:mod:`ebrl.policies.pi0.lerobot`; a SmolVLA:
+    LeRobot's only, :func:`~ebrl.policies.smolvla.lerobot.save_smolvla_lerobot`)."""
     from ebrl.policies.pi0.lerobot import save_lerobot, save_transformers
     from ebrl.policies.pi0.policy import PI0Policy
+    from ebrl.policies.smolvla.lerobot import save_smolvla_lerobot
+    from ebrl.policies.smolvla.policy import SmolVLAPolicy
     from ebrl.runs import load_run, read_spec
 
     out = Path(args.out)
@@ -123,10 +126,16 @@ def cmd_export(args: argparse.Namespace) -> int:
         spec, trainer = load_run(args.run, {"run": {**spec.get("run", {}), "sim": {}}})
     except ValueError as exc:
         raise ConfigError("run", args.run, str(exc)) from None
-    if not isinstance(trainer.policy, PI0Policy):
+    if isinstance(trainer.policy, SmolVLAPolicy):
+        if args.format != "lerobot":
+            raise ConfigError("--format", args.format, "a SmolVLA exports in LeRobot's layout only: --format lerobot")
+        save = save_smolvla_lerobot
+    elif isinstance(trainer.policy, PI0Policy):
+        save = save_lerobot if args.format == "lerobot" else save_transformers
+    else:
         raise ConfigError("run", args.run, f"holds a {type(trainer.policy).__name__}; ebrl export writes π0 / π0.5 "
-                                           "policies (policy.kind=hf on a π0 checkpoint)")
-    written = (save_lerobot if args.format == "lerobot" else save_transformers)(trainer.policy, out)
+                                           "and SmolVLA policies (policy.kind=hf on such a checkpoint)")
+    written = save(trainer.policy, out)
     print(f"wrote {written} ({args.format} layout)")
     return 0
 

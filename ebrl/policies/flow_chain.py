@@ -319,6 +319,18 @@ class SigmoidSigma:
         return self.sigma_min + (self.sigma_max - self.sigma_min) * torch.sigmoid(raw)
 
 
+def tanh_sigma(raw: Tensor, sigma_min: float, sigma_max: float) -> Tensor:
+    """Flow-Noise's learned std as πRL's ``ExploreNoiseNet`` bounds it (π0's and SmolVLA's noise
+    heads): ``log sigma^2`` interpolated between ``2 log sigma_min`` and ``2 log sigma_max`` by
+    ``tanh(raw)``.
+
+        >>> round(float(tanh_sigma(torch.zeros(1), 0.08, 0.32)), 4)  # the middle: sqrt(0.08 * 0.32)
+        0.16
+    """
+    lo, hi = 2 * math.log(sigma_min), 2 * math.log(sigma_max)
+    return torch.exp(0.5 * (lo + (hi - lo) * (torch.tanh(raw) + 1) / 2))
+
+
 def chunk_2d(shape: Sequence[int]) -> tuple[int, int]:
     """An action Box's shape as a chunk ``(K, A)``: ``(A,)`` is one action, ``(1, A)``."""
     return (int(shape[0]), int(shape[1])) if len(shape) == 2 else (1, int(shape[0]))
@@ -362,4 +374,4 @@ class ChunkSpace:
 
 
 __all__ = ["ChunkSpace", "FlowChain", "HasChain", "SigmoidSigma", "TimeEmbedding", "Velocity", "chunk_2d", "gauss_logp",
-           "unit_logp"]
+           "tanh_sigma", "unit_logp"]

@@ -7,29 +7,91 @@ metadata ``{"format": "pt"}``, of tensors sharing storage only the sorted-first 
 indent) whose stateful steps keep their tensors in ``<pipeline>_step_<i>_<registry_name>.safetensors``
 (no metadata). The normaliser steps' state is ``{"<feature>.<statistic>": tensor}``.
 
-These functions write and read those files generically; :mod:`ebrl.policies.pi0.lerobot` has
-π0-specific versions of some of them (its ``write_folder``'s pipeline part, ``_stats_file``,
-``_pipeline_files``) that could be replaced by these.
+These functions write and read those files generically (:class:`PolicyFolder` reads what
+every policy type's folder holds); :mod:`ebrl.policies.pi0.lerobot` has π0-specific versions of
+some of them (its ``write_folder``'s pipeline part, ``_stats_file``) that could be replaced by these.
 
     >>> state_file_name("policy_preprocessor", 5, "normalizer_processor")
     'policy_preprocessor_step_5_normalizer_processor.safetensors'
     >>> import torch
     >>> sorted(nested_stats(flat_stats({"action": {"mean": torch.zeros(2), "std": torch.ones(2)}}))["action"])
     ['mean', 'std']
+    >>> PolicyFolder.read("/models/not-there")
+    Traceback (most recent call last):
+    ...
+    FileNotFoundError: LeRobot policy folder '/models/not-there' does not exist (EBRL loads local ...
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+import struct
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Self
 
 import torch
 from torch import Tensor
 
-from ebrl.policies.pi0.lerobot import CONFIG, WEIGHTS
+from ebrl.policies.hf_backbone import NEVER_DOWNLOADS
+
+CONFIG, WEIGHTS = "config.json", "model.safetensors"
+PREPROCESSOR, POSTPROCESSOR = "policy_preprocessor", "policy_postprocessor"
+
+
+def weight_shapes(file: str | Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape in a safetensors file, from its header alone."""
+    with open(file, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+
+
+def pipeline_files(path: Path, name: str) -> tuple[dict | None, list[str]]:
+    """``(pipeline, missing files)`` of ``name.json`` and the state files its steps name."""
+    file = path / f"{name}.json"
+    if not file.is_file():
+        return None, [file.name]
+    pipeline = json.loads(file.read_text())
+    missing = [s["state_file"] for s in pipeline.get("steps", []) if s.get("state_file")
+               and not (path / s["state_file"]).is_file()]
+    return pipeline, missing
+
+
+@dataclasses.dataclass
+class PolicyFolder:
+    """A LeRobot policy folder, read: its JSON and the weights' header (no tensor). A subclass
+    names the ``config.json`` ``type`` values it reads in ``TYPES``."""
+
+    TYPES: ClassVar[tuple[str, ...]] = ()
+
+    path: Path
+    config: dict[str, Any]
+    shapes: dict[str, tuple[int, ...]]
+    preprocessor: dict[str, Any]
+    postprocessor: dict[str, Any]
+
+    @classmethod
+    def read(cls, path: str | Path) -> Self:
+        """The folder at ``path``: one :class:`FileNotFoundError` naming every missing file, a
+        :class:`ValueError` where ``config.json``'s ``type`` is not one of ``TYPES``."""
+        path = Path(path).expanduser()
+        if not path.is_dir():
+            raise FileNotFoundError(f"LeRobot policy folder {str(path)!r} does not exist ({NEVER_DOWNLOADS})")
+        missing = [n for n in (CONFIG, WEIGHTS) if not (path / n).is_file()]
+        pre, more = pipeline_files(path, PREPROCESSOR)
+        post, most = pipeline_files(path, POSTPROCESSOR)
+        missing += more + most
+        if missing:
+            raise FileNotFoundError(f"LeRobot policy folder {str(path)!r} has no {', no '.join(missing)} "
+                                    f"({NEVER_DOWNLOADS})")
+        config = json.loads((path / CONFIG).read_text())
+        if config.get("type") not in cls.TYPES:
+            raise ValueError(f"{path / CONFIG} is a LeRobot {config.get('type')!r} policy; {cls.__name__} reads "
+                             f"{' and '.join(cls.TYPES)}")
+        return cls(path, config, weight_shapes(path / WEIGHTS), pre, post)
 
 
 def state_file_name(pipeline: str, index: int, registry_name: str) -> str:
@@ -106,5 +168,21 @@ def write_weights(out: Path, state: Mapping[str, Tensor]) -> None:
     save_file(weights, str(out / WEIGHTS), metadata={"format": "pt"})
 
 
-__all__ = ["flat_stats", "nested_stats", "pipeline_steps", "read_pipeline_states", "shared_names_dropped",
-           "state_file_name", "write_config", "write_pipeline", "write_weights"]
+__all__ = [
+    "CONFIG",
+    "POSTPROCESSOR",
+    "PREPROCESSOR",
+    "WEIGHTS",
+    "PolicyFolder",
+    "flat_stats",
+    "nested_stats",
+    "pipeline_files",
+    "pipeline_steps",
+    "read_pipeline_states",
+    "shared_names_dropped",
+    "state_file_name",
+    "weight_shapes",
+    "write_config",
+    "write_pipeline",
+    "write_weights",
+]

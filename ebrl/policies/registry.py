@@ -81,7 +81,8 @@ def from_pretrained(path, observation_space, action_space, **options):
     ``config.json``'s ``model_type``: ``pi0`` / ``pi05`` give
     :class:`~ebrl.policies.pi0.policy.PI0Policy` on the checkpoint's own model (action expert included),
     and so does a LeRobot π0 / π0.5 policy folder (``"type": "pi0"`` / ``"pi05"``,
-    :mod:`ebrl.policies.pi0.lerobot`);
+    :mod:`ebrl.policies.pi0.lerobot`); a LeRobot SmolVLA folder (``"type": "smolvla"``) gives
+    :class:`~ebrl.policies.smolvla.policy.SmolVLAPolicy` (with ``vlm=DIR``, its SmolVLM's local copy);
     a causal LM or an image-text model gives :class:`~ebrl.policies.hf_token.HFTokenPolicy`.
     ``options`` go to that class's ``from_pretrained``. Local files only: a missing directory or
     ``config.json`` is one ``FileNotFoundError`` naming it. ``policy.kind=hf`` with
@@ -113,6 +114,12 @@ def from_pretrained(path, observation_space, action_space, **options):
         from ebrl.policies.pi0.policy import PI0Policy
 
         return PI0Policy.from_pretrained(root, observation_space, action_space, **options)
+    from ebrl.policies.smolvla.lerobot import is_smolvla_config
+
+    if is_smolvla_config(parsed):
+        from ebrl.policies.smolvla.policy import SmolVLAPolicy
+
+        return SmolVLAPolicy.from_pretrained(root, observation_space, action_space, **options)
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -134,7 +141,7 @@ def from_pretrained(path, observation_space, action_space, **options):
 def _hf(observation_space, action_space, path=None, **options):
     if path is None:
         raise ValueError("policy.kind=hf needs policy.path: the local directory of a Hugging Face checkpoint "
-                         "(π0 / π0.5, a causal LM or an image-text model)")
+                         "(π0 / π0.5, a LeRobot SmolVLA folder, a causal LM or an image-text model)")
     return from_pretrained(path, observation_space, action_space, **options)
 
 

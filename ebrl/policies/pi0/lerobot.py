@@ -48,7 +48,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import struct
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -59,11 +58,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ebrl.policies.hf_backbone import INSTRUCTION_KEY, NEVER_DOWNLOADS, TOKENIZER_FILES
+from ebrl.policies.lerobot_layout import CONFIG, POSTPROCESSOR, PREPROCESSOR, WEIGHTS, PolicyFolder, weight_shapes
 from ebrl.policies.normalization import EPS, FeatureNorm, NormalizationMode
 
 TYPES = ("pi0", "pi05")
-CONFIG, WEIGHTS = "config.json", "model.safetensors"
-PREPROCESSOR, POSTPROCESSOR = "policy_preprocessor", "policy_postprocessor"
 OBS_IMAGES, OBS_STATE, ACTION = "observation.images", "observation.state", "action"
 VLM = "model.paligemma_with_expert.paligemma."
 EXPERT = "model.paligemma_with_expert.gemma_expert."
@@ -128,53 +126,10 @@ def is_lerobot_policy(path: str | Path) -> bool:
     return _lerobot_config_of(path) is not None
 
 
-def weight_shapes(file: str | Path) -> dict[str, tuple[int, ...]]:
-    """Every tensor's shape in a safetensors file, from its header alone."""
-    with open(file, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
-    return {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
-
-
-def _pipeline_files(path: Path, name: str) -> tuple[dict | None, list[str]]:
-    """``(pipeline, missing files)`` of ``name.json`` and the state files its steps name."""
-    file = path / f"{name}.json"
-    if not file.is_file():
-        return None, [file.name]
-    pipeline = json.loads(file.read_text())
-    missing = [s["state_file"] for s in pipeline.get("steps", []) if s.get("state_file")
-               and not (path / s["state_file"]).is_file()]
-    return pipeline, missing
-
-
-@dataclasses.dataclass
-class LeRobotFolder:
+class LeRobotFolder(PolicyFolder):
     """A LeRobot π0 / π0.5 policy folder, read (its JSON and the weights' header; no tensor)."""
 
-    path: Path
-    config: dict[str, Any]
-    shapes: dict[str, tuple[int, ...]]
-    preprocessor: dict[str, Any]
-    postprocessor: dict[str, Any]
-
-    @classmethod
-    def read(cls, path: str | Path) -> LeRobotFolder:
-        """The folder at ``path``; one :class:`FileNotFoundError` naming every missing file."""
-        path = Path(path).expanduser()
-        if not path.is_dir():
-            raise FileNotFoundError(f"LeRobot policy folder {str(path)!r} does not exist ({NEVER_DOWNLOADS})")
-        missing = [n for n in (CONFIG, WEIGHTS) if not (path / n).is_file()]
-        pre, more = _pipeline_files(path, PREPROCESSOR)
-        post, most = _pipeline_files(path, POSTPROCESSOR)
-        missing += more + most
-        if missing:
-            raise FileNotFoundError(f"LeRobot policy folder {str(path)!r} has no {', no '.join(missing)} "
-                                    f"({NEVER_DOWNLOADS})")
-        config = json.loads((path / CONFIG).read_text())
-        if config.get("type") not in TYPES:
-            raise ValueError(f"{path / CONFIG} is a LeRobot {config.get('type')!r} policy; EBRL loads "
-                             f"{' and '.join(TYPES)}")
-        return cls(path, config, weight_shapes(path / WEIGHTS), pre, post)
+    TYPES = TYPES
 
     @property
     def kind(self) -> str:

@@ -21,8 +21,10 @@ matching. The package:
   their statistics), read with a local SmolVLM folder (``vlm=DIR``) for the VLM's config and
   tokenizer, and written back byte for byte.
 
-``ebrl.testing_smolvla.save_random_smolvla`` writes tiny random folders for tests. The RL policy
-wrapping this model is not here yet.
+- :mod:`~ebrl.policies.smolvla.policy`: :class:`~ebrl.policies.smolvla.policy.SmolVLAPolicy`, the
+  RL policy on the shared flow chain (``policy.kind=hf`` with ``policy.vlm=DIR`` loads one).
+
+``ebrl.testing_smolvla.save_random_smolvla`` writes tiny random folders for tests.
 
     >>> SmolVLASettings().num_vlm_layers, SmolVLASettings().attention_mode
     (16, 'cross_attn')

@@ -26,7 +26,6 @@ follows LeRobot's field order (``PreTrainedConfig``'s fields, then ``SmolVLAConf
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,25 +35,19 @@ from torch import Tensor
 
 from ebrl.policies.hf_backbone import NEVER_DOWNLOADS, TOKENIZER_FILES
 from ebrl.policies.lerobot_layout import (
+    CONFIG,
+    POSTPROCESSOR,
+    PREPROCESSOR,
+    WEIGHTS,
+    PolicyFolder,
     pipeline_steps,
     read_pipeline_states,
     write_config,
     write_pipeline,
     write_weights,
 )
-from ebrl.policies.pi0.lerobot import (
-    ACTION,
-    CONFIG,
-    OBS_IMAGES,
-    OBS_STATE,
-    POSTPROCESSOR,
-    PREPROCESSOR,
-    WEIGHTS,
-    LeRobotFolder,
-    _pipeline_files,
-    weight_shapes,
-)
 from ebrl.policies.normalization import EPS, FeatureNorm
+from ebrl.policies.pi0.lerobot import ACTION, OBS_IMAGES, OBS_STATE, LeRobotFolder
 from ebrl.policies.smolvla.model import SmolVLAModel, SmolVLASettings
 
 TYPE = "smolvla"
@@ -81,33 +74,10 @@ LEROBOT_CONFIG_DEFAULTS: dict[str, Any] = {
     "compile_model": False, "compile_mode": "max-autotune"}
 
 
-@dataclasses.dataclass
-class SmolVLAFolder:
+class SmolVLAFolder(PolicyFolder):
     """A LeRobot SmolVLA policy folder, read (its JSON and the weights' header; no tensor)."""
 
-    path: Path
-    config: dict[str, Any]
-    shapes: dict[str, tuple[int, ...]]
-    preprocessor: dict[str, Any]
-    postprocessor: dict[str, Any]
-
-    @classmethod
-    def read(cls, path: str | Path) -> SmolVLAFolder:
-        """The folder at ``path``; one :class:`FileNotFoundError` naming every missing file."""
-        path = Path(path).expanduser()
-        if not path.is_dir():
-            raise FileNotFoundError(f"LeRobot policy folder {str(path)!r} does not exist ({NEVER_DOWNLOADS})")
-        missing = [n for n in (CONFIG, WEIGHTS) if not (path / n).is_file()]
-        pre, more = _pipeline_files(path, PREPROCESSOR)
-        post, most = _pipeline_files(path, POSTPROCESSOR)
-        missing += more + most
-        if missing:
-            raise FileNotFoundError(f"LeRobot policy folder {str(path)!r} has no {', no '.join(missing)} "
-                                    f"({NEVER_DOWNLOADS})")
-        config = json.loads((path / CONFIG).read_text())
-        if config.get("type") != TYPE:
-            raise ValueError(f"{path / CONFIG} is a LeRobot {config.get('type')!r} policy, not {TYPE!r}")
-        return cls(path, config, weight_shapes(path / WEIGHTS), pre, post)
+    TYPES = (TYPE,)
 
     # ---- features and processing ----------------------------------------------------------------
 
@@ -307,5 +277,24 @@ def write_smolvla_folder(out: str | Path, config: Mapping[str, Any], weights: Ma
     return out
 
 
-__all__ = ["LEROBOT_CONFIG_DEFAULTS", "SMOLVLM", "SmolVLAFolder", "lerobot_smolvla_config", "lerobot_state_dict",
-           "smolvla_pipelines", "write_smolvla_folder"]
+def save_smolvla_lerobot(policy, out: str | Path) -> Path:
+    """Write a trained :class:`~ebrl.policies.smolvla.policy.SmolVLAPolicy` as a LeRobot SmolVLA
+    folder in the new directory ``out``: the folder it was loaded from (``config.json`` and both
+    pipelines with their statistics, as they were) with ``model.safetensors`` replaced by the
+    trained weights, LoRA merged, in LeRobot's names. The noise and value heads are RL's alone and
+    are not written (LeRobot samples with the ODE)."""
+    from ebrl.policies.pi0.lerobot import _fresh, merged_state_dict
+
+    source = SmolVLAFolder.read(policy.config["base_path"])
+    out = _fresh(out)
+    weights = {PREFIX + k: v for k, v in merged_state_dict(policy).items()}
+    return write_smolvla_folder(out, source.config, weights, source.pipelines())
+
+
+def is_smolvla_config(config: Any) -> bool:
+    """Whether a parsed ``config.json`` is a LeRobot SmolVLA policy config (``type``, no ``model_type``)."""
+    return isinstance(config, dict) and "model_type" not in config and config.get("type") == TYPE
+
+
+__all__ = ["LEROBOT_CONFIG_DEFAULTS", "SMOLVLM", "SmolVLAFolder", "is_smolvla_config", "lerobot_smolvla_config",
+           "lerobot_state_dict", "save_smolvla_lerobot", "smolvla_pipelines", "write_smolvla_folder"]

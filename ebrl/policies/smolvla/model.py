@@ -130,10 +130,12 @@ class PrefixKV:
     keys: Tensor
     values: Tensor
     pad_masks: Tensor
+    hidden: Tensor | None = None  # [B, L, width] the VLM's last hidden states (normed), where asked for
 
     def repeat_interleave(self, n: int) -> PrefixKV:
         """Each sample's prefix ``n`` times in a row (``n`` samples of one observation)."""
-        return PrefixKV(*(t.repeat_interleave(n, dim=0) for t in (self.keys, self.values, self.pad_masks)))
+        return PrefixKV(*(None if t is None else t.repeat_interleave(n, dim=0)
+                          for t in (self.keys, self.values, self.pad_masks, self.hidden)))
 
 
 def _pad_sequence(x: Tensor, length: int) -> Tensor:
@@ -156,6 +158,15 @@ def _finish_layer(layer, hidden: Tensor, attended: Tensor) -> Tensor:
     return layer.mlp(layer.post_attention_layernorm(out)) + out
 
 
+def _checkpointed(on: bool, fn, *args):
+    """``fn(*args)``, its activations recomputed in the backward pass where ``on`` and gradients are on."""
+    if on and torch.is_grad_enabled():
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
+
+
 class SmolVLAModel(nn.Module):
     """LeRobot's ``VLAFlowMatching``: ``vlm_config`` a transformers ``SmolVLMConfig`` (the
     checkpoint's VLM, e.g. SmolVLM2-500M-Video-Instruct's), ``settings`` SmolVLA's own fields."""
@@ -173,6 +184,7 @@ class SmolVLAModel(nn.Module):
         self.action_out_proj = nn.Linear(width, settings.max_action_dim)
         self.action_time_mlp_in = nn.Linear(2 * width, width)
         self.action_time_mlp_out = nn.Linear(width, width)
+        self.gradient_checkpointing = False  # True: each layer's activations recomputed in the backward pass
 
     # ---- the prefix: images, prompt, state -----------------------------------------------------
 
@@ -200,7 +212,8 @@ class SmolVLAModel(nn.Module):
         embs.append(lang * math.sqrt(lang.shape[-1]))
         pad_masks.append(lang_masks)
         att_masks += [0] * lang.shape[1]
-        state_emb = self.state_proj(state.to(self.state_proj.weight.dtype))
+        # in the prompt's dtype: a float32 state_proj beside a bf16 VLM (a no-op in one dtype)
+        state_emb = self.state_proj(state.to(self.state_proj.weight.dtype)).to(lang.dtype)
         state_emb = state_emb[:, None, :] if state_emb.ndim == 2 else state_emb
         batch = state_emb.shape[0]
         embs.append(state_emb)
@@ -215,22 +228,33 @@ class SmolVLAModel(nn.Module):
         return embs, pad_masks, att.expand(batch, -1)
 
     def prefix_kv(self, images: Sequence[Tensor], img_masks: Sequence[Tensor], lang_tokens: Tensor,
-                  lang_masks: Tensor, state: Tensor) -> PrefixKV:
-        """The VLM's pass over the prefix, once per observation: every layer's keys and values."""
+                  lang_masks: Tensor, state: Tensor, *, last_hidden: bool = False) -> PrefixKV:
+        """The VLM's pass over the prefix, once per observation: every layer's keys and values
+        (and, with ``last_hidden``, the last layer's output after the final norm, which sampling
+        does not need)."""
         embs, pad_masks, att_masks = self.embed_prefix(images, img_masks, lang_tokens, lang_masks, state)
         mask = make_att_2d_masks(pad_masks, att_masks)
         positions = torch.cumsum(pad_masks, dim=1) - 1
-        layers = self.vlm_with_expert.text_model.layers
+        text_model = self.vlm_with_expert.text_model
+        layers = text_model.layers
         head_dim = self.vlm_with_expert.head_dim
-        hidden, keys, values = embs, [], []
-        for i, layer in enumerate(layers):
+
+        def step(layer, hidden: Tensor, finish: bool) -> tuple[Tensor, Tensor, Tensor]:
             query, key, value = _project_qkv(layer, hidden)
             query, key = rope(query, positions), rope(key, positions)
+            if finish:
+                hidden = _finish_layer(layer, hidden, attention(query, key, value, mask, head_dim))
+            return key, value, hidden
+
+        hidden, keys, values = embs, [], []
+        for i, layer in enumerate(layers):
+            # the last layer's output feeds nothing but the last hidden states
+            key, value, hidden = _checkpointed(self.gradient_checkpointing, step, layer, hidden,
+                                               last_hidden or i + 1 < len(layers))
             keys.append(key)
             values.append(value)
-            if i + 1 < len(layers):  # the last layer's output feeds nothing
-                hidden = _finish_layer(layer, hidden, attention(query, key, value, mask, head_dim))
-        return PrefixKV(torch.stack(keys, dim=1), torch.stack(values, dim=1), pad_masks)
+        out = text_model.norm(hidden) if last_hidden else None
+        return PrefixKV(torch.stack(keys, dim=1), torch.stack(values, dim=1), pad_masks, out)
 
     # ---- the suffix: noisy actions and time ----------------------------------------------------
 
@@ -244,12 +268,15 @@ class SmolVLAModel(nn.Module):
         mixed = self.action_time_mlp_in(torch.cat([action, time_emb], dim=2))
         return self.action_time_mlp_out(F.silu(mixed))
 
-    def velocity(self, prefix: PrefixKV, x_t: Tensor, t: Tensor) -> Tensor:
-        """The flow's velocity ``[B, chunk, max_action_dim]`` (float32) at ``x_t`` (same shape),
-        time ``t`` ``[B]``: one expert pass over the cached prefix. Action tokens see every real
-        prefix token and the action tokens before them (causal); self-attention layers put them
-        after the prefix's positions, cross-attention layers count from 0."""
-        hidden = self.embed_suffix(x_t, t)
+    def expert_hidden(self, prefix: PrefixKV, x_t: Tensor, t: Tensor) -> Tensor:
+        """The expert's last hidden states over the chunk ``[B, chunk, expert width]`` (after its
+        final norm) at ``x_t`` ``[B, chunk, max_action_dim]``, time ``t`` ``[B]``: one expert pass
+        over the cached prefix. Action tokens see every real prefix token and the action tokens
+        before them (causal); self-attention layers put them after the prefix's positions,
+        cross-attention layers count from 0."""
+        expert = self.vlm_with_expert.lm_expert
+        # in the expert's dtype: float32 action/time projections beside a bf16 expert (a no-op in one dtype)
+        hidden = self.embed_suffix(x_t, t).to(expert.norm.weight.dtype)
         batch, length = hidden.shape[:2]
         device = hidden.device
         prefix_len = prefix.pad_masks.shape[1]
@@ -260,26 +287,34 @@ class SmolVLAModel(nn.Module):
         positions = prefix.pad_masks.sum(dim=-1)[:, None] + steps
         head_dim = self.vlm_with_expert.head_dim
         cross = self.vlm_with_expert.cross_layers
-        expert = self.vlm_with_expert.lm_expert
-        for i, layer in enumerate(expert.layers):
+
+        def step(i: int, layer, hidden: Tensor, keys: Tensor, values: Tensor) -> Tensor:
             attn = layer.self_attn
             if i in cross:
                 normed = layer.input_layernorm(hidden).to(attn.q_proj.weight.dtype)
                 query = rope(attn.q_proj(normed).view(batch, length, -1, attn.head_dim), steps)
-                vlm_keys = prefix.keys[:, i].flatten(2).to(attn.k_proj.weight.dtype)
-                vlm_values = prefix.values[:, i].flatten(2).to(attn.v_proj.weight.dtype)
+                vlm_keys = keys.flatten(2).to(attn.k_proj.weight.dtype)
+                vlm_values = values.flatten(2).to(attn.v_proj.weight.dtype)
                 key = attn.k_proj(vlm_keys).view(batch, prefix_len, -1, attn.head_dim)
                 value = attn.v_proj(vlm_values).view(batch, prefix_len, -1, attn.head_dim)
                 attended = attention(query, key, value, sees_prefix, head_dim)
             else:
                 query, key, value = _project_qkv(layer, hidden)
                 query, key = rope(query, positions), rope(key, positions)
-                key = torch.cat([prefix.keys[:, i], key], dim=1)
-                value = torch.cat([prefix.values[:, i], value], dim=1)
+                key = torch.cat([keys, key], dim=1)
+                value = torch.cat([values, value], dim=1)
                 attended = attention(query, key, value, self_mask, head_dim)
-            hidden = _finish_layer(layer, hidden, attended)
-        hidden = expert.norm(hidden)[:, -self.settings.chunk_size:]
-        return self.action_out_proj(hidden.to(torch.float32))
+            return _finish_layer(layer, hidden, attended)
+
+        for i, layer in enumerate(expert.layers):
+            hidden = _checkpointed(self.gradient_checkpointing, step, i, layer, hidden, prefix.keys[:, i],
+                                   prefix.values[:, i])
+        return expert.norm(hidden)[:, -self.settings.chunk_size:]
+
+    def velocity(self, prefix: PrefixKV, x_t: Tensor, t: Tensor) -> Tensor:
+        """The flow's velocity ``[B, chunk, max_action_dim]`` (float32) at ``x_t`` (same shape),
+        time ``t`` ``[B]``: :meth:`expert_hidden` through ``action_out_proj``."""
+        return self.action_out_proj(self.expert_hidden(prefix, x_t, t).to(torch.float32))
 
     # ---- sampling and the SFT loss -------------------------------------------------------------
 
