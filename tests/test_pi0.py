@@ -28,13 +28,7 @@ from ebrl.policies.hf_backbone import pil_pi0_image_processor
 from ebrl.policies.pi0.policy import PI0Policy
 from ebrl.policies.pi0.preprocessing import ImageSettings, preprocess_images
 from ebrl.testing import save_random_pi0
-from tests.vla_helpers import (
-    expert_return,
-    gap_closed,
-    held_out_loss,
-    ppo_then_grpo_keep_the_checkpoint,
-    reach_demos,
-)
+from tests.vla_helpers import expert_return, gap_closed, held_out_loss, ppo_grpo_keep_checkpoint, reach_demos
 
 pytestmark = pytest.mark.usefixtures("hf_offline")  # conftest: sockets refused, the hub offline
 torch.set_num_threads(1)
@@ -235,7 +229,7 @@ def test_lora_ppo_and_grpo_train_the_adapters_and_heads_and_leave_the_checkpoint
     frozen = {k: p for k, p in policy.named_parameters() if not p.requires_grad}
     assert all(p is frozen[k] for k, p in twin.named_parameters() if not p.requires_grad)
 
-    metrics = ppo_then_grpo_keep_the_checkpoint(policy, observations)  # the checkpoint: bit-identical
+    metrics = ppo_grpo_keep_checkpoint(policy, observations)  # the checkpoint: bit-identical
     assert np.isfinite(metrics["kl_ref"])
     twin.load_trainable_state_dict(policy.trainable_state_dict())  # what weight publication does
     obs = observations(2, seed=9)

@@ -26,13 +26,7 @@ from ebrl.policies.smolvla.policy import SmolVLAPolicy
 from ebrl.policies.smolvla.preprocess import pad_vector, prepare_images, resize_with_pad, tokenize_prompts
 from ebrl.testing_smolvla import save_random_smolvla
 from tests.test_lerobot_pi0 import ACTIONS, SMALL, STATS, TASK  # the π0 folders' task, sizes and statistics
-from tests.vla_helpers import (
-    expert_return,
-    gap_closed,
-    held_out_loss,
-    ppo_then_grpo_keep_the_checkpoint,
-    reach_demos,
-)
+from tests.vla_helpers import expert_return, gap_closed, held_out_loss, ppo_grpo_keep_checkpoint, reach_demos
 
 pytestmark = pytest.mark.usefixtures("hf_offline")  # conftest: sockets refused, the hub offline
 torch.set_num_threads(1)
@@ -124,7 +118,7 @@ def test_lora_ppo_and_grpo_leave_the_checkpoint_bit_identical(tiny):
     assert any(".text_model.layers." in k and "lora_" in k for k in trainable)
     twin = acting_copy(policy)
 
-    ppo_then_grpo_keep_the_checkpoint(policy, observations)  # the checkpoint: bit-identical
+    ppo_grpo_keep_checkpoint(policy, observations)  # the checkpoint: bit-identical
     twin.load_trainable_state_dict(policy.trainable_state_dict())  # what weight publication does
     obs, noise = observations(2, seed=9), torch.randn(2, 4, 8)
     np.testing.assert_array_equal(twin.act(obs, noise=noise).values, policy.act(obs, noise=noise).values)

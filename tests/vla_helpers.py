@@ -29,7 +29,7 @@ def ppo_batch(policy, obs: dict, S: int = 2, T: int = 3, group: bool = False) ->
                  torch.zeros(0, 2, dtype=torch.long), group=torch.zeros(S, dtype=torch.long) if group else None)
 
 
-def ppo_then_grpo_keep_the_checkpoint(policy, observations: Callable[..., dict]) -> dict[str, float]:
+def ppo_grpo_keep_checkpoint(policy, observations: Callable[..., dict]) -> dict[str, float]:
     """A PPO update then a GRPO update of a LoRA ``policy`` on ``observations(6)`` and
     ``observations(6, seed=1)``: both finite, the frozen weights bit-identical after each, the
     adapters, ``action_out_proj`` and both heads moved by PPO. GRPO's metrics."""
