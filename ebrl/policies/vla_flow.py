@@ -47,9 +47,15 @@ from torch import Tensor, nn
 
 from ebrl.policies.base import ActResult
 from ebrl.policies.encoders import ObsEncoder, ObsLayout, as_tensor, lookup
-from ebrl.policies.expects import ActionSpec, DType, ObsSpec, PolicySpaces
+from ebrl.policies.expects import PolicySpaces
 from ebrl.policies.flow_chain import FlowChain, HasChain, Velocity, tanh_sigma
-from ebrl.policies.hf_backbone import DEFAULT_LORA_TARGETS, INSTRUCTION_KEY, FrozenModes, wrap_lora
+from ebrl.policies.hf_backbone import (
+    DEFAULT_LORA_TARGETS,
+    INSTRUCTION_KEY,
+    FrozenModes,
+    instructed_spaces,
+    wrap_lora,
+)
 from ebrl.policies.mlp import _mlp
 from ebrl.policies.precision import fast_low_precision_linears
 
@@ -215,10 +221,7 @@ class VLAFlowPolicy(HasChain, FrozenModes):
     def expected_spaces(self) -> PolicySpaces:
         """The cameras and state entries read, the Discrete ``instruction`` entry of a list of
         instructions, and Box actions of ``action_shape``."""
-        obs = self._layout.expected()
-        if self.instruction_classes is not None:
-            obs += (ObsSpec(keys=(INSTRUCTION_KEY,), size=self.instruction_classes[0], dtype=DType.CATEGORICAL),)
-        return PolicySpaces(obs, ActionSpec(shape=self.action_shape))
+        return instructed_spaces(self._layout, self.instruction_classes, self.action_shape)
 
     def describe_inputs(self) -> list[dict[str, Any]]:
         """The observation entries read, and how."""
@@ -320,9 +323,7 @@ class VLAFlowPolicy(HasChain, FrozenModes):
 
     def value_from_features(self, features: Tensor) -> Tensor:
         """The value head on :meth:`value_features`' output: ``[N]`` (zeros without one)."""
-        if not self.has_value_head:
-            return torch.zeros(features.shape[0], device=self._device)
-        return self.value_head(features.float()).squeeze(-1)
+        return self._head_values(features)
 
     def value(self, obs: Any) -> Tensor:
         """State values ``[N]``, with gradients (unless ``detach_value_input``)."""
