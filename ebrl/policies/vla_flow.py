@@ -148,7 +148,7 @@ class VLAFlowPolicy(HasChain, FrozenModes):
         return low, high, int(execute or 1)
 
     @classmethod
-    def one_instruction_list(cls, instruction: str | Sequence[str] | None, instructions: Sequence[str] | None
+    def instruction_option(cls, instruction: str | Sequence[str] | None, instructions: Sequence[str] | None
                              ) -> str | list[str] | None:
         """``instruction=`` or ``instructions=`` (the same list), not both."""
         if instructions is None:

@@ -276,7 +276,7 @@ class PI0Policy(VLAFlowPolicy):
         if feature_map is not None and not lerobot:
             raise ValueError(f"{OWNER}: feature_map renames a LeRobot policy folder's features; {str(path)!r} is in "
                              "transformers' layout: choose the entries with image_keys and state_keys")
-        instruction = cls.one_instruction_list(instruction, instructions)
+        instruction = cls.instruction_option(instruction, instructions)
         low, high, execute = cls.action_bounds(action_space, execute)
         if folder is not None:
             image_keys, state_keys = folder.env_keys(observation_space, low.shape[-1], feature_map=feature_map,

@@ -144,7 +144,7 @@ class SmolVLAPolicy(VLAFlowPolicy):
         if folder.config.get("adapt_to_pi_aloha"):
             raise NotImplementedError(f"{folder.path}: adapt_to_pi_aloha=True (ALOHA's joint conversions) is not "
                                       "supported")
-        instruction = cls.one_instruction_list(instruction, instructions)
+        instruction = cls.instruction_option(instruction, instructions)
         low, high, execute = cls.action_bounds(action_space, execute)
         image_keys, state_keys = folder.env_keys(observation_space, low.shape[-1], feature_map=feature_map)
         layout, classes = read_spaces(observation_space, instruction, image_keys, state_keys, OWNER, index_only=True)
