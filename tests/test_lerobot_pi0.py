@@ -20,6 +20,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from ebrl.algos import PPO
+from ebrl.policies.normalization import FeatureNorm, NormalizationMode
 from ebrl.policies.pi0.lerobot import (
     ACTION,
     EXPERT,
@@ -31,11 +32,10 @@ from ebrl.policies.pi0.lerobot import (
     save_lerobot,
     save_transformers,
 )
-from ebrl.policies.normalization import FeatureNorm, NormalizationMode
 from ebrl.policies.pi0.policy import PI0Policy
 from ebrl.policies.precision import fast_low_precision_linears
 from ebrl.testing import save_random_pi0
-from tests.test_pi0 import _ppo_batch
+from tests.vla_helpers import ppo_batch
 
 pytestmark = pytest.mark.usefixtures("hf_offline")  # conftest: sockets refused, the hub offline
 torch.set_num_threads(1)
@@ -243,7 +243,7 @@ def test_lora_ppo_leaves_the_base_bit_identical_and_exports_round_trip(kind, fol
     policy = build(path, tok, lora_rank=4)
     trainable = {k for k, p in policy.named_parameters() if p.requires_grad}
     base = {k: v.clone() for k, v in policy.state_dict().items() if k not in trainable}
-    metrics = PPO(minibatch_size=3, update_epochs=1, lr=1e-2).update(policy, _ppo_batch(policy, observations(6)))
+    metrics = PPO(minibatch_size=3, update_epochs=1, lr=1e-2).update(policy, ppo_batch(policy, observations(6)))
     assert metrics["nonfinite_loss"] == 0.0
     after = policy.state_dict()
     assert all(torch.equal(after[k], v) for k, v in base.items())
@@ -413,7 +413,7 @@ def test_a_published_size_pi05_folder_loads_acts_trains_and_exports_in_bf16(tmp_
     policy.method = "flow-noise"
     difference = float(np.abs(mine - theirs).max())
     with Step("one LoRA PPO update, batch of 2"):
-        batch = _ppo_batch(policy, obs, S=1, T=2)
+        batch = ppo_batch(policy, obs, S=1, T=2)
         metrics = PPO(minibatch_size=2, update_epochs=1, lr=1e-5).update(policy, batch)
     assert metrics["nonfinite_loss"] == 0.0
     with Step("export to LeRobot's layout"):

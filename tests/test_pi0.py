@@ -22,12 +22,13 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 pytest.importorskip("PIL")
 
-from ebrl.algos import GRPO, PPO, Batch
+from ebrl.algos import PPO
 from ebrl.policies.base import acting_copy
 from ebrl.policies.hf_backbone import pil_pi0_image_processor
 from ebrl.policies.pi0.policy import PI0Policy
 from ebrl.policies.pi0.preprocessing import ImageSettings, preprocess_images
 from ebrl.testing import save_random_pi0
+from tests.vla_helpers import expert_return, gap_closed, held_out_loss, ppo_grpo_keep_checkpoint, reach_demos
 
 pytestmark = pytest.mark.usefixtures("hf_offline")  # conftest: sockets refused, the hub offline
 torch.set_num_threads(1)
@@ -214,20 +215,6 @@ def test_evaluate_gives_acts_logprobs_for_the_stored_chain(kind, method, dirs):
     assert float(total) == pytest.approx(float(out.logprobs[0]), abs=1e-3)
 
 
-def _ppo_batch(policy, obs: dict, S: int = 2, T: int = 3, group: bool = False) -> Batch:
-    out = policy.act(obs)
-    shaped = {k: torch.as_tensor(v).reshape(S, T, *np.shape(v)[1:]) for k, v in obs.items()}
-    no = torch.zeros(S, T, dtype=torch.bool)
-    end = no.clone()
-    end[:, -1] = group  # GRPO: every segment a whole episode
-    return Batch(shaped, torch.from_numpy(out.actions).reshape(S, T, *out.actions.shape[1:]),
-                 torch.from_numpy(out.logprobs).reshape(S, T), torch.from_numpy(out.values).reshape(S, T),
-                 torch.randn(S, T, generator=torch.Generator().manual_seed(0)), end, no,
-                 torch.ones(S, T, dtype=torch.bool), torch.zeros(S, T, dtype=torch.long),
-                 {k: v[:, 0] for k, v in shaped.items()}, {k: v[:0, 0] for k, v in shaped.items()},
-                 torch.zeros(0, 2, dtype=torch.long), group=torch.zeros(S, dtype=torch.long) if group else None)
-
-
 @pytest.mark.parametrize("kind", ["pi0", "pi05"])
 def test_lora_ppo_and_grpo_train_the_adapters_and_heads_and_leave_the_checkpoint_bit_identical(kind, dirs):
     policy = build(dirs[kind], lora_rank=4)
@@ -236,27 +223,14 @@ def test_lora_ppo_and_grpo_train_the_adapters_and_heads_and_leave_the_checkpoint
     assert {k for k in trainable if "lora_" not in k and k.startswith("backbone.")} == {
         k for k in trainable if ".embed_action_time." in k or ".action_out_proj." in k}
     assert not any("vision_tower" in k for k in trainable)  # LoRA on the language model and the expert only
-    base = {k: v.clone() for k, v in policy.state_dict().items() if k not in trainable}
-    before = {k: v.clone() for k, v in policy.trainable_state_dict().items()}
-    assert set(before) == trainable
+    assert set(policy.trainable_state_dict()) == trainable
 
     twin = acting_copy(policy)  # the generator's copy shares the frozen checkpoint
     frozen = {k: p for k, p in policy.named_parameters() if not p.requires_grad}
     assert all(p is frozen[k] for k, p in twin.named_parameters() if not p.requires_grad)
 
-    metrics = PPO(minibatch_size=3, update_epochs=1, lr=1e-3).update(policy, _ppo_batch(policy, observations(6)))
-    assert metrics["nonfinite_loss"] == 0.0 and np.isfinite(metrics["policy_loss"])
-    after = policy.state_dict()
-    assert all(torch.equal(after[k], v) for k, v in base.items())  # the checkpoint: bit-identical
-    moved = {k for k, v in before.items() if not torch.equal(after[k], v)}
-    assert any("lora_B" in k for k in moved) and any(".action_out_proj." in k for k in moved)
-    assert {"noise_head.0.weight", "value_head.0.weight"} <= moved
-
-    grpo = GRPO(minibatch_size=6, update_epochs=1, lr=1e-3, kl_coef=0.1)
-    metrics = grpo.update(policy, _ppo_batch(policy, observations(6, seed=1), group=True))
-    assert metrics["nonfinite_loss"] == 0.0 and metrics["steps_used"] == 6.0 and np.isfinite(metrics["kl_ref"])
-    after = policy.state_dict()
-    assert all(torch.equal(after[k], v) for k, v in base.items())
+    metrics = ppo_grpo_keep_checkpoint(policy, observations)  # the checkpoint: bit-identical
+    assert np.isfinite(metrics["kl_ref"])
     twin.load_trainable_state_dict(policy.trainable_state_dict())  # what weight publication does
     obs = observations(2, seed=9)
     noise = torch.randn(2, 4, 8)
@@ -300,28 +274,15 @@ def test_gradient_checkpointing_gives_the_same_gradients_and_bf16_runs(dirs):
 
 def test_sft_on_demonstrations_lowers_the_held_out_flow_loss(dirs, tmp_path):
     pytest.importorskip("pyarrow")
-    from ebrl.demos import collect, read_lerobot
     from ebrl.sft import SFTConfig, sft
-    from ebrl.testing import InstructedReach
 
-    collect("mock/reach", tmp_path / "demos", episodes=4)
-    demos = read_lerobot(tmp_path / "demos")
-    env = InstructedReach()
+    demos, env = reach_demos(tmp_path)
     path = tmp_path / "reach"  # InstructedReach: a state of 4, actions of 2, no camera
     save_random_pi0(path, kind="pi0", state_dim=4, action_dim=2, chunk_size=4, sentences=tuple(env.instructions()),
                     action_std=1.0)
     policy = PI0Policy.from_pretrained(path, env.observation_space, env.action_space, instruction=env.instructions(),
                                        lora_rank=8, **SMALL)
-    from ebrl.demos.features import ObsFeatures
-
-    held = demos.select([3])
-    obs = {k: torch.as_tensor(v) for k, v in ObsFeatures(env.observation_space).observations(held.frames).items()}
-    actions = torch.as_tensor(held.frames["action"])
-
-    def held_out() -> float:
-        with torch.no_grad():
-            return float(policy.flow_matching_loss(obs, actions, torch.Generator().manual_seed(5)))
-
+    held_out, obs = held_out_loss(policy, demos, env)
     before = held_out()
     prefixes = []  # rows through the backbone in the value pass
     policy.value_features = lambda o, f=policy.value_features: prefixes.append(len(o["state"])) or f(o)
@@ -386,8 +347,8 @@ def test_the_cli_loads_a_checkpoint_by_its_model_type(dirs, tmp_path):
     """``--set policy.kind=hf --set policy.path=DIR`` (and ``ebrl.policies.from_pretrained``) give
     PI0Policy for a pi0 or pi05 config.json, with the env's instructions; the run executes its
     chunks on the per-step env."""
-    from ebrl.runs import build_spec, build_trainer
     from ebrl.policies import from_pretrained
+    from ebrl.runs import build_spec, build_trainer
     from ebrl.testing import InstructedReach
 
     env = InstructedReach(tasks=2, dim=2)
@@ -453,8 +414,6 @@ def test_rl_from_a_tiny_pi0_beats_its_untrained_copy_on_an_instructed_reach(tmp_
     import copy
 
     import ebrl
-    from ebrl.demos.experts import mock_reach
-    from ebrl.evaluation import evaluate
     from ebrl.testing import InstructedReach, run_virtual, torch_threads
 
     def make(i=0):
@@ -463,16 +422,7 @@ def test_rl_from_a_tiny_pi0_beats_its_untrained_copy_on_an_instructed_reach(tmp_
     env = make()
     save_random_pi0(tmp_path, kind="pi0", state_dim=4, action_dim=2, chunk_size=4,
                     sentences=tuple(env.instructions()), action_std=1.0)
-    expert_env = make()
-    expert, returns = mock_reach(expert_env), []
-    for i in range(32):
-        obs, _ = expert_env.reset(seed=10_000 + i)
-        total, done = 0.0, False
-        while not done:
-            obs, reward, terminated, truncated, _ = expert_env.step(expert(obs))
-            total, done = total + reward, terminated or truncated
-        returns.append(total)
-    best = float(np.mean(returns))
+    best = expert_return(make())
     with torch_threads(1):
         policy = PI0Policy.from_pretrained(tmp_path, env.observation_space, env.action_space,
                                            instruction=env.instructions(), execute=2, lora_rank=4, method="flow-sde",
@@ -482,11 +432,7 @@ def test_rl_from_a_tiny_pi0_beats_its_untrained_copy_on_an_instructed_reach(tmp_
         res = run_virtual(ebrl.Trainer(make, policy, PPO(minibatch_size=64, update_epochs=4, seed=0),
                                        ebrl.RunConfig(num_envs=8, segment_len=16, total_env_steps=15_000, seed=0)))
         assert res.accounting_ok() and res.env_steps == 15_000
-        closed = {}
-        for deterministic in (True, False):
-            before = evaluate(untrained, make(), episodes=32, seed=10_000, deterministic=deterministic).mean_return
-            after = evaluate(policy, make(), episodes=32, seed=10_000, deterministic=deterministic).mean_return
-            closed[deterministic] = (after - before) / (best - before), before, after
+        closed = gap_closed(untrained, policy, make, best)
     print(f"π0 instructed reach, share of the gap closed: mode {closed[True][0]:.4f}, samples {closed[False][0]:.4f}")
     for deterministic, (share, before, after) in closed.items():
         assert share >= REACH_FLOOR, (deterministic, before, after, best)

@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from ebrl.algos import GRPO, PPO
+from ebrl.algos import PPO
 from ebrl.policies.base import acting_copy
 from ebrl.policies.pi0.lerobot import merged_state_dict
 from ebrl.policies.smolvla.lerobot import SmolVLAFolder, save_smolvla_lerobot
@@ -26,7 +26,7 @@ from ebrl.policies.smolvla.policy import SmolVLAPolicy
 from ebrl.policies.smolvla.preprocess import pad_vector, prepare_images, resize_with_pad, tokenize_prompts
 from ebrl.testing_smolvla import save_random_smolvla
 from tests.test_lerobot_pi0 import ACTIONS, SMALL, STATS, TASK  # the π0 folders' task, sizes and statistics
-from tests.test_pi0 import _ppo_batch
+from tests.vla_helpers import expert_return, gap_closed, held_out_loss, ppo_grpo_keep_checkpoint, reach_demos
 
 pytestmark = pytest.mark.usefixtures("hf_offline")  # conftest: sockets refused, the hub offline
 torch.set_num_threads(1)
@@ -116,22 +116,9 @@ def test_lora_ppo_and_grpo_leave_the_checkpoint_bit_identical(tiny):
     assert not any("vision_model" in k for k in trainable)  # LoRA on the text layers and the expert only
     assert any(".lm_expert." in k and "lora_" in k for k in trainable)
     assert any(".text_model.layers." in k and "lora_" in k for k in trainable)
-    base = {k: v.clone() for k, v in policy.state_dict().items() if k not in trainable}
-    before = {k: v.clone() for k, v in policy.trainable_state_dict().items()}
     twin = acting_copy(policy)
 
-    metrics = PPO(minibatch_size=3, update_epochs=1, lr=1e-3).update(policy, _ppo_batch(policy, observations(6)))
-    assert metrics["nonfinite_loss"] == 0.0 and np.isfinite(metrics["policy_loss"])
-    after = policy.state_dict()
-    assert all(torch.equal(after[k], v) for k, v in base.items())  # the checkpoint: bit-identical
-    moved = {k for k, v in before.items() if not torch.equal(after[k], v)}
-    assert any("lora_B" in k for k in moved) and any(".action_out_proj." in k for k in moved)
-    assert {"noise_head.0.weight", "value_head.0.weight"} <= moved
-
-    grpo = GRPO(minibatch_size=6, update_epochs=1, lr=1e-3, kl_coef=0.1)
-    metrics = grpo.update(policy, _ppo_batch(policy, observations(6, seed=1), group=True))
-    assert metrics["nonfinite_loss"] == 0.0 and metrics["steps_used"] == 6.0
-    assert all(torch.equal(policy.state_dict()[k], v) for k, v in base.items())
+    ppo_grpo_keep_checkpoint(policy, observations)  # the checkpoint: bit-identical
     twin.load_trainable_state_dict(policy.trainable_state_dict())  # what weight publication does
     obs, noise = observations(2, seed=9), torch.randn(2, 4, 8)
     np.testing.assert_array_equal(twin.act(obs, noise=noise).values, policy.act(obs, noise=noise).values)
@@ -177,26 +164,14 @@ def test_sft_on_demonstrations_lowers_the_held_out_flow_loss(tmp_path):
     """ebrl.sft.sft on mock/reach demonstrations (no camera: the prefix is the prompt and the
     state), LoRA: the held-out flow loss falls."""
     pytest.importorskip("pyarrow")
-    from ebrl.demos import collect, read_lerobot
-    from ebrl.demos.features import ObsFeatures
     from ebrl.sft import SFTConfig, sft
-    from ebrl.testing import InstructedReach
 
-    collect("mock/reach", tmp_path / "demos", episodes=4)
-    demos = read_lerobot(tmp_path / "demos")
-    env = InstructedReach()
+    demos, env = reach_demos(tmp_path)
     save_random_smolvla(tmp_path / "policy", tmp_path / "vlm", camera_names=(), state_dim=4, action_dim=2,
                         action_std=1.0)
     policy = SmolVLAPolicy.from_pretrained(tmp_path / "policy", env.observation_space, env.action_space,
                                            vlm=tmp_path / "vlm", instruction=env.instructions(), lora_rank=8, **SMALL)
-    held = demos.select([3])
-    obs = {k: torch.as_tensor(v) for k, v in ObsFeatures(env.observation_space).observations(held.frames).items()}
-    actions = torch.as_tensor(held.frames["action"])
-
-    def held_out() -> float:
-        with torch.no_grad():
-            return float(policy.flow_matching_loss(obs, actions, torch.Generator().manual_seed(5)))
-
+    held_out, _ = held_out_loss(policy, demos, env)
     before = held_out()
     out = sft(policy, demos.select([0, 1, 2]), env.observation_space, env.action_space,
               SFTConfig(epochs=10, lr=1e-2, minibatch_size=32, val_fraction=0.0))
@@ -278,8 +253,6 @@ def test_rl_from_a_tiny_smolvla_beats_its_untrained_copy_on_an_instructed_reach(
     import copy
 
     import ebrl
-    from ebrl.demos.experts import mock_reach
-    from ebrl.evaluation import evaluate
     from ebrl.testing import InstructedReach, run_virtual, torch_threads
 
     def make(i=0):
@@ -288,16 +261,7 @@ def test_rl_from_a_tiny_smolvla_beats_its_untrained_copy_on_an_instructed_reach(
     env = make()
     save_random_smolvla(tmp_path / "policy", tmp_path / "vlm", camera_names=(), state_dim=4, action_dim=2,
                         action_std=1.0)
-    expert_env, returns = make(), []
-    expert = mock_reach(expert_env)
-    for i in range(32):
-        obs, _ = expert_env.reset(seed=10_000 + i)
-        total, done = 0.0, False
-        while not done:
-            obs, reward, terminated, truncated, _ = expert_env.step(expert(obs))
-            total, done = total + reward, terminated or truncated
-        returns.append(total)
-    best = float(np.mean(returns))
+    best = expert_return(make())
     with torch_threads(1):
         policy = SmolVLAPolicy.from_pretrained(tmp_path / "policy", env.observation_space, env.action_space,
                                                vlm=tmp_path / "vlm", instruction=env.instructions(), execute=2,
@@ -307,11 +271,7 @@ def test_rl_from_a_tiny_smolvla_beats_its_untrained_copy_on_an_instructed_reach(
         res = run_virtual(ebrl.Trainer(make, policy, PPO(minibatch_size=64, update_epochs=4, seed=0),
                                        ebrl.RunConfig(num_envs=8, segment_len=16, total_env_steps=6_000, seed=0)))
         assert res.accounting_ok() and res.env_steps == 6_000
-        closed = {}
-        for deterministic in (True, False):
-            before = evaluate(untrained, make(), episodes=32, seed=10_000, deterministic=deterministic).mean_return
-            after = evaluate(policy, make(), episodes=32, seed=10_000, deterministic=deterministic).mean_return
-            closed[deterministic] = (after - before) / (best - before), before, after
+        closed = gap_closed(untrained, policy, make, best)
     print(f"SmolVLA instructed reach, share of the gap closed: mode {closed[True][0]:.4f}, "
           f"samples {closed[False][0]:.4f}")
     for deterministic, (share, before, after) in closed.items():

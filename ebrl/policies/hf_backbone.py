@@ -168,6 +168,7 @@ class FrozenModes(SeededSampling, nn.Module):
 
     backbone: nn.Module
     gradient_checkpointing: bool = False
+    has_value_head: bool = False  # with one, ``value_head`` maps features [N, width] to [N, 1]
 
     @property
     def hf_model(self) -> nn.Module:
@@ -208,6 +209,12 @@ class FrozenModes(SeededSampling, nn.Module):
         finally:
             for m, mode in zip(layers, was):
                 m.training = mode
+
+    def _head_values(self, features: Tensor) -> Tensor:
+        """The value head on ``features [N, width]``: ``[N]``, float32 (zeros without one)."""
+        if not self.has_value_head:
+            return features.new_zeros(features.shape[0], dtype=torch.float32)
+        return self.value_head(features.float()).squeeze(-1)
 
     def load_trainable_state_dict(self, state: Mapping[str, Tensor]) -> None:
         """Load what ``trainable_state_dict()`` gave (every key of it, and nothing else)."""
@@ -375,10 +382,7 @@ class HFBackbonePolicy(ReadsObservations, FrozenModes):
     def expected_spaces(self) -> PolicySpaces:
         """The layout's entries, the Discrete ``instruction`` entry of a list of instructions, and
         Box actions of ``action_shape``."""
-        obs = self._layout.expected()
-        if self.instruction_classes is not None:
-            obs += (ObsSpec(keys=(INSTRUCTION_KEY,), size=self.instruction_classes[0], dtype=DType.CATEGORICAL),)
-        return PolicySpaces(obs, ActionSpec(shape=self.action_shape))
+        return instructed_spaces(self._layout, self.instruction_classes, self.action_shape)
 
     def describe_inputs(self) -> list[dict[str, Any]]:
         """The observation entries read, and how (cameras: the vision tower or the patch projection)."""
@@ -479,18 +483,12 @@ class HFBackbonePolicy(ReadsObservations, FrozenModes):
         new_cache = getattr(out, "cache", None) if self._cache_kw == "cache" else getattr(out, "past_key_values", None)
         return out.last_hidden_state, new_cache
 
-    def _values(self, h: Tensor) -> Tensor:
-        """The value head on hidden states ``h [N, hidden]`` (zeros without one), float32."""
-        if not self.has_value_head:
-            return h.new_zeros(h.shape[0], dtype=torch.float32)
-        return self.value_head(h.float()).squeeze(-1)
-
     def value(self, obs: Any) -> Tensor:
         """State values ``[N]``, with gradients: a pass over the prefix only (zeros without a value head)."""
         if not self.has_value_head:
             return self._prefix_rows(obs)
         embeds, mask, positions = self._prefix(obs)
-        return self._values(self._hidden(embeds, mask, positions)[0][:, -1])
+        return self._head_values(self._hidden(embeds, mask, positions)[0][:, -1])
 
     # ---- weights ------------------------------------------------------------------------------
 
@@ -590,6 +588,17 @@ def read_spaces(observation_space, instruction, image_keys=None, state_keys=None
                          "instructions(), one per value)")
     layout = ObsLayout.from_space(observation_space, image_keys=image_keys, state_keys=state_keys, exclude=exclude)
     return layout, classes
+
+
+def instructed_spaces(layout: ObsLayout, classes: tuple[int, int] | None, action_shape: Sequence[int]
+                      ) -> PolicySpaces:
+    """What :func:`read_spaces` read, as the policy expects it: the layout's entries, the Discrete
+    ``instruction`` entry of ``classes = (n, start)`` (a list of instructions) and Box actions of
+    ``action_shape``."""
+    obs = layout.expected()
+    if classes is not None:
+        obs += (ObsSpec(keys=(INSTRUCTION_KEY,), size=classes[0], dtype=DType.CATEGORICAL),)
+    return PolicySpaces(obs, ActionSpec(shape=tuple(action_shape)))
 
 
 def instruction_index(obs: Any, classes: tuple[int, int] | None, count: int, device: torch.device,

@@ -254,7 +254,7 @@ class HFFlowPolicy(HasChain, ChunkSpace, HFBackbonePolicy):
                                          deterministic=self.deterministic)
         actions = states.cpu().numpy()
         return ActResult(actions=actions, env_actions=self.to_env(actions[:, -1]), logprobs=logp.cpu().numpy(),
-                         values=self._values(last).cpu().numpy())
+                         values=self._head_values(last).cpu().numpy())
 
     # ---- training (algorithm) ------------------------------------------------------------------
 
@@ -268,7 +268,7 @@ class HFFlowPolicy(HasChain, ChunkSpace, HFBackbonePolicy):
         memory, padding, last = self._read_prefix(obs)
         states = torch.as_tensor(actions, device=memory.device).float()
         logp, entropy = self.chain.score(self._velocity(memory, padding), states)
-        return logp, entropy, self._values(last)
+        return logp, entropy, self._head_values(last)
 
     def flow_matching_loss(self, obs: Any, chunks: Any, generator: torch.Generator | None = None) -> Tensor:
         """Rectified-flow behaviour cloning on demonstration chunks ``[B, *chunk_shape]`` (env space).

@@ -303,7 +303,7 @@ class HFTokenPolicy(HFBackbonePolicy):
             positions = torch.cat([positions, positions[:, -1:] + steps], 1)
         h, _ = self._hidden(embeds, mask, positions)
         h = h[:, prefix_len - 1:]  # the prefix's last position predicts dimension 0, and so on
-        return self.bin_logits(h), self._values(h[:, 0])
+        return self.bin_logits(h), self._head_values(h[:, 0])
 
     @torch.no_grad()
     def decode(self, obs: Any, tokens: Any = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -318,7 +318,7 @@ class HFTokenPolicy(HFBackbonePolicy):
         gen = self._generator(embeds.device)
         h, cache = self._hidden(embeds, mask, positions, use_cache=True)
         h = h[:, -1]
-        values = self._values(h)
+        values = self._head_values(h)
         last = positions[:, -1:]
         chosen, all_logits = [], []
         for j in range(self.num_tokens):

@@ -84,36 +84,20 @@ Example (a checkpoint directory of your own; nothing is fetched)::
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import math
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from ebrl.policies.base import ActResult
-from ebrl.policies.encoders import ObsEncoder, ObsLayout, as_tensor, lookup
-from ebrl.policies.expects import ActionSpec, DType, ObsSpec, PolicySpaces
-from ebrl.policies.flow_chain import FlowChain, HasChain, Velocity
-from ebrl.policies.hf_backbone import (
-    DEFAULT_LORA_TARGETS,
-    INSTRUCTION_KEY,
-    FrozenModes,
-    instruction_index,
-    read_spaces,
-    torch_dtype,
-    wrap_lora,
-)
-from ebrl.policies.mlp import _mlp
+from ebrl.policies.encoders import ObsLayout, as_tensor, lookup
+from ebrl.policies.hf_backbone import instruction_index, read_spaces, torch_dtype
 from ebrl.policies.normalization import FeatureNorm, NormalizationMode
-from ebrl.policies.precision import fast_low_precision_linears
 from ebrl.policies.pi0.lerobot import LeRobotFolder, is_lerobot_policy
 from ebrl.policies.pi0.preprocessing import (
     IMAGE_TOKEN,
@@ -128,6 +112,7 @@ from ebrl.policies.pi0.preprocessing import (
     state_bins,
     tokenize_prompts,
 )
+from ebrl.policies.vla_flow import VLAFlowPolicy, masked_mean
 
 # ---- the prefix cache: keys and values of the VLM, read by every expert pass -----------------
 
@@ -173,67 +158,33 @@ class Prefix:
     hidden: Tensor  # [B, L, width] the VLM's last hidden states
     state: Tensor | None  # [B, max_state_dim] π0's normalised, padded state; None for π0.5
 
+    @property
+    def rows(self) -> int:
+        return self.mask.shape[0]
+
 
 # ---- the policy --------------------------------------------------------------------------------
 
-class PI0Policy(HasChain, FrozenModes):
+class PI0Policy(VLAFlowPolicy):
     """A π0 / π0.5 checkpoint's policy (see the module's docstring). Build it with :meth:`from_pretrained`."""
 
-    deterministic: bool = False  # True: act() gives the mode (the ODE from zero noise)
-    # PPO's settings for RL from a pretrained or SFT-tuned π0 (ebrl.runs.build_algo applies them under
-    # the run's own [ppo] table); docs/policies.md says where they come from
-    RL_DEFAULTS: dict[str, Any] = {"lr": 2e-5, "critic_lr": 3e-4, "critic_warmup_updates": 10, "max_kl": 0.02}
+    OWNER = OWNER
+    LORA_SCOPE = ("model.vlm.language_model.", "model.dit.")
+    LORA_SCOPE_NAME = "the language model or the action expert"
 
-    def __init__(self, model: nn.Module, tokenizer: Any, processing: Processing, *,
-                 obs_layout: ObsLayout, action_low, action_high, execute: int,
-                 instruction: str | Sequence[str] | None = None, instruction_classes: tuple[int, int] | None = None,
-                 method: str = "flow-noise", denoise_steps: int | None = None, noise_level: float = 0.5,
-                 sigma_min: float = 0.08, sigma_max: float = 0.16, noise_hidden: Sequence[int] = (128, 64),
-                 value_head: bool = True, value_hidden: Sequence[int] = (512, 256, 128),
+    def __init__(self, model: nn.Module, tokenizer: Any, processing: Processing, *, obs_layout: ObsLayout,
                  detach_value_input: bool | None = None, lora_rank: int | None = None,
                  lora_alpha: float | None = None, lora_targets: Sequence[str] | None = None,
-                 gradient_checkpointing: bool = False, dtype: str = "float32", seed: int = 0,
-                 base_path: str | None = None):
-        super().__init__()
+                 gradient_checkpointing: bool = False, **options: Any):
+        """``options``: :class:`~ebrl.policies.vla_flow.VLAFlowPolicy`'s (the action space, the
+        instructions, the chain's and the heads' settings, ``dtype``, ``seed``, ``base_path``)."""
         cfg = model.config
-        self.kind = cfg.model_type
-        if self.kind not in ("pi0", "pi05"):
-            raise ValueError(f"{OWNER}: {type(model).__name__} (model_type {self.kind!r}) is not a π0 or π0.5")
-        n = int(denoise_steps if denoise_steps is not None else cfg.num_inference_steps)
-        if method == "flow-noise" and not 0 < sigma_min < sigma_max:
-            raise ValueError(f"{OWNER}: flow-noise needs 0 < sigma_min < sigma_max, got {sigma_min!r}, {sigma_max!r}")
-
-        low, high = np.asarray(action_low, np.float32), np.asarray(action_high, np.float32)
-        self.action_shape = tuple(low.shape)
-        self.chunk_size, self.max_action_dim = int(cfg.chunk_size), int(cfg.max_action_dim)
-        self.action_dim = int(self.action_shape[-1])
-        self.execute = int(execute)
-        self.demo_chunk_len = self.chunk_size  # SFT learns whole chunks (ebrl.sft.demo_shape), RL executes `execute`
-        if not 1 <= self.execute <= self.chunk_size:
-            raise ValueError(f"{OWNER}: execute={execute} actions per decision, but the model's chunks are "
-                             f"{self.chunk_size} long")
-        if self.action_dim > self.max_action_dim:
-            raise ValueError(f"{OWNER}: the env's actions have {self.action_dim} dims, the model's at most "
-                             f"{self.max_action_dim}")
-        self.action_low, self.action_high = low, high
-        try:  # transformers' velocity, over the whole chunk; noise on the block the env executes
-            self.chain = FlowChain(n, (self.chunk_size, self.max_action_dim), (self.execute, self.action_dim),
-                                   method=method, noise_level=noise_level, noise_at=1)
-        except ValueError as e:
-            raise ValueError(f"{OWNER}: {e}") from None
-        self.noise_level, self.sigma_min, self.sigma_max = float(noise_level), float(sigma_min), float(sigma_max)
-        self.seed = int(seed)
-        self._layout = obs_layout
-        self.instruction_classes = None if instruction_classes is None else tuple(int(v) for v in instruction_classes)
-        self.config: dict[str, Any] = {
-            "base_path": base_path, "kind": self.kind, "obs_layout": obs_layout.to_config(),
-            "action_low": low.tolist(), "action_high": high.tolist(), "execute": self.execute,
-            "instruction": instruction if isinstance(instruction, str) or instruction is None else list(instruction),
-            "instruction_classes": None if instruction_classes is None else list(instruction_classes),
-            "method": method, "denoise_steps": n, "noise_level": self.noise_level, "sigma_min": self.sigma_min,
-            "sigma_max": self.sigma_max, "noise_hidden": list(noise_hidden), "value_head": bool(value_head),
-            "value_hidden": list(value_hidden), "lora": None, "gradient_checkpointing": bool(gradient_checkpointing),
-            "dtype": str(dtype), "seed": self.seed}
+        kind = cfg.model_type
+        if kind not in ("pi0", "pi05"):
+            raise ValueError(f"{OWNER}: {type(model).__name__} (model_type {kind!r}) is not a π0 or π0.5")
+        super().__init__(chunk=(cfg.chunk_size, cfg.max_action_dim), default_steps=cfg.num_inference_steps,
+                         obs_layout=obs_layout, gradient_checkpointing=gradient_checkpointing, kind=kind, **options)
+        self.kind = kind
 
         # ---- the processor's settings: statistics, prompt, images
         self.images = processing.images
@@ -248,13 +199,11 @@ class PI0Policy(HasChain, FrozenModes):
             if out != (int(vision.image_size), int(vision.image_size)):
                 raise ValueError(f"{OWNER}: camera {e.key!r} ({h}x{w}) becomes {out[0]}x{out[1]} through the image "
                                  f"processor, but the vision tower reads {vision.image_size}x{vision.image_size}")
-        state = dataclasses.replace(obs_layout, images=())
-        self.state_reader = ObsEncoder(state, normalize=False, owner=OWNER)  # no parameters, no buffers
-        self.state_dim = state.flat_dim
         self.max_state_dim, self.bins_padded = int(processing.max_state_dim), bool(processing.bins_padded)
         if self.state_dim > self.max_state_dim:
             raise ValueError(f"{OWNER}: the observation's state has {self.state_dim} elements "
-                             f"({[e.key for e in state.entries]}), the model at most {self.max_state_dim}: "
+                             f"({[e.key for e in self.state_reader.layout.entries]}), the model at most "
+                             f"{self.max_state_dim}: "
                              "choose the entries with state_keys")
         self._set_norms(processing.state, processing.actions)
 
@@ -267,29 +216,14 @@ class PI0Policy(HasChain, FrozenModes):
         self.max_length = int(processing.max_length)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.image_prefix = IMAGE_TOKEN * self.images.image_seq_length * len(obs_layout.images)
-        self.texts = [""] if instruction is None else [instruction] if isinstance(instruction, str) else [
-            str(s) for s in instruction]
         if self.kind == "pi0":  # the prompt does not change with the state: tokenised once per instruction
             ids, mask = self._tokenized(self.texts, None)
             self.register_buffer("prompt_ids", ids, persistent=False)
             self.register_buffer("prompt_mask", mask, persistent=False)
-        # where the policy lives (a bool: no dtype cast moves it; not in state_dict)
-        self.register_buffer("device_anchor", torch.zeros(0, dtype=torch.bool), persistent=False)
 
         # ---- the model: dtype, LoRA, checkpointing
-        projections = (model.embed_action_time, model.action_out_proj)
-        for module in projections:  # they train: float32 whatever the checkpoint's dtype
-            module.float()
-        fast_low_precision_linears(model)
-        if lora_rank is not None:
-            targets = tuple(lora_targets) if lora_targets is not None else DEFAULT_LORA_TARGETS
-            names = _lora_modules(model, targets)
-            alpha = float(lora_alpha if lora_alpha is not None else min(lora_rank, 16))
-            self.config["lora"] = {"rank": int(lora_rank), "alpha": alpha, "targets": list(targets)}
-            model = wrap_lora(model, int(lora_rank), alpha, names, self.seed)
-            for module in projections:
-                module.requires_grad_(True)
-        self.backbone = model
+        self.backbone = self._adopt_model(model, (model.embed_action_time, model.action_out_proj), lora_rank,
+                                          lora_alpha, lora_targets)
         if gradient_checkpointing:
             self._enable_checkpointing()
             # the layers only write the prefix cache once and read it after: safe to recompute with it
@@ -297,19 +231,11 @@ class PI0Policy(HasChain, FrozenModes):
             for layer in (*hf.model.vlm.language_model.layers, *hf.model.dit.layers):
                 layer._can_checkpoint_with_cache = True
 
-        # ---- what EBRL adds: the noise head (Flow-Noise) and the value head, float32
-        gen = torch.Generator().manual_seed(self.seed)
+        # ---- the noise head on the action expert; the value head on it (π0) or on the VLM (π0.5, RLinf's
+        # value_after_vlm)
         width = int(cfg.dit_config.hidden_size)
-        if method == "flow-noise":  # small last layer: sigma starts near sqrt(sigma_min * sigma_max)
-            self.noise_head = _mlp(width, noise_hidden, self.max_action_dim, nn.Tanh, 0.01, gen)
-        self.has_value_head = bool(value_head)
-        self.detach_value_input = bool(self.kind == "pi0" if detach_value_input is None else detach_value_input)
-        self.config["detach_value_input"] = self.detach_value_input
-        if self.has_value_head:  # π0: on the action expert; π0.5: on the VLM (RLinf's value_after_vlm)
-            value_in = width if self.kind == "pi0" else int(cfg.vlm_config.text_config.hidden_size)
-            self.value_head = _mlp(value_in, value_hidden, 1, nn.ReLU, 0.0, gen)  # values start at 0
-        self._start_sampling()
-        self.train(True)
+        self._add_heads(width, width if kind == "pi0" else int(cfg.vlm_config.text_config.hidden_size),
+                        kind == "pi0" if detach_value_input is None else detach_value_input)
 
     # ---- building ------------------------------------------------------------------------------
 
@@ -343,8 +269,6 @@ class PI0Policy(HasChain, FrozenModes):
         ``lora_targets``, ``gradient_checkpointing``, ``seed``. Local files only: a missing
         file is one :class:`FileNotFoundError` naming it.
         """
-        from gymnasium import spaces
-
         lerobot = is_lerobot_policy(path)
         # first: a wrong path is named before transformers is imported
         folder = LeRobotFolder.read(path) if lerobot else None
@@ -352,21 +276,8 @@ class PI0Policy(HasChain, FrozenModes):
         if feature_map is not None and not lerobot:
             raise ValueError(f"{OWNER}: feature_map renames a LeRobot policy folder's features; {str(path)!r} is in "
                              "transformers' layout: choose the entries with image_keys and state_keys")
-        if instructions is not None:
-            if instruction is not None:
-                raise ValueError(f"{OWNER}: give instruction= or instructions=, not both")
-            instruction = list(instructions)
-        if not (isinstance(action_space, spaces.Box) and len(action_space.shape) in (1, 2)):
-            raise ValueError(f"{OWNER} needs a Box action space of shape (A,) or (K, A), got {action_space!r}")
-        low, high = np.asarray(action_space.low, np.float32), np.asarray(action_space.high, np.float32)
-        if low.ndim == 2:
-            if execute is not None and execute != low.shape[0]:
-                raise ValueError(f"{OWNER}: the action space executes chunks of {low.shape[0]} actions, not "
-                                 f"execute={execute}")
-            execute = low.shape[0]
-        elif execute is not None and execute != 1:  # chunks of `execute` actions of this Box (ActionChunk)
-            low, high = np.broadcast_to(low, (execute, *low.shape)).copy(), np.broadcast_to(high, (execute,
-                                                                                                 *high.shape)).copy()
+        instruction = cls.instruction_option(instruction, instructions)
+        low, high, execute = cls.action_bounds(action_space, execute)
         if folder is not None:
             image_keys, state_keys = folder.env_keys(observation_space, low.shape[-1], feature_map=feature_map,
                                                      image_keys=image_keys, state_keys=state_keys)
@@ -397,13 +308,8 @@ class PI0Policy(HasChain, FrozenModes):
                 processor_config["image_processor"] = json.loads((path / "preprocessor_config.json").read_text())
             processing = Processing.from_transformers(processor_config, model.config)
         return cls(model, tok, processing, obs_layout=layout, action_low=low, action_high=high,
-                   execute=int(execute or 1), instruction=instruction, instruction_classes=classes,
+                   execute=execute, instruction=instruction, instruction_classes=classes,
                    dtype=str(dtype).removeprefix("torch."), base_path=str(path.resolve()), **options)
-
-    @classmethod
-    def from_spaces(cls, observation_space, action_space, *, path: str | Path, **options: Any) -> PI0Policy:
-        """:meth:`from_pretrained` with the spaces first, as the other policies' ``from_spaces``."""
-        return cls.from_pretrained(path, observation_space, action_space, **options)
 
     def _set_norms(self, state: FeatureNorm | None, actions: FeatureNorm) -> None:
         """The checkpoint's state and action normalisation (submodules: they move with the policy)."""
@@ -423,45 +329,13 @@ class PI0Policy(HasChain, FrozenModes):
 
     # ---- what it is -----------------------------------------------------------------------------
 
-    @property
-    def obs_layout(self) -> ObsLayout:
-        return self._layout
-
-    @property
-    def chain_dim(self) -> int:
-        return self.chain.dim
-
-    def expected_spaces(self) -> PolicySpaces:
-        """The cameras and state entries read, the Discrete ``instruction`` entry of a list of
-        instructions, and Box actions of ``action_shape``."""
-        obs = self._layout.expected()
-        if self.instruction_classes is not None:
-            obs += (ObsSpec(keys=(INSTRUCTION_KEY,), size=self.instruction_classes[0], dtype=DType.CATEGORICAL),)
-        return PolicySpaces(obs, ActionSpec(shape=self.action_shape))
-
-    def describe_inputs(self) -> list[dict[str, Any]]:
-        """The observation entries read, and how."""
+    def _describe_camera(self, i: int) -> str:
         vision = self.hf_model.config.vlm_config.vision_config.image_size
-        out = []
-        for e in self._layout.images:
-            d = e.describe()
-            d["features"] = (f"{type(self.hf_model).__name__} vision tower ({vision}x{vision} after the image "
-                             f"processor, {self.images.image_seq_length} tokens)")
-            out.append(d)
-        for d in self.state_reader.describe():
-            if d.get("as") == "ignored" and d["key"] == INSTRUCTION_KEY and self.instruction_classes is not None:
-                continue  # read as the instruction index, below
-            if d.get("as") != "ignored":
-                d["normalised"] = "with the checkpoint's statistics" + (", in the prompt as 256 bins"
-                                                                        if self.kind == "pi05" else "")
-            out.append(d)
-        if self.instruction_classes is not None:
-            out.append({"key": INSTRUCTION_KEY, "as": "instruction index", "classes": [self.instruction_classes[0]]})
-        return out
+        return (f"{type(self.hf_model).__name__} vision tower ({vision}x{vision} after the image processor, "
+                f"{self.images.image_seq_length} tokens)")
 
-    @property
-    def _device(self) -> torch.device:
-        return self.device_anchor.device
+    def _describe_state(self) -> str:
+        return super()._describe_state() + (", in the prompt as 256 bins" if self.kind == "pi05" else "")
 
     # ---- the prompt -----------------------------------------------------------------------------
 
@@ -471,12 +345,6 @@ class PI0Policy(HasChain, FrozenModes):
         prompts = [build_prompt(self.kind, self.image_prefix, bos, text, None if bins is None else bins[r])
                    for r, text in enumerate(texts)]
         return tokenize_prompts(self.tokenizer, prompts, self.max_length, self.pad_id)
-
-    def _rows(self, obs: Any) -> int:
-        """The batch size of ``obs``, from its first entry read (or the instruction index)."""
-        entry = self._layout.entries[0] if self._layout.entries else None
-        value = lookup(obs, entry.path if entry is not None else (INSTRUCTION_KEY,))
-        return int(np.prod(np.shape(value))) // max(1, math.prod(entry.shape) if entry is not None else 1)
 
     # ---- the prefix -----------------------------------------------------------------------------
 
@@ -518,8 +386,9 @@ class PI0Policy(HasChain, FrozenModes):
         return {"input_ids": ids, "attention_mask": mask, "pixel_values": pixel_values, "pixel_attention_mask": pam,
                 **out}
 
-    def _prefix(self, obs: Any) -> Prefix:
-        """The VLM's one pass over the prefix (as ``sample_actions`` runs it), its cache kept."""
+    def _prefix(self, obs: Any, *, last_hidden: bool | None = None) -> Prefix:
+        """The VLM's one pass over the prefix (as ``sample_actions`` runs it), its cache and last
+        hidden states kept (``last_hidden`` changes nothing)."""
         inputs = self.model_inputs(obs)
         hf = self.hf_model
         mask = inputs["attention_mask"]
@@ -554,133 +423,13 @@ class PI0Policy(HasChain, FrozenModes):
         hidden = out.last_hidden_state[:, -self.chunk_size:].float()
         return hf.action_out_proj(hidden).float(), hidden
 
-    def _noise_std(self, hidden: Tensor) -> Tensor:
-        """Flow-Noise's sigma on the executed block ``[B, execute, A]`` from the expert's hidden
-        states: πRL's ExploreNoiseNet, ``log sigma^2`` interpolated by a ``tanh``."""
-        unit = torch.tanh(self.noise_head(hidden[:, :self.execute]))[..., :self.action_dim]
-        lo, hi = 2 * math.log(self.sigma_min), 2 * math.log(self.sigma_max)
-        return torch.exp(0.5 * (lo + (hi - lo) * (unit + 1) / 2))
-
-    def _velocity(self, prefix: Prefix) -> Velocity:
-        """The chain's velocity on a cached prefix (transformers' time: noise at ``t = 1``): an
-        action-expert pass per flow state, each reading the prefix's cache."""
-
-        def velocity(x: Tensor, t: Tensor) -> tuple[Tensor, Tensor | None]:
-            out, sigma = [], []
-            for s in range(x.shape[1]):
-                v, hidden = self._expert(prefix, x[:, s], t[:, s])
-                out.append(v)
-                if self.method == "flow-noise":
-                    sigma.append(self._noise_std(hidden))
-            return torch.stack(out, 1), torch.stack(sigma, 1) if sigma else None
-
-        return velocity
-
-    def step_params(self, obs: Any, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        """``(mean_k [B, chunk * max_action_dim], sigma_k [B, execute * A])`` of the transition
-        from ``x = x_k [B, chunk * max_action_dim]`` at step ``k``, with gradients: the density
-        the chain's log-prob is made of (``sigma`` covers the executed block only)."""
-        prefix = self._prefix(obs)
-        x = torch.as_tensor(x, device=self._device).float()
-        return self.chain.step_params(self._velocity(prefix), x, k)
-
-    def _value_features(self, prefix: Prefix) -> Tensor:
+    def _features(self, prefix: Prefix) -> Tensor:
         """What the value head reads ``[B, width]``: π0's action expert at ``t = 1`` on the zero
         chunk, π0.5's VLM prefix averaged over its real tokens (RLinf's places)."""
-        rows = prefix.mask.shape[0]
-        with torch.no_grad() if self.detach_value_input else contextlib.nullcontext():
-            if self.kind == "pi0":
-                x = torch.zeros(rows, self.chunk_size, self.max_action_dim, device=self._device)
-                return self._expert(prefix, x, torch.ones(rows, device=self._device))[1].mean(1)
-            m = prefix.mask[..., None].float()
-            return (prefix.hidden.float() * m).sum(1) / m.sum(1).clamp(min=1)
-
-    def _values(self, prefix: Prefix) -> Tensor:
-        """The value head ``[B]`` (zeros without one), float32."""
-        if not self.has_value_head:
-            return torch.zeros(prefix.mask.shape[0], device=self._device)
-        return self.value_from_features(self._value_features(prefix))
-
-    def value_features(self, obs: Any) -> Tensor:
-        """The value head's input for ``obs`` (SFT's value pass computes it once per frame)."""
-        return self._value_features(self._prefix(obs))
-
-    def value_from_features(self, features: Tensor) -> Tensor:
-        """State values ``[N]`` from :meth:`value_features`."""
-        return self.value_head(features.float()).squeeze(-1)
-
-    # ---- acting (runtime) -------------------------------------------------------------------------
-
-    def to_env(self, x: np.ndarray) -> np.ndarray:
-        """Final chunks ``[B, chunk * max_action_dim]`` (normalised) -> env actions ``[B, *action_shape]``:
-        the first ``execute`` actions un-normalised with the checkpoint's statistics, cropped to
-        the env's dims, clipped to the Box."""
-        x = torch.as_tensor(np.asarray(x, np.float32)).reshape(-1, self.chunk_size, self.max_action_dim)
-        actions = self.action_norm.unnormalize(x[:, :self.execute].to(self._device))[..., :self.action_dim]
-        actions = actions.cpu().numpy().reshape(-1, *self.action_shape)
-        return np.clip(actions, self.action_low, self.action_high).astype(np.float32)
-
-    @torch.no_grad()
-    def act(self, obs: Any, noise: Tensor | np.ndarray | None = None) -> ActResult:
-        """Sample chains for ``obs [B, ...]`` (numpy, or a dict of numpy arrays); numpy out.
-
-        ``actions`` is the chain ``[B, N + 1, chunk * max_action_dim]`` (float32, normalised
-        model space) the log-prob refers to; ``env_actions`` its last state's executed actions,
-        ``[B, *action_shape]`` inside the Box. ``noise`` (``[B, chunk, max_action_dim]``) is
-        ``x_0``, ``sample_actions``' ``noise`` (drawn from the policy's stream when None).
-        """
-        prefix = self._prefix(obs)
-        states, logp = self.chain.sample(self._velocity(prefix), prefix.mask.shape[0], self._generator(self._device),
-                                         device=self._device, x0=noise, deterministic=self.deterministic)
-        actions = states.cpu().numpy()
-        return ActResult(actions=actions, env_actions=self.to_env(actions[:, -1]), logprobs=logp.cpu().numpy(),
-                         values=self._values(prefix).float().cpu().numpy())
-
-    # ---- training (algorithm) ---------------------------------------------------------------------
-
-    def value(self, obs: Any) -> Tensor:
-        """State values ``[N]``, with gradients (unless ``detach_value_input``)."""
-        if not self.has_value_head:
-            return torch.zeros(self._rows(obs), device=self._device)
-        return self._values(self._prefix(obs))
-
-    def evaluate(self, obs: Any, actions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``(logprob [M], entropy [M], value [M])`` of stored chains ``actions [M, N + 1, chunk * max_action_dim]``.
-
-        The VLM's prefix once, then ``N`` action-expert passes over all ``M`` rows, reading its
-        cache. The entropy is the chain's: ``N(0, I)``'s on the executed block (a constant) plus
-        every step's Gaussian's there, given the stored states (constant for flow-sde and the ODE).
-        """
-        prefix = self._prefix(obs)
-        logp, entropy = self.chain.score(self._velocity(prefix), torch.as_tensor(actions, device=self._device).float())
-        return logp, entropy, self._values(prefix)
-
-    def flow_matching_loss(self, obs: Any, chunks: Any, generator: torch.Generator | None = None) -> Tensor:
-        """The model's own flow-matching loss on demonstration chunks ``[B, K, A]`` (or actions
-        ``[B, A]``, K = 1) in env space: the chunks normalised with the checkpoint's statistics
-        and zero-padded as the processor does (and, when ``K < chunk_size``, lengthened by
-        repeating the last action, as :mod:`ebrl.sft` repeats an episode's last action), time
-        ``t`` from the model's Beta distribution, ``x_t = t noise + (1 - t) actions`` and the
-        squared error of the predicted velocity against ``noise - actions``, as the model's
-        ``forward(actions=...)`` computes it, averaged over the demonstrated entries (the first
-        ``K`` actions, the env's ``A`` dims). Trains the model (its adapters under LoRA) and the
-        action/time projections; not the noise or value heads.
-        """
-        prefix = self._prefix(obs)
-        device, rows = self._device, prefix.mask.shape[0]
-        a = as_tensor(chunks, device).float()
-        a = a.reshape(rows, -1, a.shape[-1])
-        k, dims = a.shape[1], a.shape[2]
-        if k > self.chunk_size or dims != self.action_dim:
-            raise ValueError(f"{OWNER}.flow_matching_loss: chunks of {k} actions of {dims} dims, but the model's "
-                             f"chunks are {self.chunk_size} long and the env's actions {self.action_dim} dims")
-        target = torch.zeros(rows, self.chunk_size, self.max_action_dim, device=device)
-        normalised = self.action_norm.normalize(a)
-        target[:, :k, :dims] = normalised
-        target[:, k:, :dims] = normalised[:, -1:]
-        gen = generator if generator is not None else self._generator(device)
-        return self.chain.flow_matching_loss(self._velocity(prefix), target, gen, scored=(k, dims),
-                                             sample_time=self._sample_time)
+        if self.kind == "pi0":
+            x = torch.zeros(prefix.rows, self.chunk_size, self.max_action_dim, device=self._device)
+            return self._expert(prefix, x, torch.ones(prefix.rows, device=self._device))[1].mean(1)
+        return masked_mean(prefix.hidden, prefix.mask)
 
     def _sample_time(self, rows: int, gen: torch.Generator) -> Tensor:
         """The model's training times, ``Beta(alpha, beta) * scale + offset``, drawn from ``gen``."""
@@ -696,27 +445,6 @@ class PI0Policy(HasChain, FrozenModes):
                 torch.manual_seed(int(u[0].item() * 2**31))
                 draw = torch.distributions.Beta(alpha, beta).sample((rows,)).to(self._device)
         return (draw * float(cfg.time_sampling_scale) + float(cfg.time_sampling_offset)).float()
-
-    # ---- weights ----------------------------------------------------------------------------------
-
-    def trainable_state_dict(self) -> dict[str, Tensor]:
-        """What training changes, named as in ``state_dict()``: the trainable parameters (under
-        LoRA the adapters, the action/time projections and the heads; without it, everything)."""
-        return {name: t.detach() for name, t in self.state_dict(keep_vars=True).items()
-                if isinstance(t, nn.Parameter) and t.requires_grad}
-
-
-# ---- helpers -----------------------------------------------------------------------------------
-
-def _lora_modules(model: nn.Module, targets: Sequence[str]) -> list[str]:
-    """The full names of the language model's and the action expert's linear layers named in
-    ``targets`` (the vision tower keeps its weights)."""
-    names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)
-             and name.startswith(("model.vlm.language_model.", "model.dit.")) and name.rsplit(".", 1)[-1] in targets]
-    if not names:
-        raise ValueError(f"{OWNER}: lora_targets {list(targets)} name no linear layer of the language model or the "
-                         "action expert")
-    return names
 
 
 __all__ = ["PI0Policy"]

@@ -132,6 +132,10 @@ class PrefixKV:
     pad_masks: Tensor
     hidden: Tensor | None = None  # [B, L, width] the VLM's last hidden states (normed), where asked for
 
+    @property
+    def rows(self) -> int:
+        return self.pad_masks.shape[0]
+
     def repeat_interleave(self, n: int) -> PrefixKV:
         """Each sample's prefix ``n`` times in a row (``n`` samples of one observation)."""
         return PrefixKV(*(None if t is None else t.repeat_interleave(n, dim=0)

@@ -56,94 +56,44 @@ Example (folders of your own; nothing is fetched)::
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
-import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from ebrl.policies.base import ActResult
-from ebrl.policies.encoders import ObsEncoder, ObsLayout, as_tensor, lookup
-from ebrl.policies.flow_chain import FlowChain, HasChain, Velocity, tanh_sigma
-from ebrl.policies.hf_backbone import (
-    DEFAULT_LORA_TARGETS,
-    INSTRUCTION_KEY,
-    FrozenModes,
-    instruction_index,
-    read_spaces,
-    torch_dtype,
-    wrap_lora,
-)
-from ebrl.policies.mlp import _mlp
+from ebrl.policies.encoders import ObsLayout, as_tensor, lookup
+from ebrl.policies.hf_backbone import instruction_index, read_spaces, torch_dtype
 from ebrl.policies.normalization import FeatureNorm, NormalizationMode
-from ebrl.policies.pi0.policy import PI0Policy
-from ebrl.policies.precision import fast_low_precision_linears
 from ebrl.policies.smolvla.lerobot import OBS_IMAGES, SmolVLAFolder
 from ebrl.policies.smolvla.model import PrefixKV, SmolVLAModel
 from ebrl.policies.smolvla.preprocess import frames_to_unit, pad_vector, prepare_images, tokenize_prompts
+from ebrl.policies.vla_flow import VLAFlowPolicy, masked_mean
 
 OWNER = "SmolVLAPolicy"
 # the float32 layers around the two stacks: they train under LoRA
 PROJECTIONS = ("state_proj", "action_in_proj", "action_out_proj", "action_time_mlp_in", "action_time_mlp_out")
-LORA_SCOPE = ("vlm_with_expert.vlm.model.text_model.layers.", "vlm_with_expert.lm_expert.layers.")
 
 
-class SmolVLAPolicy(HasChain, FrozenModes):
+class SmolVLAPolicy(VLAFlowPolicy):
     """A SmolVLA checkpoint's policy (see the module's docstring). Build it with :meth:`from_pretrained`."""
 
-    deterministic: bool = False  # True: act() gives the mode (the ODE from zero noise)
-    # PPO's settings for RL from a pretrained or SFT-tuned VLA, PI0Policy's (ebrl.runs.build_algo applies them)
-    RL_DEFAULTS: ClassVar[dict[str, Any]] = PI0Policy.RL_DEFAULTS
+    OWNER = OWNER
+    LORA_SCOPE = ("vlm_with_expert.vlm.model.text_model.layers.", "vlm_with_expert.lm_expert.layers.")
+    LORA_SCOPE_NAME = "the VLM's text layers or the action expert"
 
     def __init__(self, model: SmolVLAModel, tokenizer: Any, processing: Mapping[str, Any], *,
-                 obs_layout: ObsLayout, camera_features: Sequence[str], action_low, action_high, execute: int,
-                 instruction: str | Sequence[str] | None = None, instruction_classes: tuple[int, int] | None = None,
-                 method: str = "flow-noise", denoise_steps: int | None = None, noise_level: float = 0.5,
-                 sigma_min: float = 0.08, sigma_max: float = 0.16, noise_hidden: Sequence[int] = (128, 64),
-                 value_head: bool = True, value_hidden: Sequence[int] = (512, 256, 128),
-                 detach_value_input: bool = False, lora_rank: int | None = None, lora_alpha: float | None = None,
-                 lora_targets: Sequence[str] | None = None, gradient_checkpointing: bool = False,
-                 dtype: str = "float32", seed: int = 0, base_path: str | None = None):
-        super().__init__()
+                 obs_layout: ObsLayout, camera_features: Sequence[str], detach_value_input: bool = False,
+                 lora_rank: int | None = None, lora_alpha: float | None = None,
+                 lora_targets: Sequence[str] | None = None, gradient_checkpointing: bool = False, **options: Any):
+        """``options``: :class:`~ebrl.policies.vla_flow.VLAFlowPolicy`'s (the action space, the
+        instructions, the chain's and the heads' settings, ``dtype``, ``seed``, ``base_path``)."""
         s = model.settings
-        n = int(denoise_steps if denoise_steps is not None else s.num_steps)
-        if method == "flow-noise" and not 0 < sigma_min < sigma_max:
-            raise ValueError(f"{OWNER}: flow-noise needs 0 < sigma_min < sigma_max, got {sigma_min!r}, {sigma_max!r}")
-        low, high = np.asarray(action_low, np.float32), np.asarray(action_high, np.float32)
-        self.action_shape = tuple(low.shape)
-        self.chunk_size, self.max_action_dim = int(s.chunk_size), int(s.max_action_dim)
-        self.action_dim, self.execute = int(self.action_shape[-1]), int(execute)
-        self.demo_chunk_len = self.chunk_size  # SFT learns whole chunks (ebrl.sft.demo_shape), RL executes `execute`
-        if not 1 <= self.execute <= self.chunk_size:
-            raise ValueError(f"{OWNER}: execute={execute} actions per decision, but the model's chunks are "
-                             f"{self.chunk_size} long")
-        if self.action_dim > self.max_action_dim:
-            raise ValueError(f"{OWNER}: the env's actions have {self.action_dim} dims, the model's at most "
-                             f"{self.max_action_dim}")
-        self.action_low, self.action_high = low, high
-        try:  # SmolVLA's velocity over the whole chunk; noise on the block the env executes
-            self.chain = FlowChain(n, (self.chunk_size, self.max_action_dim), (self.execute, self.action_dim),
-                                   method=method, noise_level=noise_level, noise_at=1)
-        except ValueError as e:
-            raise ValueError(f"{OWNER}: {e}") from None
-        self.noise_level, self.sigma_min, self.sigma_max = float(noise_level), float(sigma_min), float(sigma_max)
-        self.seed = int(seed)
-        self._layout = obs_layout
-        self.instruction_classes = None if instruction_classes is None else tuple(int(v) for v in instruction_classes)
-        self.config: dict[str, Any] = {
-            "base_path": base_path, "obs_layout": obs_layout.to_config(), "camera_features": list(camera_features),
-            "action_low": low.tolist(), "action_high": high.tolist(), "execute": self.execute,
-            "instruction": instruction if isinstance(instruction, str) or instruction is None else list(instruction),
-            "instruction_classes": None if instruction_classes is None else list(instruction_classes),
-            "method": method, "denoise_steps": n, "noise_level": self.noise_level, "sigma_min": self.sigma_min,
-            "sigma_max": self.sigma_max, "noise_hidden": list(noise_hidden), "value_head": bool(value_head),
-            "value_hidden": list(value_hidden), "detach_value_input": bool(detach_value_input), "lora": None,
-            "gradient_checkpointing": bool(gradient_checkpointing), "dtype": str(dtype), "seed": self.seed}
+        super().__init__(chunk=(s.chunk_size, s.max_action_dim), default_steps=s.num_steps, obs_layout=obs_layout,
+                         gradient_checkpointing=gradient_checkpointing, camera_features=list(camera_features),
+                         **options)
 
         # ---- the preprocessor's settings
         self.camera_features = tuple(camera_features)
@@ -153,9 +103,6 @@ class SmolVLAPolicy(HasChain, FrozenModes):
         self.empty_cameras = int(processing["empty_cameras"])
         self.max_state_dim, self.max_length = int(processing["max_state_dim"]), int(processing["max_length"])
         self.padding = str(processing["padding"])
-        state = dataclasses.replace(obs_layout, images=())
-        self.state_reader = ObsEncoder(state, normalize=False, owner=OWNER)  # no parameters, no buffers
-        self.state_dim = state.flat_dim
         if self.state_dim > self.max_state_dim:
             raise ValueError(f"{OWNER}: the observation's state has {self.state_dim} elements, the model at most "
                              f"{self.max_state_dim}")
@@ -163,37 +110,15 @@ class SmolVLAPolicy(HasChain, FrozenModes):
             NormalizationMode.IDENTITY)
         self.action_norm: FeatureNorm = processing["actions"]
         self.tokenizer = tokenizer
-        self.texts = [""] if instruction is None else [instruction] if isinstance(instruction, str) else [
-            str(t) for t in instruction]
-        # where the policy lives (a bool: no dtype cast moves it; not in state_dict)
-        self.register_buffer("device_anchor", torch.zeros(0, dtype=torch.bool), persistent=False)
 
         # ---- the model: dtype, LoRA, checkpointing
-        projections = [getattr(model, name) for name in PROJECTIONS]
-        for module in projections:  # they train: float32 whatever the checkpoint's dtype
-            module.float()
-        fast_low_precision_linears(model)
         model.gradient_checkpointing = self.gradient_checkpointing = bool(gradient_checkpointing)
-        if lora_rank is not None:
-            targets = tuple(lora_targets) if lora_targets is not None else DEFAULT_LORA_TARGETS
-            alpha = float(lora_alpha if lora_alpha is not None else min(lora_rank, 16))
-            self.config["lora"] = {"rank": int(lora_rank), "alpha": alpha, "targets": list(targets)}
-            model = wrap_lora(model, int(lora_rank), alpha, _lora_modules(model, targets), self.seed)
-            for module in projections:
-                module.requires_grad_(True)
-        self.backbone = model
+        self.backbone = self._adopt_model(model, [getattr(model, name) for name in PROJECTIONS], lora_rank,
+                                          lora_alpha, lora_targets)
 
-        # ---- what EBRL adds: the noise head (Flow-Noise) and the value head, float32
-        gen = torch.Generator().manual_seed(self.seed)
-        if method == "flow-noise":  # small last layer: sigma starts near sqrt(sigma_min * sigma_max)
-            width = self.hf_model.vlm_with_expert.expert_hidden_size
-            self.noise_head = _mlp(width, noise_hidden, self.max_action_dim, nn.Tanh, 0.01, gen)
-        self.has_value_head, self.detach_value_input = bool(value_head), bool(detach_value_input)
-        if self.has_value_head:  # on the VLM's prefix (RLinf's value_after_vlm), values start at 0
-            width = int(self.hf_model.vlm_with_expert.text_model.config.hidden_size)
-            self.value_head = _mlp(width, value_hidden, 1, nn.ReLU, 0.0, gen)
-        self._start_sampling()
-        self.train(True)
+        # ---- the noise head on the expert; the value head on the VLM's prefix (RLinf's value_after_vlm)
+        self._add_heads(self.hf_model.vlm_with_expert.expert_hidden_size,
+                        int(self.hf_model.vlm_with_expert.text_model.config.hidden_size), detach_value_input)
 
     # ---- building ------------------------------------------------------------------------------
 
@@ -214,28 +139,13 @@ class SmolVLAPolicy(HasChain, FrozenModes):
         ``value_head``, ``value_hidden``, ``detach_value_input``, ``lora_rank``/``lora_alpha``/
         ``lora_targets``, ``gradient_checkpointing``, ``seed``. Local files only: a missing file
         is one :class:`FileNotFoundError` naming it."""
-        from gymnasium import spaces
-
         folder = SmolVLAFolder.read(path)  # first: a wrong path is named before anything loads
         folder.vlm_dir(vlm)
         if folder.config.get("adapt_to_pi_aloha"):
             raise NotImplementedError(f"{folder.path}: adapt_to_pi_aloha=True (ALOHA's joint conversions) is not "
                                       "supported")
-        if instructions is not None:
-            if instruction is not None:
-                raise ValueError(f"{OWNER}: give instruction= or instructions=, not both")
-            instruction = list(instructions)
-        if not (isinstance(action_space, spaces.Box) and len(action_space.shape) in (1, 2)):
-            raise ValueError(f"{OWNER} needs a Box action space of shape (A,) or (K, A), got {action_space!r}")
-        low, high = np.asarray(action_space.low, np.float32), np.asarray(action_space.high, np.float32)
-        if low.ndim == 2:
-            if execute is not None and execute != low.shape[0]:
-                raise ValueError(f"{OWNER}: the action space executes chunks of {low.shape[0]} actions, not "
-                                 f"execute={execute}")
-            execute = low.shape[0]
-        elif execute is not None and execute != 1:  # chunks of `execute` actions of this Box (ActionChunk)
-            low = np.broadcast_to(low, (execute, *low.shape)).copy()
-            high = np.broadcast_to(high, (execute, *high.shape)).copy()
+        instruction = cls.instruction_option(instruction, instructions)
+        low, high, execute = cls.action_bounds(action_space, execute)
         image_keys, state_keys = folder.env_keys(observation_space, low.shape[-1], feature_map=feature_map)
         layout, classes = read_spaces(observation_space, instruction, image_keys, state_keys, OWNER, index_only=True)
         if instruction is None:
@@ -244,40 +154,11 @@ class SmolVLAPolicy(HasChain, FrozenModes):
         model = folder.load_model(vlm, torch_dtype(dtype, OWNER))
         return cls(model, tokenizer, folder.processing(), obs_layout=layout,
                    camera_features=_camera_features(folder, image_keys, feature_map), action_low=low,
-                   action_high=high, execute=int(execute or 1), instruction=instruction, instruction_classes=classes,
+                   action_high=high, execute=execute, instruction=instruction, instruction_classes=classes,
                    dtype=str(dtype).removeprefix("torch."), base_path=str(folder.path.resolve()), **options)
 
-    @classmethod
-    def from_spaces(cls, observation_space, action_space, *, path: str | Path, **options: Any) -> SmolVLAPolicy:
-        """:meth:`from_pretrained` with the spaces first, as the other policies' ``from_spaces``."""
-        return cls.from_pretrained(path, observation_space, action_space, **options)
-
-    # ---- what it is -----------------------------------------------------------------------------
-
-    # PI0Policy's generic pieces, as they are: they read only the layout, the chain and the action shape
-    obs_layout = PI0Policy.obs_layout
-    chain_dim = PI0Policy.chain_dim
-    _device = PI0Policy._device
-    expected_spaces = PI0Policy.expected_spaces
-    _rows = PI0Policy._rows
-    trainable_state_dict = PI0Policy.trainable_state_dict
-
-    def describe_inputs(self) -> list[dict[str, Any]]:
-        """The observation entries read, and how."""
-        out = []
-        for e, feature in zip(self._layout.images, self.camera_features):
-            d = e.describe()
-            d["features"] = f"SmolVLA's {feature} (resized with padding to {self.resize})"
-            out.append(d)
-        for d in self.state_reader.describe():
-            if d.get("as") == "ignored" and d["key"] == INSTRUCTION_KEY and self.instruction_classes is not None:
-                continue  # read as the instruction index, below
-            if d.get("as") != "ignored":
-                d["normalised"] = "with the checkpoint's statistics"
-            out.append(d)
-        if self.instruction_classes is not None:
-            out.append({"key": INSTRUCTION_KEY, "as": "instruction index", "classes": [self.instruction_classes[0]]})
-        return out
+    def _describe_camera(self, i: int) -> str:
+        return f"SmolVLA's {self.camera_features[i]} (resized with padding to {self.resize})"
 
     # ---- the prefix -----------------------------------------------------------------------------
 
@@ -311,126 +192,28 @@ class SmolVLAPolicy(HasChain, FrozenModes):
 
     # ---- the action expert and the chain --------------------------------------------------------
 
-    def _velocity(self, prefix: PrefixKV) -> Velocity:
-        """The chain's velocity on a cached prefix (SmolVLA's time: noise at ``t = 1``): an expert
-        pass per flow state, as :meth:`SmolVLAModel.velocity`, and Flow-Noise's sigma from the
-        same hidden states."""
+    def _expert(self, prefix: PrefixKV, x: Tensor, time: Tensor) -> tuple[Tensor, Tensor]:
+        """One expert pass (as :meth:`SmolVLAModel.velocity`): the velocity and the expert's last
+        hidden states over the chunk, float32."""
         model = self.hf_model
-
-        def velocity(x: Tensor, t: Tensor) -> tuple[Tensor, Tensor | None]:
-            out, sigma = [], []
-            for s in range(x.shape[1]):
-                hidden = model.expert_hidden(prefix, x[:, s], t[:, s]).to(torch.float32)
-                out.append(model.action_out_proj(hidden))
-                if self.method == "flow-noise":
-                    raw = self.noise_head(hidden[:, :self.execute])[..., :self.action_dim]
-                    sigma.append(tanh_sigma(raw, self.sigma_min, self.sigma_max))
-            return torch.stack(out, 1), torch.stack(sigma, 1) if sigma else None
-
-        return velocity
-
-    def step_params(self, obs: Any, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        """``(mean_k [B, chunk * max_action_dim], sigma_k [B, execute * A])`` of the transition
-        from ``x = x_k`` at step ``k``, with gradients."""
-        prefix = self._prefix(obs, last_hidden=False)
-        x = torch.as_tensor(x, device=self._device).float()
-        return self.chain.step_params(self._velocity(prefix), x, k)
+        hidden = model.expert_hidden(prefix, x, time).to(torch.float32)
+        return model.action_out_proj(hidden), hidden
 
     # ---- the value ------------------------------------------------------------------------------
 
     def _features(self, prefix: PrefixKV) -> Tensor:
         """The value head's input ``[B, width]``: the VLM's last hidden states averaged over the
         prefix's real tokens, float32."""
-        m = prefix.pad_masks[..., None].float()
-        return (prefix.hidden.float() * m).sum(1) / m.sum(1).clamp(min=1)
+        return masked_mean(prefix.hidden, prefix.pad_masks)
 
-    def _values(self, prefix: PrefixKV) -> Tensor:
-        if not self.has_value_head:
-            return torch.zeros(prefix.pad_masks.shape[0], device=self._device)
-        with torch.no_grad() if self.detach_value_input else contextlib.nullcontext():
-            features = self._features(prefix)
-        return self.value_from_features(features)
+    def _sample_time(self, rows: int, gen: torch.Generator) -> Tensor:
+        """LeRobot's SmolVLA training times, ``Beta(1.5, 1) * 0.999 + 0.001``, drawn from ``gen`` by
+        the inverse CDF (``u ** (1 / 1.5)``)."""
+        u = torch.rand(rows, generator=gen, device=gen.device)
+        return u.pow(1.0 / 1.5) * 0.999 + 0.001
 
-    def value_features(self, obs: Any) -> Tensor:
-        """What the value head reads for ``obs``, ``[N, width]`` (SFT's value pass computes it once per frame)."""
-        return self._features(self._prefix(obs, last_hidden=True))
-
-    def value_from_features(self, features: Tensor) -> Tensor:
-        """The value head on :meth:`value_features`' output: ``[N]``."""
-        if not self.has_value_head:
-            return torch.zeros(features.shape[0], device=self._device)
-        return self.value_head(features.float()).squeeze(-1)
-
-    def value(self, obs: Any) -> Tensor:
-        """State values ``[N]``, with gradients (unless ``detach_value_input``)."""
-        if not self.has_value_head:
-            return torch.zeros(self._rows(obs), device=self._device)
-        return self._values(self._prefix(obs))
-
-    # ---- acting (runtime) -------------------------------------------------------------------------
-
-    def to_env(self, x: np.ndarray) -> np.ndarray:
-        """Final chunks ``[B, chunk * max_action_dim]`` (normalised) -> env actions ``[B, *action_shape]``:
-        the first ``execute`` actions, cropped to the env's dims, un-normalised with the
-        checkpoint's statistics (LeRobot's order), clipped to the Box."""
-        x = torch.as_tensor(np.asarray(x, np.float32)).reshape(-1, self.chunk_size, self.max_action_dim)
-        actions = self.action_norm.unnormalize(x[:, :self.execute, :self.action_dim].to(self._device))
-        actions = actions.cpu().numpy().reshape(-1, *self.action_shape)
-        return np.clip(actions, self.action_low, self.action_high).astype(np.float32)
-
-    @torch.no_grad()
-    def act(self, obs: Any, noise: Tensor | np.ndarray | None = None) -> ActResult:
-        """Sample chains for ``obs [B, ...]``; numpy out. ``actions`` is the chain ``[B, N + 1,
-        chunk * max_action_dim]`` the log-prob refers to; ``env_actions`` its last state's
-        executed actions. ``noise`` (``[B, chunk, max_action_dim]``) is ``sample_actions``' noise."""
-        prefix = self._prefix(obs)
-        states, logp = self.chain.sample(self._velocity(prefix), prefix.pad_masks.shape[0],
-                                         self._generator(self._device), device=self._device, x0=noise,
-                                         deterministic=self.deterministic)
-        actions = states.cpu().numpy()
-        return ActResult(actions=actions, env_actions=self.to_env(actions[:, -1]), logprobs=logp.cpu().numpy(),
-                         values=self._values(prefix).float().cpu().numpy())
-
-    # ---- training (algorithm) ---------------------------------------------------------------------
-
-    def evaluate(self, obs: Any, actions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``(logprob [M], entropy [M], value [M])`` of stored chains ``[M, N + 1, chunk * max_action_dim]``:
-        the VLM's prefix once, then ``N`` expert passes over all ``M`` rows."""
-        prefix = self._prefix(obs)
-        logp, entropy = self.chain.score(self._velocity(prefix), torch.as_tensor(actions, device=self._device).float())
-        return logp, entropy, self._values(prefix)
-
-    def flow_matching_loss(self, obs: Any, chunks: Any, generator: torch.Generator | None = None) -> Tensor:
-        """SmolVLA's flow-matching loss on demonstration chunks ``[B, K, A]`` (or actions
-        ``[B, A]``) in env units: normalised with the checkpoint's statistics, zero-padded to
-        ``max_action_dim`` (and, when ``K < chunk_size``, lengthened by repeating the last action,
-        as :mod:`ebrl.sft` does), times from ``Beta(1.5, 1) * 0.999 + 0.001`` as LeRobot's
-        ``sample_time``, averaged over the demonstrated entries (LeRobot also averages the padded
-        dims, a constant factor). Trains the model (its adapters under LoRA) and the projections."""
-        prefix = self._prefix(obs, last_hidden=False)
-        device, rows = self._device, prefix.pad_masks.shape[0]
-        a = as_tensor(chunks, device).float()
-        a = a.reshape(rows, -1, a.shape[-1])
-        k, dims = a.shape[1], a.shape[2]
-        if k > self.chunk_size or dims != self.action_dim:
-            raise ValueError(f"{OWNER}.flow_matching_loss: chunks of {k} actions of {dims} dims, but the model's "
-                             f"chunks are {self.chunk_size} long and the env's actions {self.action_dim} dims")
-        target = torch.zeros(rows, self.chunk_size, self.max_action_dim, device=device)
-        normalised = self.action_norm.normalize(a)
-        target[:, :k, :dims] = normalised
-        target[:, k:, :dims] = normalised[:, -1:]
-        gen = generator if generator is not None else self._generator(device)
-        return self.chain.flow_matching_loss(self._velocity(prefix), target, gen, scored=(k, dims),
-                                             sample_time=_sample_time)
 
 # ---- helpers -----------------------------------------------------------------------------------
-
-def _sample_time(rows: int, gen: torch.Generator) -> Tensor:
-    """LeRobot's SmolVLA training times, ``Beta(1.5, 1) * 0.999 + 0.001``, drawn from ``gen`` by
-    the inverse CDF (``u ** (1 / 1.5)``)."""
-    u = torch.rand(rows, generator=gen, device=gen.device)
-    return u.pow(1.0 / 1.5) * 0.999 + 0.001
-
 
 def _camera_features(folder: SmolVLAFolder, image_keys: Sequence[str], feature_map: Mapping[str, str] | None
                      ) -> list[str]:
@@ -440,17 +223,6 @@ def _camera_features(folder: SmolVLAFolder, image_keys: Sequence[str], feature_m
         by_key.setdefault(fmap.get(feature, feature.removeprefix(f"{OBS_IMAGES}.")), feature)
         by_key.setdefault(feature, feature)
     return [by_key[key] for key in image_keys]
-
-
-def _lora_modules(model: nn.Module, targets: Sequence[str]) -> list[str]:
-    """The full names of the VLM's text layers' and the expert's linear layers named in
-    ``targets`` (the vision tower keeps its weights)."""
-    names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)
-             and name.startswith(LORA_SCOPE) and name.rsplit(".", 1)[-1] in targets]
-    if not names:
-        raise ValueError(f"{OWNER}: lora_targets {list(targets)} name no linear layer of the VLM's text layers or "
-                         "the action expert")
-    return names
 
 
 __all__ = ["SmolVLAPolicy"]
