@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--updates", type=int, nargs="+", default=[3, 40])
     p.add_argument("--generic", action="store_true", help="PPO's generic defaults, not the policy's RL_DEFAULTS")
     p.add_argument("--episodes", type=int, default=40)
+    p.add_argument("--seed", type=int, default=0, help="the RL runs' run.seed")
     p.add_argument("--no-value-pass", action="store_true", help="SFT leaves the critic at zero (sft.value_pass=false)")
     args = p.parse_args(argv)
 
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     for updates in args.updates:
         settings = ["env=mock/reach", f"policy.init={out / 'sft'}", "run.num_envs=8", "run.segment_len=16",
-                    f"run.total_env_steps={8 * 16 * updates}", "run.seed=0"]
+                    f"run.total_env_steps={8 * 16 * updates}", f"run.seed={args.seed}"]
         spec = build_spec(None, settings)
         if args.generic:  # PPOConfig's own defaults, over the policy's (TOML has no null: set here)
             spec["ppo"].update(lr=3e-4, critic_warmup_updates=0, max_kl=0.0, critic_lr=None)

@@ -18,11 +18,10 @@ The loss is the one each policy kind's RL already implies:
   episodes with its mean succeeded in none with a std of 0.6).
 
 Whole episodes are held out for validation (``val_fraction``); both losses go to TensorBoard
-under ``sft/``. Afterwards the value pass fits the critic to the demonstrations' discounted
-returns where they have rewards (``value_pass``), in the units PPO trains it in: rewards over the
-std of returns, whose moments ``sft.json`` keeps and ``ebrl train --set policy.init=DIR`` starts
-PPO's reward scale from (:func:`carry_reward_scale`). RL's critic then starts near the returns of
-the behaviour it starts from instead of at zero. Observation statistics (where the policy normalises) come from
+under ``sft/``. ``value_pass`` then fits the critic to the demonstrations' discounted returns
+(where they have rewards), in the units PPO trains it in: rewards over the std of returns, whose
+moments ``sft.json`` keeps and ``ebrl train --set policy.init=DIR`` starts PPO's reward scale
+from (:func:`carry_reward_scale`). Observation statistics (where the policy normalises) come from
 the training split first.
 
     >>> import tempfile
@@ -74,8 +73,9 @@ class SFTConfig:
     max_grad_norm: float = 1.0
     seed: int = 0
     # fit the value head to the demonstrations' discounted returns afterwards, in PPO's reward
-    # scale (carried into RL from policy.init); None: where the demos have rewards and the policy a critic
-    value_pass: bool | None = None
+    # scale (carried into RL from policy.init). Off by default: on the π0 recipe it halved the
+    # critic's first loss but RL then did worse in 3 of 3 seeds (docs/demos.md)
+    value_pass: bool = False
     gamma: float = 0.99  # for the value pass's returns
     value_epochs: int | None = None  # None: as many passes as the actions' (SFTConfig.passes)
     fit_std: bool = True  # Gaussian kinds: log_std from the held-out error (see the module docstring)
@@ -84,7 +84,8 @@ class SFTConfig:
         for name, ok in (("lr", self.lr > 0), ("epochs", self.epochs is None or self.epochs >= 1),
                          ("min_steps", self.min_steps >= 0), ("minibatch_size", self.minibatch_size >= 1),
                          ("val_fraction", 0 <= self.val_fraction < 1), ("gamma", 0 <= self.gamma <= 1),
-                         ("max_grad_norm", self.max_grad_norm > 0), ("value_epochs", self.value_epochs is None or self.value_epochs >= 1)):
+                         ("max_grad_norm", self.max_grad_norm > 0),
+                         ("value_epochs", self.value_epochs is None or self.value_epochs >= 1)):
             if not ok:
                 raise ValueError(f"sft {name}={getattr(self, name)!r} is out of range")
 
@@ -252,8 +253,7 @@ def sft(policy, demos: Demos, observation_space, action_space, config: SFTConfig
         if std is not None:
             history["log_std"] = std.tolist()
     returns, moments = demo_returns(demos, c.gamma)
-    value_pass = c.value_pass if c.value_pass is not None else bool(np.any(returns) and critic_parameters(policy))
-    if value_pass and callable(getattr(policy, "value", None)):
+    if c.value_pass and np.any(returns) and callable(getattr(policy, "value", None)):
         # in PPO's units: rewards over the std of returns (scale_rewards, on by default)
         scale = math.sqrt(moments[1] + 1e-8)
         history["value_loss"] = _value_pass(policy, batch, train_rows, returns / np.float32(scale), c, gen, metrics,

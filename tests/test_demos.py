@@ -233,7 +233,7 @@ def test_maniskill_experts_push_and_pick_from_the_end_effector(tmp_path):
 
 
 def test_sft_fits_the_critic_in_ppos_reward_scale_and_rl_starts_from_that_scale(tmp_path):
-    """Demonstrations with rewards: the value pass runs by default, regressing the critic on the
+    """Demonstrations with rewards and ``value_pass``: the critic regressed on the
     discounted returns over the std PPO divides rewards by, and ``policy.init`` starts PPO's
     running moments from the demonstrations' (so the critic's first targets are in its units)."""
     import torch
@@ -249,7 +249,7 @@ def test_sft_fits_the_critic_in_ppos_reward_scale_and_rl_starts_from_that_scale(
     env = InstructedReach()
     policy = MLPPolicy.from_spaces(env.observation_space, env.action_space, seed=0)
     untrained = MLPPolicy.from_spaces(env.observation_space, env.action_space, seed=0)
-    out = sft(policy, demos, env.observation_space, env.action_space, SFTConfig(epochs=5, value_epochs=400))
+    out = sft(policy, demos, env.observation_space, env.action_space, SFTConfig(epochs=5, value_pass=True, value_epochs=400))
     returns, moments = demo_returns(demos, 0.99)
     assert out["reward_rms"] == moments and moments[2] == len(demos) and moments[1] > 0
     # PPO's statistic: returns accumulated forward from each episode's start
@@ -265,7 +265,7 @@ def test_sft_fits_the_critic_in_ppos_reward_scale_and_rl_starts_from_that_scale(
         start = float((untrained.value(obs) - target).square().mean())
     assert fitted < 0.5 * start and fitted < float(target.var())  # explains most of the returns' variance
     assert "value_loss" not in sft(untrained, demos, env.observation_space, env.action_space,
-                                   SFTConfig(epochs=1, value_pass=False))
+                                   SFTConfig(epochs=1))  # off by default
 
     save_sft(tmp_path / "sft", policy, build_spec(None, ["env=mock/reach", "policy.kind=mlp"]), out)
     trainer = build_trainer(build_spec(None, ["env=mock/reach", f"policy.init={tmp_path / 'sft'}"]))

@@ -412,6 +412,7 @@ def test_a_published_size_pi05_folder_loads_acts_trains_and_exports_in_bf16(tmp_
         gc.collect()
     policy.method = "flow-noise"
     difference = float(np.abs(mine - theirs).max())
+    print(json.dumps({"bf16_ode_vs_sample_actions_max_abs": difference}), flush=True)
     with Step("one LoRA PPO update, batch of 2"):
         batch = ppo_batch(policy, obs, S=1, T=2)
         metrics = PPO(minibatch_size=2, update_epochs=1, lr=1e-5).update(policy, batch)

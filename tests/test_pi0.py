@@ -288,7 +288,8 @@ def test_sft_on_demonstrations_lowers_the_held_out_flow_loss(dirs, tmp_path):
     policy.value_features = lambda o, f=policy.value_features: prefixes.append(len(o["state"])) or f(o)
     train = demos.select([0, 1, 2])
     out = sft(policy, train, env.observation_space, env.action_space,
-              SFTConfig(epochs=10, lr=1e-2, minibatch_size=32, val_fraction=0.0, value_epochs=20))
+              SFTConfig(epochs=10, lr=1e-2, minibatch_size=32, val_fraction=0.0, value_pass=True,
+                        value_epochs=20))
     assert out["train_loss"][-1] < out["train_loss"][0]
     assert held_out() < 0.5 * before, (before, held_out())  # measured: 1.01 -> 0.22
     # the value pass (demos with rewards, a value head): each frame through the backbone once, 20 passes on the head
