@@ -8,7 +8,7 @@ Writes a random π0 (``save_random_pi0``, in transformers' or LeRobot's layout),
 ``--updates`` an ``ebrl train --set policy.init=SFT`` run of that many updates (8 envs x 16
 decisions each, in virtual time, one torch thread: repeatable) and the deterministic success of
 each policy over 40 episodes with its 95% interval. ``--generic`` runs PPO's generic defaults
-instead of the policy's ``RL_DEFAULTS``; ``--no-value-pass`` leaves the critic unfitted by SFT. Prints one JSON line per policy; OUT keeps the SFT output,
+instead of the policy's ``RL_DEFAULTS``; ``--value-pass`` fits the critic in SFT too. Prints one JSON line per policy; OUT keeps the SFT output,
 so a second call reuses it.
 """
 
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--generic", action="store_true", help="PPO's generic defaults, not the policy's RL_DEFAULTS")
     p.add_argument("--episodes", type=int, default=40)
     p.add_argument("--seed", type=int, default=0, help="the RL runs' run.seed")
-    p.add_argument("--no-value-pass", action="store_true", help="SFT leaves the critic at zero (sft.value_pass=false)")
+    p.add_argument("--value-pass", action="store_true", help="SFT fits the critic too (sft.value_pass=true)")
     args = p.parse_args(argv)
 
     from ebrl.cli import main as ebrl
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
                      "--out", str(out / "demos")]) == 0
         tokenizer = ["--set", f"policy.tokenizer={out / 'tokenizer'}"] if args.layout == "lerobot" else []
         assert ebrl(["sft", str(out / "demos"), "--set", "policy.kind=hf", "--set", f"policy.path={out / 'pi0'}",
-                     *tokenizer, *(["--set", "sft.value_pass=false"] if args.no_value_pass else []),
+                     *tokenizer, *(["--set", "sft.value_pass=true"] if args.value_pass else []),
                      "--set", "policy.execute=2", "--set", "policy.lora_rank=4", "--out", str(out / "sft"),
                      "--quiet"]) == 0
 
