@@ -8,7 +8,8 @@ Writes a random π0 (``save_random_pi0``, in transformers' or LeRobot's layout),
 ``--updates`` an ``ebrl train --set policy.init=SFT`` run of that many updates (8 envs x 16
 decisions each, in virtual time, one torch thread: repeatable) and the deterministic success of
 each policy over 40 episodes with its 95% interval. ``--generic`` runs PPO's generic defaults
-instead of the policy's ``RL_DEFAULTS``; ``--value-pass`` fits the critic in SFT too. Prints one JSON line per policy; OUT keeps the SFT output,
+instead of the policy's ``RL_DEFAULTS``; ``--value-pass`` fits the critic in SFT too. Prints one JSON
+line per policy; OUT keeps the SFT output,
 so a second call reuses it.
 """
 
