@@ -9,7 +9,8 @@ process, whose tree's peak resident memory is sampled every 0.1 s:
 - ``act_ms``: milliseconds per ``act`` at batch 1, 4 and 16 on a real rendered observation (one
   warm-up call at batch 1, then ``--reps`` calls at each size, median).
 - ``train``: ``ebrl train`` with LoRA PPO from the random folder (2 envs, one update of
-  ``--steps`` env steps, one PPO epoch): seconds per update (the learner's busy time over its
+  ``--steps`` env steps, one PPO epoch in minibatches of ``--minibatch``, gradient checkpointing
+  at full size): seconds per update (the learner's busy time over its
   updates) and env steps/s of the whole loop, both from the run's ``result.json``.
 
 Prints one JSON object. ``python bench/smolvla_so101.py --quick`` takes about a minute; the full
@@ -49,8 +50,10 @@ def write_folder(root: Path, full: bool) -> tuple[Path, Path]:
 
 def policy_options(path: Path, vlm: Path, full: bool) -> dict:
     small = {} if full else {"noise_hidden": [16], "value_hidden": [16]}
+    # full size: gradient checkpointing, or the update's activations (a 512-pixel image and 10 denoising
+    # steps a sample) ran this 23 GiB machine out of memory at a minibatch of 4
     return {"path": str(path), "vlm": str(vlm), "feature_map": FEATURE_MAP, "instruction": TASK, "lora_rank": 16,
-            "execute": 10 if full else 2, **small}
+            "execute": 10 if full else 2, "gradient_checkpointing": full, **small}
 
 
 def act_part(path: Path, vlm: Path, full: bool, reps: int) -> dict:
@@ -82,7 +85,7 @@ def act_part(path: Path, vlm: Path, full: bool, reps: int) -> dict:
     return out
 
 
-def train_part(path: Path, vlm: Path, full: bool, steps: int, log_dir: Path) -> dict:
+def train_part(path: Path, vlm: Path, full: bool, steps: int, log_dir: Path, minibatch: int) -> dict:
     """In a fresh process: ``ebrl train`` with LoRA PPO, one update."""
     from ebrl.cli import main
 
@@ -90,7 +93,7 @@ def train_part(path: Path, vlm: Path, full: bool, steps: int, log_dir: Path) -> 
             "policy.kind=hf", "policy.feature_map={" + ", ".join(f'"{k}" = "{v}"' for k, v in FEATURE_MAP.items()) + "}",
             *(f"policy.{k}={json.dumps(v)}" for k, v in policy_options(path, vlm, full).items() if k != "feature_map"),
             "run.num_envs=2", f"run.segment_len={steps // 2}", f"run.total_env_steps={steps}",
-            'run.sim={backend="thread"}', "run.learner=thread", f"ppo.minibatch_size={steps}", "ppo.update_epochs=1"]
+            'run.sim={backend="thread"}', "run.learner=thread", f"ppo.minibatch_size={minibatch}", "ppo.update_epochs=1"]
     code = main(["train", "--quiet", "--log-dir", str(log_dir), *(a for s in sets for a in ("--set", s))])
     if code != 0:
         raise SystemExit(f"ebrl train failed ({code})")
@@ -122,9 +125,13 @@ def fresh(args: list[str]) -> dict:
     out, _ = proc.communicate()
     done.set()
     thread.join()
-    if proc.returncode != 0:
-        raise SystemExit(f"{args[:2]} failed ({proc.returncode})")
-    return {**json.loads(out.strip().splitlines()[-1]), "peak_rss_gib": peak / 2**30}
+    if proc.returncode != 0:  # -9: killed, out of memory
+        part = {"failed": proc.returncode}
+    else:
+        part = json.loads(out.strip().splitlines()[-1])
+    part["peak_rss_gib"] = peak / 2**30
+    print(json.dumps({args[1]: part}), file=sys.stderr, flush=True)  # as each part ends: a later one may fail
+    return part
 
 
 def main() -> None:
@@ -133,26 +140,30 @@ def main() -> None:
     ap.add_argument("--dir", default=str(Path(tempfile.gettempdir()) / "ebrl-bench-smolvla-so101"))
     ap.add_argument("--reps", type=int, default=None, help="act calls per batch size (default 1 full, 5 quick)")
     ap.add_argument("--steps", type=int, default=None, help="env steps of the RL run (default 20 full, 16 quick)")
+    ap.add_argument("--minibatch", type=int, default=None, help="PPO minibatch (default 2 full, 16 quick)")
+    ap.add_argument("--parts", default="act,train", help="which measurements, e.g. train")
     ap.add_argument("--part", choices=("act", "train"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     full, root = not args.quick, Path(args.dir)
     reps = args.reps or (1 if full else 5)
     steps = args.steps or (20 if full else 16)
+    minibatch = args.minibatch or (2 if full else 16)
     if args.part:
         path, vlm = write_folder(root, full)
         part = act_part(path, vlm, full, reps) if args.part == "act" else train_part(
-            path, vlm, full, steps, Path(tempfile.mkdtemp(dir=root, prefix="train-")))
+            path, vlm, full, steps, Path(tempfile.mkdtemp(dir=root, prefix="train-")), minibatch)
         print(json.dumps(part))
         return
     t0 = time.perf_counter()
     write_folder(root, full)
     written_s = time.perf_counter() - t0
-    flags = [*(["--quick"] if args.quick else []), "--dir", str(root), "--reps", str(reps), "--steps", str(steps)]
-    act = fresh(["--part", "act", *flags])
-    train = fresh(["--part", "train", *flags])
-    print(json.dumps({"size": "full" if full else "tiny", "cpu_count": os.cpu_count(),
-                      "load_avg_1min": os.getloadavg()[0], "folder_written_s": written_s, "act": act,
-                      "train": train}, indent=1))
+    flags = [*(["--quick"] if args.quick else []), "--dir", str(root), "--reps", str(reps), "--steps", str(steps),
+             "--minibatch", str(minibatch)]
+    report = {"size": "full" if full else "tiny", "cpu_count": os.cpu_count(), "load_avg_1min": os.getloadavg()[0],
+              "folder_written_s": written_s}
+    for part in args.parts.split(","):
+        report[part] = fresh(["--part", part, *flags])
+    print(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
