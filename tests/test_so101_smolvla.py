@@ -79,17 +79,17 @@ def test_so101_pixels_smolvla_collect_sft_train_eval_export(tmp_path):
 @pytest.mark.timeout(2400)
 def test_so101_pixels_published_size_smolvla_chain(tmp_path):
     """The same chain with a random SmolVLA at the published size (SmolVLM2-500M cut to 16 layers,
-    512-pixel camera, chunks of 50, 10 denoising steps; ~450M parameters) at 64 pixels: 2 demos of
-    20 steps, SFT in minibatches of 4, one LoRA PPO update of 2 envs x 10 steps (10 actions of each
+    512-pixel camera, chunks of 50, 10 denoising steps; ~355M parameters with the small vocabulary) at 64 pixels: 2 demos of
+    20 steps, SFT in minibatches of 2, one LoRA PPO update of 2 envs x 10 steps (10 actions of each
     chunk executed), a 20-step eval with video, the export. Minutes on 2 CPU cores."""
     path, vlm = tmp_path / "policy", tmp_path / "vlm"
     save_random_smolvla(path, vlm, camera_names=("front",), state_dim=14, action_dim=4, full_size=True)
     policy = ["policy.kind=hf", f"policy.path={path}", f"policy.vlm={vlm}", "policy.lora_rank=16",
-              "policy.execute=10", "policy.gradient_checkpointing=true", "sft.minibatch_size=4",
+              "policy.execute=10", "policy.gradient_checkpointing=true", "sft.minibatch_size=2",
               "sft.value_pass=false"]
     result = chain(tmp_path, pixels=64, steps=20, policy=policy,
                    train=["run.num_envs=2", "run.segment_len=10", "run.total_env_steps=20",
-                          "run.sim={backend=\"thread\"}", "run.learner=thread", "ppo.minibatch_size=4",
+                          "run.sim={backend=\"thread\"}", "run.learner=thread", "ppo.minibatch_size=2",
                           "ppo.update_epochs=1"])
     print(f"published-size SmolVLA on SO-101: {result['env_steps_per_s']:.3f} env steps/s, "
           f"{result['learner_busy_s'] / max(result['updates'], 1):.1f} s a PPO update")
