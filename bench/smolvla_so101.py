@@ -89,11 +89,14 @@ def train_part(path: Path, vlm: Path, full: bool, steps: int, log_dir: Path, min
     """In a fresh process: ``ebrl train`` with LoRA PPO, one update."""
     from ebrl.cli import main
 
+    feature_map = "{" + ", ".join(f'"{k}" = "{v}"' for k, v in FEATURE_MAP.items()) + "}"  # a TOML table
+    options = {k: v for k, v in policy_options(path, vlm, full).items() if k != "feature_map"}
     sets = ["env=so101/PickCube", *(f"env_kwargs.{k}={json.dumps(v)}" for k, v in ENV_KWARGS.items()),
-            "policy.kind=hf", "policy.feature_map={" + ", ".join(f'"{k}" = "{v}"' for k, v in FEATURE_MAP.items()) + "}",
-            *(f"policy.{k}={json.dumps(v)}" for k, v in policy_options(path, vlm, full).items() if k != "feature_map"),
+            "policy.kind=hf", f"policy.feature_map={feature_map}",
+            *(f"policy.{k}={json.dumps(v)}" for k, v in options.items()),
             "run.num_envs=2", f"run.segment_len={steps // 2}", f"run.total_env_steps={steps}",
-            'run.sim={backend="thread"}', "run.learner=thread", f"ppo.minibatch_size={minibatch}", "ppo.update_epochs=1"]
+            'run.sim={backend="thread"}', "run.learner=thread", f"ppo.minibatch_size={minibatch}",
+            "ppo.update_epochs=1"]
     code = main(["train", "--quiet", "--log-dir", str(log_dir), *(a for s in sets for a in ("--set", s))])
     if code != 0:
         raise SystemExit(f"ebrl train failed ({code})")

@@ -79,9 +79,10 @@ def test_so101_pixels_smolvla_collect_sft_train_eval_export(tmp_path):
 @pytest.mark.timeout(2400)
 def test_so101_pixels_published_size_smolvla_chain(tmp_path):
     """The same chain with a random SmolVLA at the published size (SmolVLM2-500M cut to 16 layers,
-    512-pixel camera, chunks of 50, 10 denoising steps; ~355M parameters with the small vocabulary) at 64 pixels: 2 demos of
-    20 steps, SFT in minibatches of 2, one LoRA PPO update of 2 envs x 10 steps (10 actions of each
-    chunk executed), a 20-step eval with video, the export. Minutes on 2 CPU cores."""
+    512-pixel camera, chunks of 50, 10 denoising steps; 364M parameters with the small vocabulary)
+    at 64 pixels: 2 demos of 20 steps, SFT in minibatches of 2, one LoRA PPO update of 2 envs x 10
+    steps (10 actions of each chunk executed), a 20-step eval with video, the export. Gradient
+    checkpointing: without it a PPO minibatch of 4 went past 20 GiB. Minutes on 2 CPU cores."""
     path, vlm = tmp_path / "policy", tmp_path / "vlm"
     save_random_smolvla(path, vlm, camera_names=("front",), state_dim=14, action_dim=4, full_size=True)
     policy = ["policy.kind=hf", f"policy.path={path}", f"policy.vlm={vlm}", "policy.lora_rank=16",

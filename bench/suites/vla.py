@@ -163,9 +163,9 @@ def policy_fn(obs_space, act_space, seed):
 
 
 SUITE = Suite(
-    description="HFTokenPolicy + LoRA on a 23M-parameter Llama, and tiny π0 / π0.5 / SmolVLA checkpoints + LoRA with two "
-                "cameras, from local directories, instructed reach (8 envs): async vs pipelined vs sync, generation "
-                "batches, publication bytes vs full weights, ms per policy call against batch size",
+    description="HFTokenPolicy + LoRA on a 23M-parameter Llama, and tiny π0 / π0.5 / SmolVLA checkpoints + LoRA "
+                "with two cameras, from local directories, instructed reach (8 envs): async vs pipelined vs sync, "
+                "generation batches, publication bytes vs full weights, ms per policy call against batch size",
     cases={"hf-token-lora": reach_env, **{case: camera_reach_env for case in FLOW_CASES}},
     policy_fn=policy_fn,
     case_policies={**{case: pi0_policy_fn(kind) for case, kind in PI0_KINDS.items()},

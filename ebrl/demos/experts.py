@@ -156,5 +156,5 @@ def expert_for(name: str, env) -> Expert:
 
         return so101_pick(env)
     raise ValueError(f"no scripted expert for {name}: there are mock/reach, robotics/FetchReach*, FetchPush*, "
-                     "FetchPickAndPlace*, maniskill/PushCube-v1 and PickCube-v1, so101/PickCube; or collect with a trained "
-                     "policy (--policy RUN_DIR)")
+                     "FetchPickAndPlace*, maniskill/PushCube-v1 and PickCube-v1, so101/PickCube; or collect with a "
+                     "trained policy (--policy RUN_DIR)")
