@@ -17,7 +17,10 @@ The π0 and π0.5 cases (``pi0-lora``, ``pi05-lora``) load tiny random checkpoin
 written once to the same folder, with LoRA rank 8, πRL's Flow-Noise, and 4 actions of each chunk
 executed per decision (``execute=4``: ``ebrl.run`` executes the chunk on the per-step env), 128
 decisions a run: one update, so their rows measure what a call and a publication cost, not a
-long run's throughput. The
+long run's throughput. The SmolVLA case (``smolvla-lora``) is the same with a tiny random SmolVLA
+folder (:func:`ebrl.testing_smolvla.save_random_smolvla`: a 6-layer SmolVLM of width 32 cut to 4,
+cameras ``top`` and ``wrist`` resized with padding to 32 pixels, chunks of 8 actions, 4 steps) and
+its VLM directory. The
 env is the same reach with two cameras of different sizes (``top`` 32x32, ``wrist`` 24x40: the
 point drawn where it is), so the model reads two images, its state and the instruction.
 
@@ -56,6 +59,9 @@ PI0_MODEL = dict(state_dim=4, action_dim=2, chunk_size=8, image_size=32, patch_s
                  layers=2, heads=2, head_dim=32, num_steps=4, max_dim=8)
 EXECUTE = 4  # actions of each 8-action chunk executed per decision (πRL's replanning)
 CALL_BATCHES = (1, 4, 16)
+SMOLVLA_MODEL = dict(state_dim=4, action_dim=2, chunk_size=8, image_size=32, num_steps=4, max_dim=8,
+                     camera_names=("top", "wrist"))
+FLOW_CASES = (*PI0_KINDS, "smolvla-lora")  # the cases whose act is timed per batch size
 
 
 def _written_once(name: str, settings: dict, write) -> Path:
@@ -114,6 +120,22 @@ class TwoCameras(gym.ObservationWrapper):
         return out
 
 
+def smolvla_dir() -> Path:
+    """A tiny random SmolVLA folder, its VLM directory beside it as ``vlm``."""
+    from ebrl.testing_smolvla import save_random_smolvla
+
+    return _written_once("smolvla", SMOLVLA_MODEL, lambda p: save_random_smolvla(p, p / "vlm", **SMOLVLA_MODEL))
+
+
+def smolvla_policy_fn(obs_space, act_space, seed):
+    from ebrl.policies.smolvla.policy import SmolVLAPolicy
+
+    path = smolvla_dir()
+    words = InstructedReach(tasks=TASKS).instructions()
+    return SmolVLAPolicy.from_pretrained(path, obs_space, act_space, vlm=path / "vlm", lora_rank=LORA_RANK,
+                                         execute=EXECUTE, instruction=words, seed=seed)
+
+
 def camera_reach_env(i: int):
     return TwoCameras(InstructedReach(tasks=TASKS, latency=Latency.lognormal(0.010, 0.5)))
 
@@ -141,13 +163,14 @@ def policy_fn(obs_space, act_space, seed):
 
 
 SUITE = Suite(
-    description="HFTokenPolicy + LoRA on a 23M-parameter Llama, and tiny π0 / π0.5 checkpoints + LoRA with two "
-                "cameras, from local directories, instructed reach (8 envs): async vs pipelined vs sync, generation "
-                "batches, publication bytes vs full weights, ms per policy call against batch size",
-    cases={"hf-token-lora": reach_env, **{case: camera_reach_env for case in PI0_KINDS}},
+    description="HFTokenPolicy + LoRA on a 23M-parameter Llama, and tiny π0 / π0.5 / SmolVLA checkpoints + LoRA "
+                "with two cameras, from local directories, instructed reach (8 envs): async vs pipelined vs sync, "
+                "generation batches, publication bytes vs full weights, ms per policy call against batch size",
+    cases={"hf-token-lora": reach_env, **{case: camera_reach_env for case in FLOW_CASES}},
     policy_fn=policy_fn,
-    case_policies={case: pi0_policy_fn(kind) for case, kind in PI0_KINDS.items()},
-    case_sizes={case: (8, 128) for case in PI0_KINDS},  # one update a run: the suite stays within 25 minutes
+    case_policies={**{case: pi0_policy_fn(kind) for case, kind in PI0_KINDS.items()},
+                   "smolvla-lora": smolvla_policy_fn},
+    case_sizes={case: (8, 128) for case in FLOW_CASES},  # one update a run: the suite stays within 25 minutes
     algo_fn=lambda seed: PPO(seed=seed, minibatch_size=64),
     num_envs=8,
     steps=1_024,
@@ -217,5 +240,5 @@ def run(quick: bool, in_process: bool = False) -> dict:
     report["targets"] += check_targets(figures, {"hf-token-lora: publication bytes full/lora": Target(20.0)})
     report["publication_seconds"] = seconds
     # --quick: one call per size, the two smaller sizes (a smoke test; batch 16 costs seconds a call on a CPU)
-    report["call_ms"] = {case: call_ms(case, 1, CALL_BATCHES[:2]) if quick else call_ms(case) for case in PI0_KINDS}
+    report["call_ms"] = {case: call_ms(case, 1, CALL_BATCHES[:2]) if quick else call_ms(case) for case in FLOW_CASES}
     return report

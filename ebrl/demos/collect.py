@@ -47,6 +47,11 @@ def collect(env_name: str, out: str | Path, *, episodes: int, policy: str | Path
         raise ValueError(f"episodes={episodes!r}: must be at least 1")
     if policy == "scripted" and env_name.startswith("maniskill/"):
         env_kwargs.setdefault("control_mode", "pd_ee_delta_pos")  # the experts drive the end effector
+    if policy == "scripted" and env_name == "so101/PickCube":
+        from ebrl.demos.so101_expert import EXPERT_ENV_KWARGS
+
+        for key, value in EXPERT_ENV_KWARGS.items():  # the expert's top-down grasp; recorded with the dataset
+            env_kwargs.setdefault(key, value)
     env = make(env_name, **env_kwargs)
     try:
         if policy == "scripted":

@@ -13,6 +13,8 @@ episodes that succeeded.
 - ``robotics/FetchPickAndPlace*``: above the object, down, close, carry to the goal.
 - ``maniskill/PushCube-v1``, ``maniskill/PickCube-v1``: the same with ManiSkill's end-effector
   control (``control_mode="pd_ee_delta_pos"``, which the expert asks for).
+- ``so101/PickCube``: above the cube, down, close, lift, with the package's top-down grasp
+  (:mod:`ebrl.demos.so101_expert`).
 """
 
 from __future__ import annotations
@@ -149,6 +151,10 @@ def expert_for(name: str, env) -> Expert:
                 return expert
     if suite == "maniskill":
         return maniskill_expert(task, env)
+    if suite == "so101" and task == "PickCube":
+        from ebrl.demos.so101_expert import so101_pick
+
+        return so101_pick(env)
     raise ValueError(f"no scripted expert for {name}: there are mock/reach, robotics/FetchReach*, FetchPush*, "
-                     "FetchPickAndPlace*, maniskill/PushCube-v1 and PickCube-v1; or collect with a trained "
-                     "policy (--policy RUN_DIR)")
+                     "FetchPickAndPlace*, maniskill/PushCube-v1 and PickCube-v1, so101/PickCube; or collect with a "
+                     "trained policy (--policy RUN_DIR)")
