@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -84,6 +85,28 @@ def expert_config(text_config, settings: SmolVLASettings, num_vlm_layers: int):
     return config
 
 
+def lerobot_patch_positions(embeddings: nn.Module, pixel_values: Tensor, patch_attention_mask: Tensor) -> Tensor:
+    """SmolVLM's vision embeddings with the patch positions LeRobot's SmolVLA checkpoints were trained
+    with (transformers 4.x): each side's fractions ``i / n`` are scaled by ``1 - 1e-6`` before
+    bucketing, so every patch but the first lands one bucket low (positions 0, 0, 1, ..., n - 2 along
+    a side). transformers 5 buckets ``i / n`` unscaled (0, 1, ..., n - 1); on LeRobot's weights that
+    moved sampled actions by up to 0.012 (tests/test_smolvla_golden.py, golden outputs from LeRobot
+    0.4.4 with transformers 4.57)."""
+    batch, _, height, width = pixel_values.shape
+    out = embeddings.patch_embedding(pixel_values).flatten(2).transpose(1, 2)
+    side, device = embeddings.num_patches_per_side, pixel_values.device
+    boundaries = torch.arange(1 / side, 1.0, 1 / side, device=device)
+    ids = torch.zeros(batch, (height // embeddings.patch_size) * (width // embeddings.patch_size), dtype=torch.long,
+                      device=device)
+    for b, mask in enumerate(patch_attention_mask):
+        nh, nw = mask[:, 0].sum(), mask[0].sum()
+        fh = torch.arange(nh, device=device, dtype=pixel_values.dtype) / nh * (1 - 1e-6)
+        fw = torch.arange(nw, device=device, dtype=pixel_values.dtype) / nw * (1 - 1e-6)
+        bh, bw = torch.bucketize(fh, boundaries, right=True), torch.bucketize(fw, boundaries, right=True)
+        ids[b][mask.view(-1)] = (bh[:, None] * side + bw).flatten()
+    return out + embeddings.position_embedding(ids)
+
+
 class VLMWithExpert(nn.Module):
     """LeRobot's ``SmolVLMWithExpertModel``'s modules: ``vlm`` and ``lm_expert``."""
 
@@ -98,6 +121,8 @@ class VLMWithExpert(nn.Module):
         # built at the truncated depth: the same parameters as LeRobot's slice of the full stack
         vlm_config.text_config.num_hidden_layers = depth
         self.vlm = SmolVLMForConditionalGeneration(vlm_config)
+        vision = self.vlm.model.vision_model.embeddings
+        vision.forward = functools.partial(lerobot_patch_positions, vision)
         if settings.num_expert_layers > 0 and settings.num_expert_layers != depth:
             # LeRobot skips the expert at some layers then; its cached sampling fails on such a model
             raise NotImplementedError(f"num_expert_layers={settings.num_expert_layers} other than the VLM's {depth} "
