@@ -16,6 +16,7 @@ import ast
 import copy
 import json
 import math
+import os
 from pathlib import Path
 
 import gymnasium as gym
@@ -43,7 +44,8 @@ from ebrl.testing_smolvla import save_random_smolvla, save_random_smolvm_dir
 pytestmark = pytest.mark.usefixtures("hf_offline")  # conftest: sockets refused, the hub offline
 torch.set_num_threads(1)
 
-LEROBOT_SRC = Path("/work/lerobot-src/whl/lerobot")
+# LeRobot 0.4.4's source, unpacked (pip download --no-deps lerobot==0.4.4; unzip): the field-order check reads it
+LEROBOT_SRC = Path(os.environ.get("EBRL_LEROBOT_SRC", "/work/lerobot-src/whl/lerobot"))
 STATS = {"state_mean": [0.5, -1.0, 0.0, 2.0], "state_std": [1.0, 2.0, 0.5, 1.5],
          "action_mean": [0.1, -0.2, 0.3], "action_std": [0.5, 1.0, 2.0]}
 
@@ -350,7 +352,7 @@ def _dataclass_fields(source: Path, cls: str) -> dict[str, ast.expr | None]:
     return {s.target.id: s.value for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
 
 
-@pytest.mark.skipif(not LEROBOT_SRC.is_dir(), reason="LeRobot's source is not on this machine")
+@pytest.mark.skipif(not LEROBOT_SRC.is_dir(), reason="LeRobot 0.4.4's source is not unpacked here: set EBRL_LEROBOT_SRC to its lerobot/ folder")
 def test_config_json_has_lerobots_fields_in_order_with_their_defaults():
     base = _dataclass_fields(LEROBOT_SRC / "configs/policies.py", "PreTrainedConfig")
     own = _dataclass_fields(LEROBOT_SRC / "policies/smolvla/configuration_smolvla.py", "SmolVLAConfig")
