@@ -37,15 +37,16 @@ def snapshot(state: dict) -> dict:
     return {k: (v.detach().clone() if hasattr(v, "detach") else v) for k, v in state.items()}
 
 
-def update_once(policy, algo, batch: Batch):
+def update_once(policy, algo, batch: Batch, clock=None):
     """Update, snapshot what publication carries (the trainable tensors of a policy with a frozen
     part, else the state_dict): the learner's unit of work, wherever it runs. The metrics gain
-    the publication's size and the snapshot's seconds."""
+    the publication's size and the snapshot's seconds (on ``clock``, default ``perf_counter``)."""
+    clock = clock or time.perf_counter
     lags = batch.lags.numpy()
     metrics = {k: float(v) for k, v in (algo.update(policy, batch) or {}).items()}
-    t0 = time.perf_counter()
+    t0 = clock()
     state = snapshot(published_state(policy))
-    metrics["publish_s"] = time.perf_counter() - t0
+    metrics["publish_s"] = clock() - t0
     metrics["publish_bytes"] = float(state_nbytes(state))
     return metrics, state, lags
 

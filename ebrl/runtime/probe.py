@@ -88,8 +88,12 @@ class EnvProbe:
     """Env 0 in a child process, or in a thread of this one (see the module docstring); an async
     context manager."""
 
-    def __init__(self, env_fn: EnvFn, sim: SimConfig, faults: FaultConfig):
+    def __init__(self, env_fn: EnvFn, sim: SimConfig, faults: FaultConfig, executor=None):
         self.env_fn, self.sim, self.faults = env_fn, sim, faults
+        # the platform's executor (ebrl.runtime.platform): one without threads probes inline
+        self.inline = executor is not None and not executor.threads
+        self.executor = executor
+        self.env = None
         self.measure = sim.backend is SimBackend.AUTO and sim.vector_size == 1
         self.proc = self.conn = self.thread = None
         self.beat = [BUILD, 0.0]  # a shared array for a child
@@ -110,6 +114,8 @@ class EnvProbe:
         return ctx
 
     async def __aenter__(self) -> EnvProbe:
+        if self.inline:
+            return self
         ctx = self._child_start()
         if ctx is None:
             self.conn = _ThreadConn(asyncio.get_running_loop())
@@ -141,19 +147,44 @@ class EnvProbe:
 
     async def facts(self) -> EnvFacts:
         """Env 0's facts: built (and under AUTO reset), never stepped."""
+        if self.inline:
+            return self._inline_facts()
         return (await self._next())[1]
+
+    def _inline_facts(self) -> EnvFacts:
+        op = "env_fn"
+        try:
+            self.env = self.env_fn(0)
+            facts = EnvFacts.of(self.env)
+            if self.measure:
+                op = "reset"
+                self.env.reset(seed=0)
+        except Exception as exc:
+            raise EnvStepError(0, op, describe(exc)) from exc
+        return facts
 
     async def step_profile(self) -> StepProfile | None:
         """Under AUTO for plain envs, env 0's measured step (after :meth:`facts`); else None."""
         if not self.measure:
             return None
-        self.conn.send("go")
-        step = (await self._next())[1]
+        if self.inline:
+            env, clocks = self.executor.metered(self.env)
+            try:
+                step = _time_steps(env, lambda: None, clocks=clocks)
+            except Exception as exc:
+                raise EnvStepError(0, "step", describe(exc)) from exc
+        else:
+            self.conn.send("go")
+            step = (await self._next())[1]
         log.info("sim_step_probed", step_wall_us=round(step.wall_s * 1e6, 1), step_cpu_us=round(step.cpu_s * 1e6, 1),
                  busy=round(step.busy, 3), declared_releases_gil=step.releases_gil)
         return step
 
     async def __aexit__(self, *exc) -> None:
+        if self.inline:
+            if self.env is not None:
+                close_quietly(self.env)
+            return
         if self.thread is not None:  # told to stop, it closes env 0; one stuck in the env is left to it
             self.conn.send("stop")
             if exc[0] is None:
@@ -332,7 +363,7 @@ def _probe_main(conn, env_fn: EnvFn, measure: bool, beat, child: bool = True) ->
         conn.close()
 
 
-def _time_steps(env, before_step, steps: int = 100, rounds: int = 3) -> StepProfile:
+def _time_steps(env, before_step, steps: int = 100, rounds: int = 3, clocks=None) -> StepProfile:
     """Wall and CPU seconds per random-action step of a reset ``env`` (the round with the least
     wall time of ``rounds``, after a 10-step warm-up), and whether the env says it releases the
     GIL. A round is ``steps`` steps, fewer for a slow env (about ``PROBE_ROUND_S`` a round, at
@@ -341,7 +372,7 @@ def _time_steps(env, before_step, steps: int = 100, rounds: int = 3) -> StepProf
     env.action_space.seed(0)
     actions = [env.action_space.sample() for _ in range(steps)]
 
-    wall_clock, cpu_clock = STEP_CLOCKS
+    wall_clock, cpu_clock = clocks or STEP_CLOCKS
 
     def one_round(n: int) -> tuple[float, float]:
         t0, c0 = wall_clock(), cpu_clock()
