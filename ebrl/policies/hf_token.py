@@ -118,32 +118,12 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ebrl.policies import hf_backbone
 from ebrl.policies.base import ActResult
 from ebrl.policies.hf_backbone import OPENVLA_PROMPT, HFBackbonePolicy, action_bounds
 from ebrl.policies.token import choose_token, cosine_bin_basis, forced_logp_entropy
 
 BINS = 256  # OpenVLA's bins per action dimension
 
-
-# ---- the model directory (the shared loaders, their errors naming this policy) ----------------
-
-def check_model_dir(path: str | Path, *, needs_image_processor: bool = False) -> Path:
-    """``path`` as a :class:`Path` if it holds a model EBRL can load (``config.json``, weights,
-    tokenizer files; an image processor's config when ``needs_image_processor``), else one
-    :class:`FileNotFoundError` naming the path and what is missing."""
-    return hf_backbone.check_model_dir(path, needs_image_processor=needs_image_processor, owner="HFTokenPolicy")
-
-
-def load_local_model(path: str | Path, *, dtype: str | torch.dtype = "auto", needs_image_processor: bool = False):
-    """``(model, tokenizer, image_processor or None)`` from a local directory: an image-text model
-    (``AutoModelForImageTextToText``, e.g. LLaVA) where its config is one, else
-    ``AutoModelForCausalLM``; always ``local_files_only=True``."""
-    return hf_backbone.load_local_model(path, dtype=dtype, needs_image_processor=needs_image_processor,
-                                        owner="HFTokenPolicy")
-
-
-# ---- the policy ------------------------------------------------------------------------------
 
 class HFTokenPolicy(HFBackbonePolicy):
     """OpenVLA-style action tokens from a Hugging Face model (see the module's docstring).
@@ -389,4 +369,4 @@ def _bin_bounds(box_low: np.ndarray, box_high: np.ndarray, action_stats: Mapping
     return low.astype(np.float32), high.astype(np.float32), stats
 
 
-__all__ = ["HFTokenPolicy", "OPENVLA_PROMPT", "check_model_dir", "load_local_model"]
+__all__ = ["OPENVLA_PROMPT", "HFTokenPolicy"]

@@ -211,10 +211,6 @@ class VLAFlowPolicy(HasChain, FrozenModes):
         return self._layout
 
     @property
-    def chain_dim(self) -> int:
-        return self.chain.dim
-
-    @property
     def _device(self) -> torch.device:
         return self.device_anchor.device
 
