@@ -16,6 +16,7 @@ import torch
 
 from ebrl.algos import PPO, Batch
 from ebrl.policies import MLPPolicy
+from tests.policy_helpers import token_logits
 
 
 def batch_for(policy, seed: int = 0, S: int = 4, T: int = 16) -> Batch:
@@ -110,26 +111,26 @@ def test_the_bin_head_starts_at_zero_and_reads_each_dimension_on_its_own(tiny_ll
     obs = np.random.default_rng(0).standard_normal((6, 5)).astype(np.float32)
     actions = torch.from_numpy(policy.act(obs).actions)
     with torch.no_grad():  # zero-initialised: exactly the model's own logits
-        torch.testing.assert_close(policy.token_logits(torch.as_tensor(obs), actions)[0],
-                                   plain.token_logits(torch.as_tensor(obs), actions)[0])
+        torch.testing.assert_close(token_logits(policy, torch.as_tensor(obs), actions)[0],
+                                   token_logits(plain, torch.as_tensor(obs), actions)[0])
         # the LM head's rows cap the model's own logits; the head moves them past it
-        assert float(plain.token_logits(torch.as_tensor(obs), actions)[0].abs().max()) < 1.0
+        assert float(token_logits(plain, torch.as_tensor(obs), actions)[0].abs().max()) < 1.0
         for p in policy.bin_head.parameters():
             p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
-        logits, _ = policy.token_logits(torch.as_tensor(obs), actions)
+        logits, _ = token_logits(policy, torch.as_tensor(obs), actions)
     assert float(logits.abs().max()) > 5.0
     # the KV-cache decoder reads dimension j with readout j, as the teacher-forced pass does
     out = policy.act(obs)
     _, cached, _ = policy.decode(obs, torch.from_numpy(out.actions))
     with torch.no_grad():
-        forced, _ = policy.token_logits(torch.as_tensor(obs), torch.from_numpy(out.actions))
+        forced, _ = token_logits(policy, torch.as_tensor(obs), torch.from_numpy(out.actions))
         logp = policy.evaluate(torch.as_tensor(obs), torch.from_numpy(out.actions))[0]
     torch.testing.assert_close(cached, forced, atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(out.logprobs, logp.numpy(), atol=1e-4)
     # each dimension's readout: changing the second one's moves the second dimension's logits only
     with torch.no_grad():
         policy.bin_head.weight.view(3, 32, -1)[1] += 1.0
-        moved, _ = policy.token_logits(torch.as_tensor(obs), torch.from_numpy(out.actions))
+        moved, _ = token_logits(policy, torch.as_tensor(obs), torch.from_numpy(out.actions))
     changed = (moved - forced).abs().amax(dim=(0, 2))
     assert changed[1] > 1e-3 and changed[0] == 0 and changed[2] == 0
 

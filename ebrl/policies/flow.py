@@ -211,12 +211,6 @@ class FlowPolicy(HasChain, ChunkSpace, ReadsObservations, SeededSampling, Pretra
 
         return velocity
 
-    def step_params(self, obs: ObsLike, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        """``(mean_k, sigma_k)`` of the transition from ``x = x_k [N, K * A]`` at step ``k``
-        (``tau_k = k / N``), with gradients: the density the chain's log-prob is made of."""
-        feat = self._features(obs)
-        return self.chain.step_params(self._velocity(feat), x.to(feat.dtype), k)
-
     # ---- acting (runtime) ------------------------------------------------------------------
 
     @torch.no_grad()

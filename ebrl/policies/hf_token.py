@@ -268,12 +268,9 @@ class HFTokenPolicy(HFBackbonePolicy):
             logits = logits + coef @ self.bin_basis_matrix
         return logits
 
-    def token_logits(self, obs: Any, actions: Any) -> tuple[Tensor, Tensor]:
-        """Teacher-forced logits ``[N, D, 256]`` of every action dimension given the earlier bins of
-        ``actions [N, *action_shape]``, and values ``[N]``: one pass, with gradients."""
-        return self._logits(obs, self._bin_ids(actions))
-
     def _logits(self, obs: Any, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """The teacher-forced pass behind :meth:`evaluate`: logits ``[N, D, 256]`` of every action
+        dimension given the earlier bins ``ids [N, D]``, and values ``[N]``, with gradients."""
         embeds, mask, positions = self._prefix(obs)
         prefix_len = embeds.shape[1]
         if self.num_tokens > 1:
@@ -291,7 +288,7 @@ class HFTokenPolicy(HFBackbonePolicy):
 
         One pass over the prefix fills the model's cache; each further dimension is one
         single-token step. Bins are sampled from the policy's generator, or teacher-forced when
-        ``tokens`` is given (the logits then equal :meth:`token_logits`').
+        ``tokens`` is given (the logits then equal the teacher-forced pass's, :meth:`evaluate`'s).
         """
         forced = None if tokens is None else self._bin_ids(tokens)
         embeds, mask, positions = self._prefix(obs)

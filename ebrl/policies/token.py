@@ -363,13 +363,9 @@ class TokenPolicy(ReadsObservations, SeededSampling, Pretrained, nn.Module):
         bos = (self.bos + self.action_pos[0]).expand(prefix.shape[0], 1, -1)
         return torch.cat([prefix, bos], 1)
 
-    def token_logits(self, obs: Any, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        """Teacher-forced logits ``[N, D, bins]`` of every action dimension given the earlier
-        ``tokens [N, *action_shape]``, and values ``[N]``: one full pass, with gradients."""
-        return self._logits(obs, self._token_ids(tokens))
-
     def _logits(self, obs: Any, ids: Tensor) -> tuple[Tensor, Tensor]:
-        """:meth:`token_logits` on checked ids ``[N, D]``."""
+        """The teacher-forced pass behind :meth:`evaluate`: logits ``[N, D, bins]`` of every action
+        dimension given the earlier checked ids ``[N, D]``, and values ``[N]``, with gradients."""
         inputs = self._prefix_and_bos(obs)
         if self.num_tokens > 1:
             inputs = torch.cat([inputs, self.embed_tokens(ids[:, :-1]) + self.action_pos[1:]], 1)
@@ -405,7 +401,7 @@ class TokenPolicy(ReadsObservations, SeededSampling, Pretrained, nn.Module):
 
         One pass over prefix + BOS fills the cache; then each further token is one
         single-position step. Tokens are sampled from the policy's generator, or, when
-        ``tokens`` is given, teacher-forced (the logits then equal :meth:`token_logits`').
+        ``tokens`` is given, teacher-forced (the logits then equal the full pass's, :meth:`evaluate`'s).
         """
         forced = None if tokens is None else self._token_ids(tokens)
         inputs = self._prefix_and_bos(obs)
