@@ -1,7 +1,7 @@
 """The mechanisms behind tests/test_learning_reach.py, checked fast: PPO's adaptive learning rate
 (``PPOConfig.desired_kl``) and HFTokenPolicy's bin head (zero at the start, one readout per action
-dimension, the same logits on the KV-cache decoder and the teacher-forced pass, older adapters
-still loading)."""
+dimension, the same logits on the KV-cache decoder and the teacher-forced pass, saved and loaded
+with the adapters)."""
 
 from __future__ import annotations
 
@@ -136,24 +136,26 @@ def test_the_bin_head_starts_at_zero_and_reads_each_dimension_on_its_own(tiny_ll
 
 
 @pytest.mark.usefixtures("hf_offline")
-def test_adapters_saved_before_the_bin_head_load_without_one(tiny_llama, tmp_path):
+def test_adapters_keep_their_bin_head_and_a_description_without_it_is_refused(tiny_llama, tmp_path):
     from ebrl.policies.hf_token import HFTokenPolicy
 
-    policy = HFTokenPolicy.from_pretrained(tiny_llama, OBS, ACT, instruction="reach the target", lora_rank=4,
-                                           bin_basis=0)
-    policy.save_adapters(tmp_path / "old")
-    config = json.loads((tmp_path / "old" / "ebrl_policy.json").read_text())
-    del config["bin_basis"]  # as written before the option existed
-    (tmp_path / "old" / "ebrl_policy.json").write_text(json.dumps(config))
-    loaded = HFTokenPolicy.load_adapters(tmp_path / "old")
-    assert loaded.bin_head is None and loaded.config["bin_basis"] == 0
+    plain = HFTokenPolicy.from_pretrained(tiny_llama, OBS, ACT, instruction="reach the target", lora_rank=4,
+                                          bin_basis=0)
+    plain.save_adapters(tmp_path / "plain")
+    assert HFTokenPolicy.load_adapters(tmp_path / "plain").bin_head is None
     new = HFTokenPolicy.from_pretrained(tiny_llama, OBS, ACT, instruction="reach the target", lora_rank=4)
     new.save_adapters(tmp_path / "new")
     again = HFTokenPolicy.load_adapters(tmp_path / "new")
     assert again.config["bin_basis"] == 32 and torch.equal(again.bin_head.weight, new.bin_head.weight)
+    assert math.isfinite(float(again.act(np.zeros((2, 5), np.float32)).logprobs.sum()))
+    # without the option, the constructor's default would give a bin head the adapters never trained
+    config = json.loads((tmp_path / "plain" / "ebrl_policy.json").read_text())
+    del config["bin_basis"]
+    (tmp_path / "plain" / "ebrl_policy.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"ebrl_policy.json lacks options HFTokenPolicy saves: \['bin_basis'\]"):
+        HFTokenPolicy.load_adapters(tmp_path / "plain")
     with pytest.raises(ValueError, match="bin_basis"):
         HFTokenPolicy.from_pretrained(tiny_llama, OBS, ACT, instruction="reach the target", bin_basis=-1)
-    assert math.isfinite(float(again.act(np.zeros((2, 5), np.float32)).logprobs.sum()))
 
 
 def test_max_kl_stops_an_update_at_the_first_minibatch_past_it():

@@ -261,9 +261,9 @@ def test_dict_observations_with_pixels_state_and_instruction():
     assert out.actions.shape == out.env_actions.shape == (4, 3)
     assert out.logprobs.shape == out.values.shape == (4,)
 
-    before = policy.obs_mean.clone()
+    before = policy.obs_encoder.obs_mean.clone()
     policy.update_obs_stats(torch_obs(obs))
-    assert not torch.equal(before, policy.obs_mean)
+    assert not torch.equal(before, policy.obs_encoder.obs_mean)
 
     logp, entropy, value = policy.evaluate(torch_obs(obs), torch.from_numpy(out.actions))
     assert logp.shape == entropy.shape == value.shape == (4,)

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from ebrl.policies.base import ActResult
-from ebrl.policies.encoders import ObsEncoder, ObsEntry, ObsLayout, Read, ReadsObservations, load_legacy_keys
+from ebrl.policies.encoders import ObsEncoder, ObsEntry, ObsLayout, Read, ReadsObservations
 from ebrl.policies.expects import ActionSpec, PolicySpaces
 from ebrl.policies.heads import ActorCriticHeads, action_bounds
 from ebrl.policies.mlp import _init, _mlp
@@ -89,9 +89,6 @@ class CNNPolicy(ReadsObservations, ActorCriticHeads, nn.Module):
     and the sampling stream.
     """
 
-    # before the observation encoder the one camera's CNN was `encoder`
-    LEGACY_KEYS = {**ReadsObservations.LEGACY_KEYS, "encoder.": "obs_encoder.images.0."}
-
     def __init__(self, pixels_shape: Sequence[int] | None = None, act_dim: int | None = None, *, state_dim: int = 0,
                  obs_layout: ObsLayout | Sequence[dict[str, Any]] | None = None,
                  discrete_actions: int | None = None, action_low=None, action_high=None,
@@ -132,7 +129,6 @@ class CNNPolicy(ReadsObservations, ActorCriticHeads, nn.Module):
             self.log_std = nn.Parameter(torch.full((self.act_dim,), float(init_log_std)))
         self.action_low, self.action_high = action_bounds(action_low, action_high, self.act_dim)
         self._start_sampling()
-        self.register_load_state_dict_pre_hook(load_legacy_keys)
 
     @classmethod
     def from_spaces(cls, observation_space, action_space, *, image_keys: Sequence[str] | None = None,

@@ -57,7 +57,7 @@ from torch import Tensor, nn
 
 from ebrl.policies.base import ActResult, SeededSampling
 from ebrl.policies.cnn import image_cnn
-from ebrl.policies.encoders import ObsEncoder, ObsEntry, ObsLayout, Read, ReadsObservations, as_tensor, load_legacy_keys
+from ebrl.policies.encoders import ObsEncoder, ObsEntry, ObsLayout, Read, ReadsObservations, as_tensor
 from ebrl.policies.expects import ActionSpec, PolicySpaces
 from ebrl.policies.flow_chain import ChunkSpace, FlowChain, HasChain, SigmoidSigma, TimeEmbedding, Velocity, chunk_2d
 from ebrl.policies.mlp import _mlp
@@ -82,8 +82,6 @@ class FlowPolicy(HasChain, ChunkSpace, ReadsObservations, SeededSampling, Pretra
     chunk) or ``"velocity"`` (it predicts the velocity field). ``seed`` fixes the initial
     weights and the sampling stream.
     """
-
-    CONFIG_BEFORE_KEY = {"predict": "velocity"}  # weights saved before `predict` predicted the velocity
 
     def __init__(
         self,
@@ -163,7 +161,6 @@ class FlowPolicy(HasChain, ChunkSpace, ReadsObservations, SeededSampling, Pretra
         self.critic = _mlp(self.obs_dim, critic_hidden, 1, nn.Tanh, 1.0, init_gen)
         self.time_embedding = TimeEmbedding(time_dim)
         self._start_sampling()
-        self.register_load_state_dict_pre_hook(load_legacy_keys)
 
     @classmethod
     def from_spaces(cls, observation_space, action_space, *, image_keys: Sequence[str] | None = None,

@@ -139,7 +139,6 @@ class HFTokenPolicy(HFBackbonePolicy):
     """
 
     SAVED_OPTIONS = ("action_stats", "vocab_size", "bin_basis")
-    CONFIG_BEFORE_KEY = {"bin_basis": 0}  # adapters saved before the bin head: the model's own logits
 
     def __init__(self, model: nn.Module, tokenizer: Any, *, action_low, action_high,
                  action_stats: Mapping[str, Any] | None = None, vocab_size: int | None = None,

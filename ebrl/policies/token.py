@@ -58,7 +58,6 @@ from ebrl.policies.encoders import (
     Read,
     ReadsObservations,
     as_tensor,
-    load_legacy_keys,
     lookup,
 )
 from ebrl.policies.expects import ActionSpec, ObsSpec, PolicySpaces
@@ -157,12 +156,6 @@ class TokenPolicy(ReadsObservations, SeededSampling, Pretrained, nn.Module):
     on identical inputs.
     """
 
-    CONFIG_BEFORE_KEY = {"bin_basis": 0}  # weights saved before the bin basis had a free logit per bin
-
-    # before the observation encoder the one camera's patchifier was `patchify` and `pixel_proj`
-    LEGACY_KEYS = {**ReadsObservations.LEGACY_KEYS, "patchify.": "obs_encoder.images.0.conv.",
-                   "pixel_proj.": "obs_encoder.images.0.proj."}
-
     def __init__(self, action_low, action_high, *, obs_layout: ObsLayout | Sequence[dict[str, Any]] | None = None,
                  state_dim: int = 0, pixels_shape: Sequence[int] | None = None,
                  instruction_dim: int = 0, dict_obs: bool = False, d_model: int = 128, layers: int = 4,
@@ -249,7 +242,6 @@ class TokenPolicy(ReadsObservations, SeededSampling, Pretrained, nn.Module):
                              persistent=False)
         self._init_weights(torch.Generator().manual_seed(self.seed))
         self._start_sampling()
-        self.register_load_state_dict_pre_hook(load_legacy_keys)
 
     def _init_weights(self, gen: torch.Generator) -> None:
         """GPT-2 initialisation from ``gen`` (so weights depend on ``seed`` only). The token head
