@@ -80,7 +80,7 @@ class CNNPolicy(ReadsObservations, ActorCriticHeads, nn.Module):
 
     ``from_spaces`` builds it for any observation space with at least one image; ``image_keys``
     and ``state_keys`` choose the entries. Built directly, ``pixels_shape`` ``(H, W, C)`` and
-    ``state_dim`` describe the older ``{"pixels", "state"}`` observation, or ``obs_layout`` (an
+    ``state_dim`` describe a ``{"pixels", "state"}`` observation, or ``obs_layout`` (an
     :class:`~ebrl.policies.encoders.ObsLayout`) any other. ``conv`` lists ``(out_channels, kernel,
     stride)`` layers; by default the NatureCNN stack for images of at least 36 px and a 3x3 stack
     below. ``feature_dim`` is each camera's embedding size, ``hidden`` the shared trunk after

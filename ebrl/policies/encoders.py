@@ -191,7 +191,7 @@ class ObsLayout:
     vectors: tuple[ObsEntry, ...] = ()  # Box entries: normalised together
     categorical: tuple[ObsEntry, ...] = ()  # one-hot and binary entries: not normalised
     ignored: tuple[str, ...] = ()  # keys present but not chosen (image_keys / state_keys)
-    group_dim: int = 0  # total size of the vector entries of unknown shape (FlowPolicy's old obs_keys)
+    group_dim: int = 0  # total size of the vector entries of unknown shape (FlowPolicy's obs_keys)
 
     @property
     def entries(self) -> tuple[ObsEntry, ...]:

@@ -73,7 +73,7 @@ class FlowPolicy(HasChain, ChunkSpace, ReadsObservations, SeededSampling, Pretra
     (an :class:`~ebrl.policies.encoders.ObsLayout`, which ``from_spaces`` builds; ``obs_dim``
     None counts them) each camera's CNN features (``feature_dim``, ``conv`` as
     :class:`~ebrl.policies.CNNPolicy`'s) then the normalised vectors; without it the flattened
-    Box observation or, with ``obs_keys`` (as before ``obs_layout`` existed), those dict
+    Box observation or, with ``obs_keys``, those dict
     entries flattened and concatenated in that order.
     ``chunk_shape`` is the action Box's shape, ``(K, A)`` or ``(A,)``; ``action_low`` and
     ``action_high`` (finite, broadcastable to it) define the map from the normalised ``[-1, 1]``
@@ -120,7 +120,7 @@ class FlowPolicy(HasChain, ChunkSpace, ReadsObservations, SeededSampling, Pretra
             raise ValueError("FlowPolicy needs finite action bounds with high > low (the flow lives in "
                              f"[-1, 1] and is mapped onto them), got low={low.tolist()}, high={high.tolist()}")
         if obs_layout is not None and obs_keys:
-            raise ValueError("give obs_layout, or obs_keys (the older argument), not both")
+            raise ValueError("give obs_layout, or obs_keys, not both")
         if obs_layout is None and obs_dim is None:
             raise ValueError("give obs_dim, or obs_layout")
         if obs_layout is not None:

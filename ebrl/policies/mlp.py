@@ -146,7 +146,7 @@ class MLPPolicy(ReadsObservations, ActorCriticHeads, nn.Module):
         from gymnasium import spaces
 
         if isinstance(observation_space, spaces.Box):
-            layout = ObsLayout.vector(observation_space.shape)  # read whole, images too, as it always was
+            layout = ObsLayout.vector(observation_space.shape)  # read whole, images too
         else:
             # it has no image encoder: cameras are refused by name unless state_keys chose the entries
             layout = ObsLayout.from_space(observation_space, state_keys=state_keys,

@@ -147,9 +147,9 @@ class TokenPolicy(ReadsObservations, SeededSampling, Pretrained, nn.Module):
     ``action_low``/``action_high`` give the action shape (``(A,)`` or a chunk ``(K, A)``, whose
     ``K*A`` tokens are emitted in row-major order) and the finite bounds of the ``bins`` uniform
     bins per dimension. ``obs_layout`` (an :class:`~ebrl.policies.encoders.ObsLayout`, which
-    ``from_spaces`` builds) says which entries are read; without it, as before it existed,
-    ``dict_obs=False`` reads a flat Box observation as the state and ``dict_obs=True`` dicts of
-    ``state`` (``state_dim``) and ``pixels`` (``pixels_shape`` ``(H, W, C)`` uint8).
+    ``from_spaces`` builds) says which entries are read; without it ``dict_obs=False`` reads a
+    flat Box observation as the state and ``dict_obs=True`` dicts of ``state`` (``state_dim``) and
+    ``pixels`` (``pixels_shape`` ``(H, W, C)`` uint8).
     ``instruction_dim`` is the size of an ``instruction`` entry. The vectors become
     ``state_tokens`` tokens, each camera ``pixel_grid**2`` tokens, the instruction one. ``seed``
     fixes the initial weights and the sampling stream: two policies built alike act identically
@@ -176,14 +176,14 @@ class TokenPolicy(ReadsObservations, SeededSampling, Pretrained, nn.Module):
             raise ValueError(f"bin_basis={bin_basis} must lie in [0, bins={bins}] (0: one free logit per bin)")
         if obs_layout is not None:
             if state_dim or pixels_shape is not None or dict_obs:
-                raise ValueError("give obs_layout, or state_dim/pixels_shape/dict_obs (the older arguments), not both")
+                raise ValueError("give obs_layout, or state_dim/pixels_shape/dict_obs , not both")
             layout = ObsLayout.from_config(obs_layout)
         else:
             if pixels_shape is not None and len(pixels_shape) != 3:
                 raise ValueError(f"pixels_shape must be (H, W, C), got {tuple(pixels_shape)}")
             if not dict_obs and (pixels_shape is not None or instruction_dim):
                 raise ValueError("pixels and instruction inputs need dict observations (dict_obs=True)")
-            layout = _legacy_layout(int(state_dim), pixels_shape, bool(dict_obs))
+            layout = _plain_layout(int(state_dim), pixels_shape, bool(dict_obs))
         if instruction_dim and any(not e.path for e in layout.entries):
             raise ValueError("an instruction input needs dict observations (an 'instruction' entry)")
         # constructor arguments, JSON-ready: save_pretrained writes them, from_pretrained reads them
@@ -204,7 +204,7 @@ class TokenPolicy(ReadsObservations, SeededSampling, Pretrained, nn.Module):
         self.register_buffer("bin_low", torch.from_numpy(low.reshape(-1).copy()), persistent=False)
         self.register_buffer("bin_width", torch.from_numpy((high - low).reshape(-1) / bins), persistent=False)
 
-        # registered in this order (vectors, cameras, instruction) so that _init_weights draws as before
+        # registered in this order (vectors, cameras, instruction), which is the order _init_weights draws them in
         num_prefix = 0
         if self.state_dim:
             self.state_proj = nn.Linear(self.state_dim, self.state_tokens * d_model)
@@ -457,8 +457,8 @@ def cosine_bin_basis(bins: int, size: int) -> Tensor:
     return torch.cos(math.pi * freq * place) / freq.square()
 
 
-def _legacy_layout(state_dim: int, pixels_shape: Sequence[int] | None, dict_obs: bool) -> ObsLayout:
-    """The observation read before the observation encoder: a flat Box, or ``state`` and ``pixels`` entries."""
+def _plain_layout(state_dim: int, pixels_shape: Sequence[int] | None, dict_obs: bool) -> ObsLayout:
+    """The layout ``state_dim``/``pixels_shape``/``dict_obs`` describe: a flat Box, or ``state`` and ``pixels``."""
     if not dict_obs:
         return ObsLayout.vector((state_dim,)) if state_dim else ObsLayout()
     images = (ObsEntry(("pixels",), Read.IMAGE, tuple(int(d) for d in pixels_shape), "uint8"),) if pixels_shape else ()
