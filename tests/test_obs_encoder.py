@@ -282,6 +282,7 @@ def test_weights_under_other_names_are_refused_naming_them():
 
 
 def test_a_saved_policy_whose_config_or_weights_are_not_its_own_is_refused_naming_the_keys(tmp_path):
+    # a config.json without a key the policy saves: tests/test_token_policy.py
     from safetensors.torch import load_file, save_file
 
     from ebrl.policies.pretrained import CONFIG_NAME, WEIGHTS_NAME
@@ -289,13 +290,9 @@ def test_a_saved_policy_whose_config_or_weights_are_not_its_own_is_refused_namin
     flow = FlowPolicy.from_spaces(Box(-1, 1, (4,)), ACT, hidden=(16,), noise_hidden=(8,), critic_hidden=(8,), seed=2)
     flow.save_pretrained(tmp_path)
     config = json.loads((tmp_path / CONFIG_NAME).read_text())
-    for edit, message in ((lambda c: c.pop("predict"), r"lacks keys FlowPolicy saves: \['predict'\]"),
-                          (lambda c: c.update(dict_obs=True), r"has keys FlowPolicy does not take: \['dict_obs'\]")):
-        changed = dict(config)
-        edit(changed)
-        (tmp_path / CONFIG_NAME).write_text(json.dumps(changed))
-        with pytest.raises(ValueError, match=message):
-            FlowPolicy.from_pretrained(tmp_path)
+    (tmp_path / CONFIG_NAME).write_text(json.dumps({**config, "dict_obs": True}))  # a TokenPolicy argument
+    with pytest.raises(ValueError, match=r"has keys FlowPolicy does not take: \['dict_obs'\]"):
+        FlowPolicy.from_pretrained(tmp_path)
     (tmp_path / CONFIG_NAME).write_text(json.dumps(config))
     weights = load_file(str(tmp_path / WEIGHTS_NAME))
     save_file({k.removeprefix("obs_encoder."): v for k, v in weights.items()}, str(tmp_path / WEIGHTS_NAME))
