@@ -94,8 +94,9 @@ def load_checkpoint(path: str | os.PathLike, trainer) -> dict[str, Any]:
 
     ``trainer.env_steps_done`` becomes the checkpoint's ``env_steps``, so checkpoints the
     continued run writes count from there. A checkpoint of another policy class or shape
-    raises ``ValueError`` naming both; so does a file that is not a checkpoint, a truncated one,
-    or one holding anything but states (loaded with :func:`load_safely`: nothing in the file runs).
+    raises ``ValueError`` naming both; so does one whose algorithm state lacks a key (named), a
+    file that is not a checkpoint, a truncated one, or one holding anything but states (loaded
+    with :func:`load_safely`: nothing in the file runs).
     """
     path = Path(path)
     if not path.is_file():
@@ -113,6 +114,9 @@ def load_checkpoint(path: str | os.PathLike, trainer) -> dict[str, Any]:
     except RuntimeError as exc:  # torch names the missing keys and shape mismatches
         raise ValueError(f"{path} does not fit the trainer's {ours}: {exc}") from None
     if data["algo"] is not None and callable(getattr(trainer.algo, "load_state_dict", None)):
-        trainer.algo.load_state_dict(data["algo"])
+        try:
+            trainer.algo.load_state_dict(data["algo"])
+        except KeyError as exc:
+            raise ValueError(f"{path}: the {type(trainer.algo).__name__} state lacks {exc}") from None
     trainer.env_steps_done = int(data["meta"].get("env_steps", 0))
     return data["meta"]

@@ -34,7 +34,7 @@ placement of SMs (a real split is an upper bound, see
 :mod:`ebrl.runtime.resources.gpu`), and host-to-device copies. The figures and their sources
 are in ``docs/gpu.md``.
 
-    >>> device = EmulatedDevice(PROFILES["pi0-h200"], clock=FakeClock())
+    >>> device = EmulatedDevice(PROFILES["pi0-h200"], clock=lambda: 0.0)  # a clock standing at 0
     >>> round(device.profile.act_s(16) * 1e3, 1)      # ms: π0, batch 16, 10 denoising steps, all SMs
     175.4
     >>> call = device.submit("generation", device.profile.act_s(1))
@@ -161,19 +161,6 @@ PROFILES: dict[str, DeviceProfile] = _pi0_profiles()
 # ---------------------------------------------------------------- the device
 
 
-class FakeClock:
-    """A clock that moves only when slept on (tests and doctests): ``clock()`` and ``sleep(s)``."""
-
-    def __init__(self, t: float = 0.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def sleep(self, s: float) -> None:
-        self.t += max(0.0, s)
-
-
 @dataclass
 class CallRecord:
     """One call the device ran: its side, when it was submitted, started and ended (clock seconds)."""
@@ -203,7 +190,8 @@ class EmulatedDevice:
       the two at once.
     - ``"one-stream"``: one queue, all SMs, calls in submission order.
 
-    ``clock``: seconds (``time.perf_counter``); a :class:`FakeClock` makes it deterministic.
+    ``clock``: seconds (``time.perf_counter``); waits call its ``sleep(s)`` where it has one
+    (``time.sleep`` otherwise), so a clock that moves only when slept on makes it deterministic.
     Shared by the generator's and the learner's copy of a policy: copying returns the same device."""
 
     def __init__(self, profile: DeviceProfile | str, mode: StreamMode | str = StreamMode.PRIORITY_STREAMS,
@@ -519,5 +507,5 @@ def emulated(policy: nn.Module, profile: DeviceProfile | str = "pi0-h200") -> Em
     return EmulatedPolicy(policy, EmulatedDevice(profile))
 
 
-__all__ = ["PROFILES", "DeviceProfile", "EmulatedDevice", "EmulatedPolicy", "EmulatedStreams", "FakeClock",
+__all__ = ["PROFILES", "DeviceProfile", "EmulatedDevice", "EmulatedPolicy", "EmulatedStreams",
            "emulated", "emulator_of", "fit_line"]

@@ -33,8 +33,8 @@ from ebrl.policies.expects import ActionSpec, PolicySpaces
 from ebrl.virtual_time import VirtualTimeLoop, virtual_platform
 from ebrl.spaces import batch_size
 
-__all__ = ["Latency", "LatencyMode", "MockEnv", "MockPolicy", "NoopAlgo", "VersionedPolicy", "VirtualTimeLoop",
-           "mock_vector_env", "run_virtual", "torch_threads", "virtual_platform"]
+__all__ = ["Latency", "LatencyMode", "MockEnv", "MockPolicy", "NoopAlgo", "VirtualTimeLoop", "mock_vector_env",
+           "run_virtual", "torch_threads", "virtual_platform"]
 
 
 class LatencyMode(enum.StrEnum):
@@ -277,38 +277,6 @@ class MockPolicy:
 
     def load_state_dict(self, state: dict, strict: bool = True) -> None:
         self.weights_version = state["weights_version"]
-
-
-class VersionedPolicy(MockPolicy):
-    """A :class:`MockPolicy` whose every action component is the version of the weights that chose it.
-
-    The version lives in the weights (``state_dict()["weights_version"]``), so it travels
-    the same way real weights do: an algorithm bumps it in ``update`` (``NoopAlgo`` does),
-    the learner publishes the state dict, the generator loads it into its copy. A recorded
-    transition's action therefore says which weights really acted, independently of the
-    version tag the generator attaches (``Batch.versions``)::
-
-        >>> p = VersionedPolicy(act_dim=2)
-        >>> p.load_state_dict({"weights_version": 3})
-        >>> p.act(np.zeros((2, 5), np.float32)).actions.tolist()
-        [[3.0, 3.0], [3.0, 3.0]]
-
-    ``VersionedPolicy.acted_versions(batch)`` reads them back from a training batch.
-    """
-
-    def __init__(self, act_dim: int = 4, **kwargs):
-        super().__init__(act_dim, **kwargs)
-
-    def act(self, obs: Any) -> ActResult:
-        res = super().act(obs)
-        a = np.full_like(res.actions, self.weights_version)
-        return ActResult(actions=a, env_actions=a, logprobs=res.logprobs, values=res.values)
-
-    @staticmethod
-    def acted_versions(batch: Any) -> Any:
-        """The acting weights' version of every valid step of ``batch`` (a 1-D int64 tensor, in ``mask`` order)."""
-        acts = batch.actions[batch.mask]  # [N, act_dim]
-        return acts[:, 0].round().long()
 
 
 class NoopAlgo:

@@ -1,7 +1,7 @@
 """The mechanisms behind tests/test_learning_reach.py, checked fast: PPO's adaptive learning rate
 (``PPOConfig.desired_kl``) and HFTokenPolicy's bin head (zero at the start, one readout per action
-dimension, the same logits on the KV-cache decoder and the teacher-forced pass, older adapters
-still loading)."""
+dimension, the same logits on the KV-cache decoder and the teacher-forced pass, saved and loaded
+with the adapters)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 
 from ebrl.algos import PPO, Batch
 from ebrl.policies import MLPPolicy
+from tests.policy_helpers import token_logits
 
 
 def batch_for(policy, seed: int = 0, S: int = 4, T: int = 16) -> Batch:
@@ -76,10 +77,10 @@ def test_the_adapted_lr_survives_a_checkpoint_and_an_optimiser_reset():
     assert restored.update(policy, batch_for(policy, seed=9))["lr"] == pytest.approx(1e-7 * 1.5**3)
     algo.reset_optimizer()  # after a NaN/inf update
     assert algo.update(policy, batch_for(policy, seed=9))["lr"] == pytest.approx(1e-7 * 1.5**3)
-    old = dict(state)
-    del old["lr"]  # a checkpoint from before the adaptive lr: config.lr
-    restored.load_state_dict(old)
-    assert restored.current_lr == 1e-7
+    without = dict(state)
+    del without["lr"]
+    with pytest.raises(KeyError, match="lr"):
+        restored.load_state_dict(without)
 
 
 def test_a_custom_loss_without_approx_kl_keeps_the_lr():
@@ -110,49 +111,51 @@ def test_the_bin_head_starts_at_zero_and_reads_each_dimension_on_its_own(tiny_ll
     obs = np.random.default_rng(0).standard_normal((6, 5)).astype(np.float32)
     actions = torch.from_numpy(policy.act(obs).actions)
     with torch.no_grad():  # zero-initialised: exactly the model's own logits
-        torch.testing.assert_close(policy.token_logits(torch.as_tensor(obs), actions)[0],
-                                   plain.token_logits(torch.as_tensor(obs), actions)[0])
+        torch.testing.assert_close(token_logits(policy, torch.as_tensor(obs), actions)[0],
+                                   token_logits(plain, torch.as_tensor(obs), actions)[0])
         # the LM head's rows cap the model's own logits; the head moves them past it
-        assert float(plain.token_logits(torch.as_tensor(obs), actions)[0].abs().max()) < 1.0
+        assert float(token_logits(plain, torch.as_tensor(obs), actions)[0].abs().max()) < 1.0
         for p in policy.bin_head.parameters():
             p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
-        logits, _ = policy.token_logits(torch.as_tensor(obs), actions)
+        logits, _ = token_logits(policy, torch.as_tensor(obs), actions)
     assert float(logits.abs().max()) > 5.0
     # the KV-cache decoder reads dimension j with readout j, as the teacher-forced pass does
     out = policy.act(obs)
     _, cached, _ = policy.decode(obs, torch.from_numpy(out.actions))
     with torch.no_grad():
-        forced, _ = policy.token_logits(torch.as_tensor(obs), torch.from_numpy(out.actions))
+        forced, _ = token_logits(policy, torch.as_tensor(obs), torch.from_numpy(out.actions))
         logp = policy.evaluate(torch.as_tensor(obs), torch.from_numpy(out.actions))[0]
     torch.testing.assert_close(cached, forced, atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(out.logprobs, logp.numpy(), atol=1e-4)
     # each dimension's readout: changing the second one's moves the second dimension's logits only
     with torch.no_grad():
         policy.bin_head.weight.view(3, 32, -1)[1] += 1.0
-        moved, _ = policy.token_logits(torch.as_tensor(obs), torch.from_numpy(out.actions))
+        moved, _ = token_logits(policy, torch.as_tensor(obs), torch.from_numpy(out.actions))
     changed = (moved - forced).abs().amax(dim=(0, 2))
     assert changed[1] > 1e-3 and changed[0] == 0 and changed[2] == 0
 
 
 @pytest.mark.usefixtures("hf_offline")
-def test_adapters_saved_before_the_bin_head_load_without_one(tiny_llama, tmp_path):
+def test_adapters_keep_their_bin_head_and_a_description_without_it_is_refused(tiny_llama, tmp_path):
     from ebrl.policies.hf_token import HFTokenPolicy
 
-    policy = HFTokenPolicy.from_pretrained(tiny_llama, OBS, ACT, instruction="reach the target", lora_rank=4,
-                                           bin_basis=0)
-    policy.save_adapters(tmp_path / "old")
-    config = json.loads((tmp_path / "old" / "ebrl_policy.json").read_text())
-    del config["bin_basis"]  # as written before the option existed
-    (tmp_path / "old" / "ebrl_policy.json").write_text(json.dumps(config))
-    loaded = HFTokenPolicy.load_adapters(tmp_path / "old")
-    assert loaded.bin_head is None and loaded.config["bin_basis"] == 0
+    plain = HFTokenPolicy.from_pretrained(tiny_llama, OBS, ACT, instruction="reach the target", lora_rank=4,
+                                          bin_basis=0)
+    plain.save_adapters(tmp_path / "plain")
+    assert HFTokenPolicy.load_adapters(tmp_path / "plain").bin_head is None
     new = HFTokenPolicy.from_pretrained(tiny_llama, OBS, ACT, instruction="reach the target", lora_rank=4)
     new.save_adapters(tmp_path / "new")
     again = HFTokenPolicy.load_adapters(tmp_path / "new")
     assert again.config["bin_basis"] == 32 and torch.equal(again.bin_head.weight, new.bin_head.weight)
+    assert math.isfinite(float(again.act(np.zeros((2, 5), np.float32)).logprobs.sum()))
+    # without the option, the constructor's default would give a bin head the adapters never trained
+    config = json.loads((tmp_path / "plain" / "ebrl_policy.json").read_text())
+    del config["bin_basis"]
+    (tmp_path / "plain" / "ebrl_policy.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"ebrl_policy.json lacks options HFTokenPolicy saves: \['bin_basis'\]"):
+        HFTokenPolicy.load_adapters(tmp_path / "plain")
     with pytest.raises(ValueError, match="bin_basis"):
         HFTokenPolicy.from_pretrained(tiny_llama, OBS, ACT, instruction="reach the target", bin_basis=-1)
-    assert math.isfinite(float(again.act(np.zeros((2, 5), np.float32)).logprobs.sum()))
 
 
 def test_max_kl_stops_an_update_at_the_first_minibatch_past_it():

@@ -54,6 +54,19 @@ def test_a_truncated_or_foreign_file_gets_a_clear_error(tmp_path):
     assert load_checkpoint(good, _trainer())["env_steps"] == 7
 
 
+def test_a_checkpoint_whose_keys_are_not_the_trainers_is_refused_naming_them(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    save_checkpoint(path, _trainer(), env_steps=7)
+    data = torch.load(path, weights_only=True)
+    renamed = {**data, "policy": {k.removeprefix("obs_encoder."): v for k, v in data["policy"].items()}}
+    torch.save(renamed, path)
+    with pytest.raises(ValueError, match=r'does not fit the trainer\'s MLPPolicy: (?s:.*)Unexpected key.*"obs_mean"'):
+        load_checkpoint(path, _trainer())
+    torch.save({**data, "algo": {k: v for k, v in data["algo"].items() if k != "updates"}}, path)
+    with pytest.raises(ValueError, match="checkpoint.pt: the PPO state lacks 'updates'"):
+        load_checkpoint(path, _trainer())
+
+
 def test_a_checkpoint_with_optimiser_state_round_trips_under_weights_only(tmp_path):
     env = MockEnv(dim=3, episode_len=16)
     make = lambda seed: MLPPolicy.from_spaces(env.observation_space, env.action_space, seed=seed)  # noqa: E731

@@ -116,15 +116,16 @@ def test_rl_from_sft_weights_keeps_their_observation_statistics(tmp_path):
 
     frozen = build_trainer(build_spec(None, ["env=mock/3", f"policy.init={tmp_path / 'sft'}"])).policy
     frozen.update_obs_stats(shifted)
-    torch.testing.assert_close(frozen.obs_mean, sft.obs_mean)
-    torch.testing.assert_close(frozen.obs_var, sft.obs_var)
+    torch.testing.assert_close(frozen.obs_encoder.obs_mean, sft.obs_encoder.obs_mean)
+    torch.testing.assert_close(frozen.obs_encoder.obs_var, sft.obs_encoder.obs_var)
     updating = build_trainer(build_spec(None, ["env=mock/3", f"policy.init={tmp_path / 'sft'}",
                                                "policy.freeze_obs_stats=false"])).policy
     updating.update_obs_stats(shifted)
-    assert float(updating.obs_count) == float(sft.obs_count) + 512 and (updating.obs_mean < sft.obs_mean).all()
+    assert float(updating.obs_encoder.obs_count) == float(sft.obs_encoder.obs_count) + 512
+    assert (updating.obs_encoder.obs_mean < sft.obs_encoder.obs_mean).all()
     fresh = build_trainer(build_spec(None, ["env=mock/3"])).policy  # without policy.init: statistics follow RL
     fresh.update_obs_stats(shifted)
-    assert float(fresh.obs_mean.mean()) < -6
+    assert float(fresh.obs_encoder.obs_mean.mean()) < -6
     with pytest.raises(ConfigError, match="policy.freeze_obs_stats.*true or false"):
         build_trainer(build_spec(None, ["env=mock/3", 'policy.freeze_obs_stats="yes"']))
 

@@ -13,7 +13,7 @@ import ebrl
 from ebrl.algos import PPO
 from ebrl.config import ConfigError
 from ebrl.emulated import (PI0_H200_MS, PI0_H200_TRAIN_SAMPLES_PER_S, PROFILES, DeviceProfile, EmulatedDevice,
-                           EmulatedStreams, FakeClock, emulated, emulator_of)
+                           EmulatedStreams, emulated, emulator_of)
 from ebrl.policies import MLPPolicy
 from ebrl.runtime.resources.gpu import StreamMode
 from ebrl.telemetry.system import SystemSampler
@@ -22,6 +22,19 @@ from ebrl.testing import Latency, MockEnv
 # a device fast enough for a test run: 2 ms a call plus 0.1 ms a row, 3 ms a training step plus 0.05 ms a sample
 FAST = DeviceProfile("test", total_sms=132, sm_granularity=8, act_fixed_s=2e-3, act_per_row_s=1e-4,
                      train_fixed_s=3e-3, train_per_sample_s=5e-5)
+
+
+class FakeClock:
+    """A device clock that moves only when slept on: ``clock()`` and ``sleep(s)``."""
+
+    def __init__(self, t: float = 0.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.t += max(0.0, s)
 
 
 def small_policy(seed=0):
@@ -123,7 +136,7 @@ def test_nvml_reports_the_share_of_the_window_any_call_ran():
     clock.sleep(1.0)
     assert nvml.nvmlDeviceGetUtilizationRates(handle).gpu == 0.0  # the next window: idle
     sampler = SystemSampler(nvml=device.nvml())
-    assert sampler.num_gpus == 1 and "gpu0_sm_util" in sampler.sample()
+    assert {k for k in sampler.sample() if k.startswith("gpu")} == {"gpu0_sm_util", "gpu0_mem_used_mib"}
     sampler.close()
 
 

@@ -10,6 +10,7 @@ from ebrl.algos import PPO, Batch
 from ebrl.envs.chunks import ActionChunk
 from ebrl.policies.flow import FlowPolicy
 from ebrl.testing import MockEnv
+from tests.policy_helpers import step_params
 
 OBS = gym.spaces.Box(-1.0, 1.0, (3,), np.float32)
 CHUNK = gym.spaces.Box(-2.0, 1.0, (4, 2), np.float32)
@@ -42,7 +43,7 @@ def test_logprobs_match_evaluate_and_a_hand_computation():
         ent = torch.distributions.Normal(0.0, 1.0).entropy() * chain.shape[-1]
         for k in range(3):
             with torch.no_grad():
-                mean, sigma = policy.step_params(o, chain[i:i + 1, k].float(), k)
+                mean, sigma = step_params(policy, o, chain[i:i + 1, k].float(), k)
             dist = torch.distributions.Normal(mean.double()[0], sigma.double()[0])
             total = total + dist.log_prob(chain[i, k + 1]).sum()
             ent = ent + dist.entropy().sum()
@@ -56,7 +57,7 @@ def test_chain_is_euler_plus_bounded_noise_and_ends_in_the_env_action():
     out = policy.act(obs)
     chain = torch.from_numpy(out.actions)
     with torch.no_grad():
-        mean, sigma = policy.step_params(torch.from_numpy(obs), chain[:, 0], 0)
+        mean, sigma = step_params(policy, torch.from_numpy(obs), chain[:, 0], 0)
     assert ((sigma >= 0.01) & (sigma <= 1.0)).all()
     assert torch.allclose(sigma, torch.full_like(sigma, 0.5), atol=0.05)  # starts near init_sigma
     assert ((chain[:, 1] - mean).abs() / sigma).max() < 6.0  # x_1 ~ N(mean_0, sigma_0^2)
@@ -77,7 +78,7 @@ def test_each_step_mean_follows_the_prediction(predict):
         tau = torch.full((6,), k / 4)
         with torch.no_grad():
             out = policy.velocity(torch.cat([x, feat, policy._time_embed(tau)], -1))
-            mean, _ = policy.step_params(obs, x, k)
+            mean, _ = step_params(policy, obs, x, k)
         expected = x + (out - x) / (4 - k) if predict == "action" else x + out / 4
         assert torch.allclose(mean, expected, atol=1e-6)
     if predict == "action":

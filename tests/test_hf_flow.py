@@ -24,6 +24,7 @@ from ebrl.algos import PPO, Batch  # noqa: E402
 from ebrl.envs.chunks import ActionChunk  # noqa: E402
 from ebrl.policies.hf_flow import HFFlowPolicy  # noqa: E402
 from ebrl.testing import InstructedReach, MockEnv, run_virtual, save_random_hf_model, torch_threads  # noqa: E402
+from tests.policy_helpers import step_params
 
 VOCAB = 512
 TASKS = ["pick up the red block", "open the drawer and reach the target"]  # prompts of different lengths
@@ -130,7 +131,7 @@ def test_evaluate_gives_acts_logprobs_the_sum_of_each_steps_gaussian(kind, llama
         ent = torch.distributions.Normal(0.0, 1.0).entropy() * chain.shape[-1]
         for k in range(3):
             with torch.no_grad():
-                mean, sigma = policy.step_params(row, chain[i:i + 1, k].float(), k)
+                mean, sigma = step_params(policy, row, chain[i:i + 1, k].float(), k)
             dist = torch.distributions.Normal(mean.double()[0], sigma.double()[0])
             total = total + dist.log_prob(chain[i, k + 1]).sum()
             ent = ent + dist.entropy().sum()
@@ -150,7 +151,7 @@ def test_the_backbone_runs_once_per_act_and_evaluate(llama_policy):
     finally:
         hook.remove()
     with torch.no_grad():  # sigma starts near init_sigma, and the first step's mean near x_0 * (1 - 1/N)
-        mean, sigma = policy.step_params(torch_obs(dict_obs(3)), torch.from_numpy(out.actions[:, 0]), 0)
+        mean, sigma = step_params(policy, torch_obs(dict_obs(3)), torch.from_numpy(out.actions[:, 0]), 0)
     assert torch.allclose(sigma, torch.full_like(sigma, 0.5), atol=0.05)
     assert torch.allclose(mean, torch.from_numpy(out.actions[:, 0]) * (2 / 3), atol=0.05)
 

@@ -24,6 +24,7 @@ import ebrl  # noqa: E402
 from ebrl.algos import GRPO, PPO, Batch  # noqa: E402
 from ebrl.policies.hf_token import OPENVLA_PROMPT, HFTokenPolicy  # noqa: E402
 from ebrl.testing import MockEnv, run_virtual, save_random_hf_model, torch_threads  # noqa: E402
+from tests.policy_helpers import token_logits
 
 VOCAB = 512
 TASKS = ["pick up the red block", "open the drawer and reach the target"]  # prompts of different lengths
@@ -107,7 +108,7 @@ def test_kv_cache_decode_gives_the_teacher_forced_logprobs(kind, llama_policy, l
     out = policy.act(obs)
     with torch.no_grad():
         logp, entropy, value = policy.evaluate(torch_obs(obs), torch.from_numpy(out.actions))
-        full_logits, _ = policy.token_logits(torch_obs(obs), torch.from_numpy(out.actions))
+        full_logits, _ = token_logits(policy, torch_obs(obs), torch.from_numpy(out.actions))
     _, cached_logits, _ = policy.decode(obs, torch.from_numpy(out.actions))
     torch.testing.assert_close(cached_logits, full_logits, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(out.logprobs, logp.numpy(), atol=1e-5)

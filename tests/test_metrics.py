@@ -215,7 +215,6 @@ def test_system_sampler_reads_gpus_through_pynvml(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
     sampler = SystemSampler()
     sample = sampler.sample()
-    assert sampler.num_gpus == 2
     assert {k: v for k, v in sample.items() if k.startswith("gpu")} == {
         "gpu0_sm_util": 40.0, "gpu0_mem_used_mib": 1024.0, "gpu1_sm_util": 41.0, "gpu1_mem_used_mib": 2048.0}
     sampler.close()
@@ -245,7 +244,6 @@ def test_system_sampler_with_the_real_pynvml():
     sampler = SystemSampler()  # must not raise either way
     sample = sampler.sample()
     sampler.close()
-    assert sampler.num_gpus == gpus
     assert sum(k.endswith("_sm_util") for k in sample) == gpus
     assert sample["proc_cpu_util"] >= 0.0
 

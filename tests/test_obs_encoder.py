@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 from gymnasium.spaces import Box, Dict, Discrete, Graph, MultiBinary, MultiDiscrete, Text
-from torch import nn
 
 import ebrl
 from ebrl.algos import PPO
@@ -225,8 +224,8 @@ def test_observation_normalisation_covers_the_vector_part():
     obs = batch(USER, 256)
     proprio = np.random.default_rng(0).normal(5.0, 3.0, (256, 5)).astype(np.float32)
     policy.update_obs_stats({**obs, "proprio": torch.from_numpy(proprio)})
-    assert policy.obs_mean.shape == (5,)
-    np.testing.assert_allclose(policy.obs_mean.numpy(), proprio.mean(0), rtol=1e-4)
+    assert policy.obs_encoder.obs_mean.shape == (5,)
+    np.testing.assert_allclose(policy.obs_encoder.obs_mean.numpy(), proprio.mean(0), rtol=1e-4)
     assert policy.state_dict()["obs_encoder.obs_count"].item() == pytest.approx(256, abs=1e-3)
     policy.update_obs_stats({k: v[:0] for k, v in obs.items()})  # no rows (a data-parallel rank's): nothing merged
     assert policy.state_dict()["obs_encoder.obs_count"].item() == pytest.approx(256, abs=1e-3)
@@ -268,109 +267,37 @@ def test_token_and_flow_layouts_survive_save_and_load(tmp_path):
         torch.testing.assert_close(loaded.value(obs), policy.value(obs))
 
 
-# ---- weights saved before the encoder -------------------------------------------------------------
+# ---- weights that are not the policy's ------------------------------------------------------------
 
 
-class HeadCNN(nn.Module):
-    """CNNPolicy's parameters and forward pass as they were before the observation encoder
-    (commit 1da2fac): one camera under ``pixels`` (HWC), ``state`` normalised by top-level buffers."""
-
-    def __init__(self, px: int, state_dim: int, feature_dim: int, hidden: int, act_dim: int):
-        super().__init__()
-        gen = torch.Generator().manual_seed(7)
-        conv = nn.Sequential(nn.Conv2d(3, 32, 3, 2), nn.ReLU(), nn.Conv2d(32, 64, 3, 2), nn.ReLU(),
-                             nn.Conv2d(64, 64, 3, 1), nn.ReLU(), nn.Flatten())
-        flat = conv(torch.zeros(1, 3, px, px)).shape[1]
-        self.encoder = nn.Sequential(conv, nn.Linear(flat, feature_dim), nn.ReLU())
-        self.trunk = nn.Sequential(nn.Linear(feature_dim + state_dim, hidden))
-        self.actor, self.critic = nn.Linear(hidden, act_dim), nn.Linear(hidden, 1)
-        self.log_std = nn.Parameter(torch.full((act_dim,), -0.5))
-        self.register_buffer("obs_mean", torch.randn(state_dim, generator=gen))
-        self.register_buffer("obs_var", torch.rand(state_dim, generator=gen) + 0.5)
-        self.register_buffer("obs_count", torch.tensor(123.0, dtype=torch.float64))
-        with torch.no_grad():
-            for p in self.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-
-    def value(self, pixels: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-        x = self.encoder(pixels.permute(0, 3, 1, 2).float() * (1.0 / 255.0))
-        s = ((state - self.obs_mean) / torch.sqrt(self.obs_var + 1e-8)).clamp(-10, 10)
-        return self.critic(torch.relu(self.trunk(torch.cat([x, s], -1)))).squeeze(-1)
+def test_weights_under_other_names_are_refused_naming_them():
+    # the statistics outside the encoder: every key the policy lacks and every key it did not expect is named
+    policy = MLPPolicy(3, 2, seed=0)
+    renamed = {k.removeprefix("obs_encoder."): v for k, v in policy.state_dict().items()}
+    with pytest.raises(RuntimeError, match="Missing key") as refused:
+        MLPPolicy(3, 2, seed=1).load_state_dict(renamed)
+    message = str(refused.value)
+    assert all(f'"obs_encoder.{k}"' in message and f'"{k}"' in message for k in ("obs_mean", "obs_var", "obs_count"))
+    assert "Unexpected key" in message
 
 
-def test_cnn_weights_saved_before_the_encoder_load_and_mean_the_same():
-    old = HeadCNN(px=32, state_dim=4, feature_dim=16, hidden=8, act_dim=2)
-    state = old.state_dict()
-    assert {"encoder.0.0.weight", "encoder.1.weight", "obs_mean", "obs_count"} <= set(state)  # the old names
-    space = Dict({"pixels": camera((32, 32, 3)), "state": Box(-np.inf, np.inf, (4,), np.float32)})
-    new = CNNPolicy.from_spaces(space, ACT, feature_dim=16, hidden=(8,), seed=3)
-    new.load_state_dict(state)  # strict: every old name has a new home
-    obs = batch(space, 5)
-    with torch.no_grad():
-        expected = old.value(torch.from_numpy(obs["pixels"]), torch.from_numpy(obs["state"]))
-    torch.testing.assert_close(new.value(obs), expected)
-    torch.testing.assert_close(new.obs_mean, old.obs_mean)
-    # and through the older constructor, as a checkpoint of the time rebuilds it
-    legacy = CNNPolicy((32, 32, 3), 2, state_dim=4, feature_dim=16, hidden=(8,))
-    legacy.load_state_dict(state)
-    torch.testing.assert_close(legacy.value(obs), expected)
-
-
-def test_mlp_weights_saved_before_the_encoder_load():
-    new = MLPPolicy(3, 2, seed=0)
-    new.update_obs_stats(torch.randn(64, 3) * 2 + 1)
-    old_names = {k.removeprefix("obs_encoder."): v for k, v in new.state_dict().items()}
-    assert {"obs_mean", "obs_var", "obs_count", "actor.0.weight", "critic.0.weight"} <= set(old_names)
-    fresh = MLPPolicy(3, 2, seed=1)
-    fresh.load_state_dict(old_names)
-    x = np.random.default_rng(0).normal(size=(6, 3)).astype(np.float32)
-    np.testing.assert_array_equal(fresh.act(x).values, new.act(x).values)
-
-
-def test_token_and_flow_files_saved_before_the_encoder_load(tmp_path):
+def test_a_saved_policy_whose_config_or_weights_are_not_its_own_is_refused_naming_the_keys(tmp_path):
+    # a config.json without a key the policy saves: tests/test_token_policy.py
     from safetensors.torch import load_file, save_file
 
     from ebrl.policies.pretrained import CONFIG_NAME, WEIGHTS_NAME
 
-    space = Dict({"instruction": Box(-1, 1, (6,)), "pixels": camera((16, 16, 3)), "state": Box(-5, 5, (4,))})
-    token = TokenPolicy.from_spaces(space, ACT, d_model=32, layers=1, seed=2)
-    flow = FlowPolicy.from_spaces(Dict({"instruction": space["instruction"], "state": space["state"]}), ACT,
-                                  hidden=(16,), noise_hidden=(8,), critic_hidden=(8,), seed=2,
-                                  state_keys=["state", "instruction"])  # the order the older FlowPolicy read
-    obs = batch(space, 4)
-    for policy in (token, flow):
-        policy.update_obs_stats(obs)
-        with torch.no_grad():
-            for p in policy.parameters():
-                p.add_(0.05)
-    # the files as the older code wrote them: its parameter names and its constructor arguments
-    renames = {"obs_encoder.images.0.conv.": "patchify.", "obs_encoder.images.0.proj.": "pixel_proj.",
-               "obs_encoder.": ""}
-    old_configs = {
-        "TokenPolicy": {"action_low": [-1.0, -1.0], "action_high": [1.0, 1.0], "state_dim": 4,
-                        "pixels_shape": [16, 16, 3], "instruction_dim": 6, "dict_obs": True, "d_model": 32,
-                        "layers": 1, "heads": 4, "mlp_ratio": 4, "bins": 256, "state_tokens": 1, "pixel_grid": 2,
-                        "bin_basis": 32, "normalize_obs": True, "seed": 2},
-        "FlowPolicy": {"obs_dim": 10, "chunk_shape": [2], "action_low": [-1.0, -1.0], "action_high": [1.0, 1.0],
-                       "hidden": [16], "noise_hidden": [8], "critic_hidden": [8], "time_dim": 32,
-                       "denoise_steps": 4, "predict": "action", "sigma_min": 0.01, "sigma_max": 1.0,
-                       "init_sigma": 0.5, "normalize_obs": True, "obs_keys": ["state", "instruction"], "seed": 2}}
-    for policy in (token, flow):
-        name = type(policy).__name__
-        path = tmp_path / name
-        policy.save_pretrained(path)
-        weights = load_file(str(path / WEIGHTS_NAME))
-        old = {}
-        for key, value in weights.items():
-            prefix = next((p for p in renames if key.startswith(p)), None)
-            old[key if prefix is None else renames[prefix] + key[len(prefix):]] = value
-        assert "obs_mean" in old and (name == "FlowPolicy" or "patchify.0.weight" in old)
-        save_file(old, str(path / WEIGHTS_NAME))
-        (path / CONFIG_NAME).write_text(json.dumps({"policy": name, **old_configs[name]}))
-        loaded = type(policy).from_pretrained(path)
-        torch.testing.assert_close(loaded.value(obs), policy.value(obs), rtol=0, atol=0)
-        for key, value in policy.state_dict().items():
-            assert torch.equal(loaded.state_dict()[key], value), key
+    flow = FlowPolicy.from_spaces(Box(-1, 1, (4,)), ACT, hidden=(16,), noise_hidden=(8,), critic_hidden=(8,), seed=2)
+    flow.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / CONFIG_NAME).read_text())
+    (tmp_path / CONFIG_NAME).write_text(json.dumps({**config, "dict_obs": True}))  # a TokenPolicy argument
+    with pytest.raises(ValueError, match=r"has keys FlowPolicy does not take: \['dict_obs'\]"):
+        FlowPolicy.from_pretrained(tmp_path)
+    (tmp_path / CONFIG_NAME).write_text(json.dumps(config))
+    weights = load_file(str(tmp_path / WEIGHTS_NAME))
+    save_file({k.removeprefix("obs_encoder."): v for k, v in weights.items()}, str(tmp_path / WEIGHTS_NAME))
+    with pytest.raises(RuntimeError, match='Unexpected key.*"obs_mean"'):
+        FlowPolicy.from_pretrained(tmp_path)
 
 
 # ---- end to end: ebrl.run and the CLI -------------------------------------------------------------
@@ -383,11 +310,11 @@ def test_trains_under_ebrl_run(name, sim, learner, no_leaks):
     policy = CNNPolicy.from_spaces(space, ACT, seed=0, **SMALL_CNN)
     cfg = ebrl.RunConfig(num_envs=4, segment_len=16, total_env_steps=256, learner=learner,
                          sim={"backend": sim, **({"num_workers": 2} if sim == "process" else {})})
-    before = policy.obs_mean.clone()
+    before = policy.obs_encoder.obs_mean.clone()
     res = ebrl.run_sync(ebrl.Trainer(lambda i: DictObsEnv(space), policy, PPO(minibatch_size=64), cfg))
     assert res.env_steps == res.trained == 256 and res.updates >= 1
     assert math.isfinite(res.metrics["value_loss"]) and math.isfinite(res.metrics["policy_loss"])
-    assert not torch.equal(before, policy.obs_mean)  # the vectors' statistics were updated
+    assert not torch.equal(before, policy.obs_encoder.obs_mean)  # the vectors' statistics were updated
 
 
 def test_one_hot_entries_train_under_ebrl_run(no_leaks):

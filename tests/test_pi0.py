@@ -28,6 +28,7 @@ from ebrl.policies.hf_backbone import pil_pi0_image_processor
 from ebrl.policies.pi0.policy import PI0Policy
 from ebrl.policies.pi0.preprocessing import ImageSettings, preprocess_images
 from ebrl.testing import save_random_pi0
+from tests.policy_helpers import step_params
 from tests.vla_helpers import expert_return, gap_closed, held_out_loss, ppo_grpo_keep_checkpoint, reach_demos
 
 pytestmark = pytest.mark.usefixtures("hf_offline")  # conftest: sockets refused, the hub offline
@@ -191,7 +192,7 @@ def test_evaluate_gives_acts_logprobs_for_the_stored_chain(kind, method, dirs):
     total = torch.distributions.Normal(0.0, 1.0).log_prob(chain[0, 0, :2, :3]).sum()
     for k in range(3):
         with torch.no_grad():
-            mean, sigma = policy.step_params(row, chain[:, k].float().reshape(1, -1), k)
+            mean, sigma = step_params(policy, row, chain[:, k].float().reshape(1, -1), k)
         block = mean.double().reshape(4, 8)[:2, :3]
         unexecuted = torch.ones(4, 8, dtype=torch.bool)
         unexecuted[:2, :3] = False  # the rest of the chunk follows the ODE: exactly the mean
@@ -202,7 +203,7 @@ def test_evaluate_gives_acts_logprobs_for_the_stored_chain(kind, method, dirs):
             assert torch.allclose(sigma, torch.full_like(sigma, delta ** 0.5 * sigma_t))
             # RLinf's sample_mean_var_val: x0_pred (1 - t + delta) + x1_pred (t - delta - sigma_t^2 delta / (2 t))
             with torch.no_grad():
-                euler = ode.step_params(row, chain[:, k].float().reshape(1, -1), k)[0].double().reshape(4, 8)
+                euler = step_params(ode, row, chain[:, k].float().reshape(1, -1), k)[0].double().reshape(4, 8)
             x = chain[0, k]
             v = (euler - x) / -delta
             x0_pred, x1_pred = x - v * t, x + v * (1 - t)

@@ -172,7 +172,7 @@ def test_cnn_policy_state_normalisation_travels_with_state_dict():
     p = CNNPolicy.from_spaces(_dict_space(), gym.spaces.Box(-1, 1, (1,)), seed=0)
     state = torch.randn(256, 4) * 3 + 5
     p.update_obs_stats({"pixels": torch.zeros(256, 32, 32, 3, dtype=torch.uint8), "state": state})
-    assert torch.allclose(p.obs_mean, state.mean(0), atol=1e-3)
+    assert torch.allclose(p.obs_encoder.obs_mean, state.mean(0), atol=1e-3)
     q = CNNPolicy.from_spaces(_dict_space(), gym.spaces.Box(-1, 1, (1,)), seed=9)
     q.load_state_dict(p.state_dict())
     obs = {k: torch.from_numpy(v) for k, v in _obs(4).items()}
@@ -207,7 +207,7 @@ def test_ppo_update_on_a_batch_with_dict_observations():
     assert metrics["num_steps"] == 16.0
     assert all(math.isfinite(metrics[k]) for k in ("policy_loss", "value_loss", "approx_kl", "entropy"))
     assert any(not torch.equal(a, b) for a, b in zip(before, policy.parameters()))
-    assert torch.allclose(policy.obs_mean, o["state"][mask].mean(0).double().float(), atol=1e-3)
+    assert torch.allclose(policy.obs_encoder.obs_mean, o["state"][mask].mean(0).double().float(), atol=1e-3)
 
 
 # ---- end to end -------------------------------------------------------------------------------

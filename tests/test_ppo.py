@@ -157,8 +157,8 @@ def test_state_dict_carries_obs_stats_not_generator():
     p = MLPPolicy(6, 1)
     for chunk in x.split(137):
         p.update_obs_stats(chunk)
-    torch.testing.assert_close(p.obs_mean.double(), x.mean(0), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(p.obs_var.double(), x.var(0, unbiased=False), rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(p.obs_encoder.obs_mean.double(), x.mean(0), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(p.obs_encoder.obs_var.double(), x.var(0, unbiased=False), rtol=1e-3, atol=1e-3)
     assert not any("obs_mean" in k for k in MLPPolicy(6, 1, normalize_obs=False).state_dict())
 
 

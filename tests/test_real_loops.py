@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import ebrl
-from ebrl.testing import Latency, LatencyMode, MockEnv, MockPolicy, NoopAlgo, VersionedPolicy
+from ebrl.policies.base import ActResult
+from ebrl.testing import Latency, LatencyMode, MockEnv, MockPolicy, NoopAlgo
 from tests.conftest import ebrl_threads
 
 
@@ -396,6 +397,31 @@ def mirror_full_queue(monkeypatch) -> None:
     FULL.value = 0
     monkeypatch.setattr(RunState, "changed", changed_and_mirrored)
     monkeypatch.setattr(Driver, "unpark", unpark_and_mirrored)
+
+
+class VersionedPolicy(MockPolicy):
+    """A :class:`MockPolicy` whose every action component is the version of the weights that chose it.
+
+    The version lives in the weights (``state_dict()["weights_version"]``), so it travels
+    the same way real weights do: an algorithm bumps it in ``update`` (``NoopAlgo`` does),
+    the learner publishes the state dict, the generator loads it into its copy. A recorded
+    transition's action therefore says which weights really acted, independently of the
+    version tag the generator attaches (``Batch.versions``); :meth:`acted_versions` reads them
+    back from a training batch."""
+
+    def __init__(self, act_dim: int = 4, **kwargs):
+        super().__init__(act_dim, **kwargs)
+
+    def act(self, obs) -> ActResult:
+        res = super().act(obs)
+        a = np.full_like(res.actions, self.weights_version)
+        return ActResult(actions=a, env_actions=a, logprobs=res.logprobs, values=res.values)
+
+    @staticmethod
+    def acted_versions(batch):
+        """The acting weights' version of every valid step of ``batch`` (a 1-D int64 tensor, in ``mask`` order)."""
+        acts = batch.actions[batch.mask]  # [N, act_dim]
+        return acts[:, 0].round().long()
 
 
 class VersionBumpAlgo:

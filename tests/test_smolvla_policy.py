@@ -25,6 +25,7 @@ from ebrl.policies.smolvla.lerobot import SmolVLAFolder, save_smolvla_lerobot
 from ebrl.policies.smolvla.policy import SmolVLAPolicy
 from ebrl.policies.smolvla.preprocess import pad_vector, prepare_images, resize_with_pad, tokenize_prompts
 from ebrl.testing_smolvla import save_random_smolvla
+from tests.policy_helpers import step_params
 from tests.test_lerobot_pi0 import ACTIONS, SMALL, STATS, TASK  # the π0 folders' task, sizes and statistics
 from tests.vla_helpers import expert_return, gap_closed, held_out_loss, ppo_grpo_keep_checkpoint, reach_demos
 
@@ -135,7 +136,7 @@ def test_evaluate_scores_the_stored_chain_as_act_sampled_it(tiny, method):
     logp, entropy, value = policy.evaluate(obs, torch.from_numpy(out.actions))
     np.testing.assert_allclose(logp.detach().numpy(), out.logprobs, atol=1e-4)
     assert entropy.shape == value.shape == (3,)
-    mean, sigma = policy.step_params(obs, torch.from_numpy(out.actions[:, 0]), 0)
+    mean, sigma = step_params(policy, obs, torch.from_numpy(out.actions[:, 0]), 0)
     assert mean.shape == (3, 32) and sigma.shape == (3, 6)
 
 

@@ -237,10 +237,10 @@ class GRPO(MinibatchAlgo):
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`; the optimiser state (and a saved reference) apply at the next update."""
         self._gen.set_state(state["rng"])
-        self.updates = state.get("updates", 0)
+        self.updates = state["updates"]
         self._pending_optimizer_state = state["optimizer"]
         self.optimizer = None
-        ref = state.get("reference")
+        ref = state["reference"]
         if ref is not None:
             if self._own_reference and self.reference is not None:
                 self.reference.load_state_dict(ref)

@@ -212,8 +212,7 @@ class PPO(MinibatchAlgo):
         """Restore :meth:`state_dict`; the optimiser state applies to the next policy updated."""
         self.reward_rms.mean, self.reward_rms.var, self.reward_rms.count = state["reward_rms"]
         self._gen.set_state(state["rng"])
-        self.updates = state.get("updates", 0)  # checkpoints written before the warm-up: 0
-        self.lr_now = state.get("lr")  # before the adaptive lr: None, config.lr
+        self.updates, self.lr_now = state["updates"], state["lr"]
         self._pending_optimizer_state = state["optimizer"]
         self.optimizer = None
 

@@ -5,8 +5,8 @@ and forks its workers from a warm image, so a second run in it is faster than an
 first. The suites therefore run every measured run (each EBRL schedule and each peer) through
 :func:`call_fresh`: a new interpreter imports the measuring function's module (outside any
 timer), calls it with JSON arguments, and prints its dict as JSON on the last line of stdout.
-``ebrl bench SUITE --in-process`` keeps the old mode (every run in the bench's own process),
-for profiling.
+``ebrl bench SUITE --in-process`` runs every run in the bench's own process instead, for
+profiling.
 
     >>> call_fresh("ebrl.benchmark.fresh:echo", {"x": 2})
     {'x': 2, 'fresh': True}

@@ -494,7 +494,7 @@ def _read_tasks(root: Path, pq) -> list[str]:
     meta = root / "meta"
     if (meta / "tasks.parquet").is_file():
         # LeRobot's layout keeps the task string as the pandas index (``__index_level_0__``, or
-        # the index's name) beside ``task_index``; EBRL's older datasets have a ``task`` column
+        # the index's name) beside ``task_index``; a ``task`` column beside it reads too
         table = pq.read_table(meta / "tasks.parquet")
         pandas_meta = json.loads((table.schema.metadata or {}).get(b"pandas", b"{}"))
         names = [c for c in pandas_meta.get("index_columns", []) if isinstance(c, str)] + ["task"]

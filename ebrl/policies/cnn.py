@@ -42,7 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from ebrl.policies.base import ActResult
-from ebrl.policies.encoders import ObsEncoder, ObsEntry, ObsLayout, Read, ReadsObservations, load_legacy_keys
+from ebrl.policies.encoders import ObsEncoder, ObsEntry, ObsLayout, Read, ReadsObservations
 from ebrl.policies.expects import ActionSpec, PolicySpaces
 from ebrl.policies.heads import ActorCriticHeads, action_bounds
 from ebrl.policies.mlp import _init, _mlp
@@ -80,7 +80,7 @@ class CNNPolicy(ReadsObservations, ActorCriticHeads, nn.Module):
 
     ``from_spaces`` builds it for any observation space with at least one image; ``image_keys``
     and ``state_keys`` choose the entries. Built directly, ``pixels_shape`` ``(H, W, C)`` and
-    ``state_dim`` describe the older ``{"pixels", "state"}`` observation, or ``obs_layout`` (an
+    ``state_dim`` describe a ``{"pixels", "state"}`` observation, or ``obs_layout`` (an
     :class:`~ebrl.policies.encoders.ObsLayout`) any other. ``conv`` lists ``(out_channels, kernel,
     stride)`` layers; by default the NatureCNN stack for images of at least 36 px and a 3x3 stack
     below. ``feature_dim`` is each camera's embedding size, ``hidden`` the shared trunk after
@@ -88,9 +88,6 @@ class CNNPolicy(ReadsObservations, ActorCriticHeads, nn.Module):
     ``[action_low, action_high]``) or ``discrete_actions=n``. ``seed`` fixes the initial weights
     and the sampling stream.
     """
-
-    # before the observation encoder the one camera's CNN was `encoder`
-    LEGACY_KEYS = {**ReadsObservations.LEGACY_KEYS, "encoder.": "obs_encoder.images.0."}
 
     def __init__(self, pixels_shape: Sequence[int] | None = None, act_dim: int | None = None, *, state_dim: int = 0,
                  obs_layout: ObsLayout | Sequence[dict[str, Any]] | None = None,
@@ -132,7 +129,6 @@ class CNNPolicy(ReadsObservations, ActorCriticHeads, nn.Module):
             self.log_std = nn.Parameter(torch.full((self.act_dim,), float(init_log_std)))
         self.action_low, self.action_high = action_bounds(action_low, action_high, self.act_dim)
         self._start_sampling()
-        self.register_load_state_dict_pre_hook(load_legacy_keys)
 
     @classmethod
     def from_spaces(cls, observation_space, action_space, *, image_keys: Sequence[str] | None = None,

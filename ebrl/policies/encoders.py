@@ -191,7 +191,7 @@ class ObsLayout:
     vectors: tuple[ObsEntry, ...] = ()  # Box entries: normalised together
     categorical: tuple[ObsEntry, ...] = ()  # one-hot and binary entries: not normalised
     ignored: tuple[str, ...] = ()  # keys present but not chosen (image_keys / state_keys)
-    group_dim: int = 0  # total size of the vector entries of unknown shape (FlowPolicy's old obs_keys)
+    group_dim: int = 0  # total size of the vector entries of unknown shape (FlowPolicy's obs_keys)
 
     @property
     def entries(self) -> tuple[ObsEntry, ...]:
@@ -475,28 +475,16 @@ class ObsEncoder(nn.Module):
 
 class ReadsObservations:
     """What the policies here share about observations: an ``obs_encoder`` (an
-    :class:`ObsEncoder`), and ``state_dict`` keys from before it existed loading into it.
-
-    A policy calls ``self.register_load_state_dict_pre_hook(load_legacy_keys)`` in its
-    constructor and lists its old names in ``LEGACY_KEYS``.
-    """
+    :class:`ObsEncoder`), which holds the layout and the running statistics."""
 
     obs_encoder: ObsEncoder
     # True: act() returns the mode (a Gaussian's mean, the likeliest token, a flow from zero
     # noise) instead of a sample: ebrl eval --deterministic, demonstrations from a policy
     deterministic: bool = False
-    # old name -> new name; a name ending in "." renames every key under it
-    LEGACY_KEYS: dict[str, str] = {"obs_mean": "obs_encoder.obs_mean", "obs_var": "obs_encoder.obs_var",
-                                   "obs_count": "obs_encoder.obs_count"}
 
     @property
     def obs_layout(self) -> ObsLayout:
         return self.obs_encoder.layout
-
-    # the running statistics, where they were before the encoder held them
-    obs_mean = property(lambda self: self.obs_encoder.obs_mean)
-    obs_var = property(lambda self: self.obs_encoder.obs_var)
-    obs_count = property(lambda self: self.obs_encoder.obs_count)
 
     def describe_inputs(self) -> list[dict[str, Any]]:
         """The observation entries this policy reads, and how (``ebrl.run`` logs them as
@@ -519,15 +507,3 @@ class ReadsObservations:
         can help it. Freezing them is SB3's ``VecNormalize(training=False)`` for a loaded model.
         """
         self.obs_encoder.frozen = bool(frozen)
-
-
-def load_legacy_keys(module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
-    """A ``load_state_dict`` pre-hook: ``state_dict`` keys saved under the names
-    ``module.LEGACY_KEYS`` lists (before the observation encoder) are renamed to the new ones.
-    A module-level function, so that the policy still pickles and deep-copies."""
-    for old, new in module.LEGACY_KEYS.items():
-        for key in [k for k in state_dict if k.startswith(prefix + old)]:
-            rest = key[len(prefix + old):]
-            if (rest and not old.endswith(".")) or prefix + new + rest in state_dict:
-                continue
-            state_dict[prefix + new + rest] = state_dict.pop(key)

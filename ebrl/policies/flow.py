@@ -57,7 +57,7 @@ from torch import Tensor, nn
 
 from ebrl.policies.base import ActResult, SeededSampling
 from ebrl.policies.cnn import image_cnn
-from ebrl.policies.encoders import ObsEncoder, ObsEntry, ObsLayout, Read, ReadsObservations, as_tensor, load_legacy_keys
+from ebrl.policies.encoders import ObsEncoder, ObsEntry, ObsLayout, Read, ReadsObservations, as_tensor
 from ebrl.policies.expects import ActionSpec, PolicySpaces
 from ebrl.policies.flow_chain import ChunkSpace, FlowChain, HasChain, SigmoidSigma, TimeEmbedding, Velocity, chunk_2d
 from ebrl.policies.mlp import _mlp
@@ -73,7 +73,7 @@ class FlowPolicy(HasChain, ChunkSpace, ReadsObservations, SeededSampling, Pretra
     (an :class:`~ebrl.policies.encoders.ObsLayout`, which ``from_spaces`` builds; ``obs_dim``
     None counts them) each camera's CNN features (``feature_dim``, ``conv`` as
     :class:`~ebrl.policies.CNNPolicy`'s) then the normalised vectors; without it the flattened
-    Box observation or, with ``obs_keys`` (as before ``obs_layout`` existed), those dict
+    Box observation or, with ``obs_keys``, those dict
     entries flattened and concatenated in that order.
     ``chunk_shape`` is the action Box's shape, ``(K, A)`` or ``(A,)``; ``action_low`` and
     ``action_high`` (finite, broadcastable to it) define the map from the normalised ``[-1, 1]``
@@ -82,8 +82,6 @@ class FlowPolicy(HasChain, ChunkSpace, ReadsObservations, SeededSampling, Pretra
     chunk) or ``"velocity"`` (it predicts the velocity field). ``seed`` fixes the initial
     weights and the sampling stream.
     """
-
-    CONFIG_BEFORE_KEY = {"predict": "velocity"}  # weights saved before `predict` predicted the velocity
 
     def __init__(
         self,
@@ -122,7 +120,7 @@ class FlowPolicy(HasChain, ChunkSpace, ReadsObservations, SeededSampling, Pretra
             raise ValueError("FlowPolicy needs finite action bounds with high > low (the flow lives in "
                              f"[-1, 1] and is mapped onto them), got low={low.tolist()}, high={high.tolist()}")
         if obs_layout is not None and obs_keys:
-            raise ValueError("give obs_layout, or obs_keys (the older argument), not both")
+            raise ValueError("give obs_layout, or obs_keys, not both")
         if obs_layout is None and obs_dim is None:
             raise ValueError("give obs_dim, or obs_layout")
         if obs_layout is not None:
@@ -163,7 +161,6 @@ class FlowPolicy(HasChain, ChunkSpace, ReadsObservations, SeededSampling, Pretra
         self.critic = _mlp(self.obs_dim, critic_hidden, 1, nn.Tanh, 1.0, init_gen)
         self.time_embedding = TimeEmbedding(time_dim)
         self._start_sampling()
-        self.register_load_state_dict_pre_hook(load_legacy_keys)
 
     @classmethod
     def from_spaces(cls, observation_space, action_space, *, image_keys: Sequence[str] | None = None,
@@ -210,12 +207,6 @@ class FlowPolicy(HasChain, ChunkSpace, ReadsObservations, SeededSampling, Pretra
             return self.velocity(inp).reshape(x.shape), sigma.reshape(x.shape)
 
         return velocity
-
-    def step_params(self, obs: ObsLike, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        """``(mean_k, sigma_k)`` of the transition from ``x = x_k [N, K * A]`` at step ``k``
-        (``tau_k = k / N``), with gradients: the density the chain's log-prob is made of."""
-        feat = self._features(obs)
-        return self.chain.step_params(self._velocity(feat), x.to(feat.dtype), k)
 
     # ---- acting (runtime) ------------------------------------------------------------------
 

@@ -539,10 +539,12 @@ class HFBackbonePolicy(ReadsObservations, FrozenModes):
             raise ValueError(f"{path / POLICY_JSON} names no base model directory: pass base_path=")
         lora = config["lora"] or {}
         kw = dict(lora_rank=lora.get("rank"), lora_alpha=lora.get("alpha"), lora_targets=lora.get("targets"))
-        # an option added after the adapters were saved takes the value that reproduces them
-        before = getattr(cls, "CONFIG_BEFORE_KEY", {})
-        kw.update({k: config[k] if k in config else before[k] for k in (*cls._SHARED_OPTIONS, *cls.SAVED_OPTIONS)
-                   if k in config or k in before})
+        options = (*cls._SHARED_OPTIONS, *cls.SAVED_OPTIONS)
+        # an option left out would take the constructor's default, which the adapters may not have been trained with
+        missing = [k for k in options if k not in config]
+        if missing:
+            raise ValueError(f"{path / POLICY_JSON} lacks options {cls.__name__} saves: {missing}")
+        kw.update({k: config[k] for k in options})
         layout = ObsLayout.from_config(config["obs_layout"])
         classes = None if config["instruction_classes"] is None else tuple(config["instruction_classes"])
         low, high = config["action_low"], config["action_high"]

@@ -232,13 +232,6 @@ class HFFlowPolicy(HasChain, ChunkSpace, HFBackbonePolicy):
 
         return velocity
 
-    def step_params(self, obs: Any, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        """``(mean_k, sigma_k)`` of the transition from ``x = x_k [N, K * A]`` at step ``k``
-        (``tau_k = k / N``), with gradients: the density the chain's log-prob is made of."""
-        memory, padding, _ = self._read_prefix(obs)
-        x = torch.as_tensor(x, device=memory.device).float()
-        return self.chain.step_params(self._velocity(memory, padding), x, k)
-
     # ---- acting (runtime) ----------------------------------------------------------------------
 
     @torch.no_grad()

@@ -118,32 +118,12 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ebrl.policies import hf_backbone
 from ebrl.policies.base import ActResult
 from ebrl.policies.hf_backbone import OPENVLA_PROMPT, HFBackbonePolicy, action_bounds
 from ebrl.policies.token import choose_token, cosine_bin_basis, forced_logp_entropy
 
 BINS = 256  # OpenVLA's bins per action dimension
 
-
-# ---- the model directory (the shared loaders, their errors naming this policy) ----------------
-
-def check_model_dir(path: str | Path, *, needs_image_processor: bool = False) -> Path:
-    """``path`` as a :class:`Path` if it holds a model EBRL can load (``config.json``, weights,
-    tokenizer files; an image processor's config when ``needs_image_processor``), else one
-    :class:`FileNotFoundError` naming the path and what is missing."""
-    return hf_backbone.check_model_dir(path, needs_image_processor=needs_image_processor, owner="HFTokenPolicy")
-
-
-def load_local_model(path: str | Path, *, dtype: str | torch.dtype = "auto", needs_image_processor: bool = False):
-    """``(model, tokenizer, image_processor or None)`` from a local directory: an image-text model
-    (``AutoModelForImageTextToText``, e.g. LLaVA) where its config is one, else
-    ``AutoModelForCausalLM``; always ``local_files_only=True``."""
-    return hf_backbone.load_local_model(path, dtype=dtype, needs_image_processor=needs_image_processor,
-                                        owner="HFTokenPolicy")
-
-
-# ---- the policy ------------------------------------------------------------------------------
 
 class HFTokenPolicy(HFBackbonePolicy):
     """OpenVLA-style action tokens from a Hugging Face model (see the module's docstring).
@@ -159,7 +139,6 @@ class HFTokenPolicy(HFBackbonePolicy):
     """
 
     SAVED_OPTIONS = ("action_stats", "vocab_size", "bin_basis")
-    CONFIG_BEFORE_KEY = {"bin_basis": 0}  # adapters saved before the bin head: the model's own logits
 
     def __init__(self, model: nn.Module, tokenizer: Any, *, action_low, action_high,
                  action_stats: Mapping[str, Any] | None = None, vocab_size: int | None = None,
@@ -288,12 +267,9 @@ class HFTokenPolicy(HFBackbonePolicy):
             logits = logits + coef @ self.bin_basis_matrix
         return logits
 
-    def token_logits(self, obs: Any, actions: Any) -> tuple[Tensor, Tensor]:
-        """Teacher-forced logits ``[N, D, 256]`` of every action dimension given the earlier bins of
-        ``actions [N, *action_shape]``, and values ``[N]``: one pass, with gradients."""
-        return self._logits(obs, self._bin_ids(actions))
-
     def _logits(self, obs: Any, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """The teacher-forced pass behind :meth:`evaluate`: logits ``[N, D, 256]`` of every action
+        dimension given the earlier bins ``ids [N, D]``, and values ``[N]``, with gradients."""
         embeds, mask, positions = self._prefix(obs)
         prefix_len = embeds.shape[1]
         if self.num_tokens > 1:
@@ -311,7 +287,7 @@ class HFTokenPolicy(HFBackbonePolicy):
 
         One pass over the prefix fills the model's cache; each further dimension is one
         single-token step. Bins are sampled from the policy's generator, or teacher-forced when
-        ``tokens`` is given (the logits then equal :meth:`token_logits`').
+        ``tokens`` is given (the logits then equal the teacher-forced pass's, :meth:`evaluate`'s).
         """
         forced = None if tokens is None else self._bin_ids(tokens)
         embeds, mask, positions = self._prefix(obs)
@@ -389,4 +365,4 @@ def _bin_bounds(box_low: np.ndarray, box_high: np.ndarray, action_stats: Mapping
     return low.astype(np.float32), high.astype(np.float32), stats
 
 
-__all__ = ["HFTokenPolicy", "OPENVLA_PROMPT", "check_model_dir", "load_local_model"]
+__all__ = ["OPENVLA_PROMPT", "HFTokenPolicy"]

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from ebrl.policies.base import ActResult
-from ebrl.policies.encoders import EPS, OBS_CLIP, ObsEncoder, ObsLayout, ReadsObservations, load_legacy_keys
+from ebrl.policies.encoders import EPS, OBS_CLIP, ObsEncoder, ObsLayout, ReadsObservations
 from ebrl.policies.expects import ActionSpec, PolicySpaces
 from ebrl.policies.heads import LOG_SQRT_2PI, ActorCriticHeads, action_bounds
 
@@ -129,7 +129,6 @@ class MLPPolicy(ReadsObservations, ActorCriticHeads, nn.Module):
             self.log_std = nn.Parameter(torch.full((self.act_dim,), float(init_log_std)))
 
         self.action_low, self.action_high = action_bounds(action_low, action_high, self.act_dim)
-        self.register_load_state_dict_pre_hook(load_legacy_keys)
 
         # Plain attributes (not buffers), so they never enter state_dict.
         self._start_sampling()
@@ -147,7 +146,7 @@ class MLPPolicy(ReadsObservations, ActorCriticHeads, nn.Module):
         from gymnasium import spaces
 
         if isinstance(observation_space, spaces.Box):
-            layout = ObsLayout.vector(observation_space.shape)  # read whole, images too, as it always was
+            layout = ObsLayout.vector(observation_space.shape)  # read whole, images too
         else:
             # it has no image encoder: cameras are refused by name unless state_keys chose the entries
             layout = ObsLayout.from_space(observation_space, state_keys=state_keys,

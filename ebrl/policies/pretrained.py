@@ -16,6 +16,7 @@ weights from a hub.
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -26,9 +27,6 @@ class Pretrained:
     """Mixin for an ``nn.Module`` whose ``config`` dict rebuilds it (``cls(**config)``)."""
 
     config: dict
-    # constructor arguments added after weights were first saved, with the value that reproduces
-    # those older weights: a config.json without the key loads as it did when it was written
-    CONFIG_BEFORE_KEY: dict = {}
 
     def save_pretrained(self, path: str | Path) -> None:
         """Write ``model.safetensors`` (the state_dict) and ``config.json`` (the constructor arguments)."""
@@ -53,6 +51,14 @@ class Pretrained:
         kind = config.pop("policy", cls.__name__)
         if kind != cls.__name__:
             raise ValueError(f"{path / CONFIG_NAME} holds a {kind}, not a {cls.__name__}")
-        policy = cls(**{**cls.CONFIG_BEFORE_KEY, **config})
+        accepted = inspect.signature(cls).parameters
+        unexpected = sorted(k for k in config if k not in accepted)
+        if unexpected:
+            raise ValueError(f"{path / CONFIG_NAME} has keys {cls.__name__} does not take: {unexpected}")
+        policy = cls(**config)
+        # a key left out would take the constructor's default, which the weights may not have been trained with
+        missing = sorted(k for k in policy.config if k not in config)
+        if missing:
+            raise ValueError(f"{path / CONFIG_NAME} lacks keys {cls.__name__} saves: {missing}")
         policy.load_state_dict(load_file(str(path / WEIGHTS_NAME)))
         return policy

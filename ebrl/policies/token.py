@@ -58,7 +58,6 @@ from ebrl.policies.encoders import (
     Read,
     ReadsObservations,
     as_tensor,
-    load_legacy_keys,
     lookup,
 )
 from ebrl.policies.expects import ActionSpec, ObsSpec, PolicySpaces
@@ -148,20 +147,14 @@ class TokenPolicy(ReadsObservations, SeededSampling, Pretrained, nn.Module):
     ``action_low``/``action_high`` give the action shape (``(A,)`` or a chunk ``(K, A)``, whose
     ``K*A`` tokens are emitted in row-major order) and the finite bounds of the ``bins`` uniform
     bins per dimension. ``obs_layout`` (an :class:`~ebrl.policies.encoders.ObsLayout`, which
-    ``from_spaces`` builds) says which entries are read; without it, as before it existed,
-    ``dict_obs=False`` reads a flat Box observation as the state and ``dict_obs=True`` dicts of
-    ``state`` (``state_dim``) and ``pixels`` (``pixels_shape`` ``(H, W, C)`` uint8).
+    ``from_spaces`` builds) says which entries are read; without it ``dict_obs=False`` reads a
+    flat Box observation as the state and ``dict_obs=True`` dicts of ``state`` (``state_dim``) and
+    ``pixels`` (``pixels_shape`` ``(H, W, C)`` uint8).
     ``instruction_dim`` is the size of an ``instruction`` entry. The vectors become
     ``state_tokens`` tokens, each camera ``pixel_grid**2`` tokens, the instruction one. ``seed``
     fixes the initial weights and the sampling stream: two policies built alike act identically
     on identical inputs.
     """
-
-    CONFIG_BEFORE_KEY = {"bin_basis": 0}  # weights saved before the bin basis had a free logit per bin
-
-    # before the observation encoder the one camera's patchifier was `patchify` and `pixel_proj`
-    LEGACY_KEYS = {**ReadsObservations.LEGACY_KEYS, "patchify.": "obs_encoder.images.0.conv.",
-                   "pixel_proj.": "obs_encoder.images.0.proj."}
 
     def __init__(self, action_low, action_high, *, obs_layout: ObsLayout | Sequence[dict[str, Any]] | None = None,
                  state_dim: int = 0, pixels_shape: Sequence[int] | None = None,
@@ -183,14 +176,14 @@ class TokenPolicy(ReadsObservations, SeededSampling, Pretrained, nn.Module):
             raise ValueError(f"bin_basis={bin_basis} must lie in [0, bins={bins}] (0: one free logit per bin)")
         if obs_layout is not None:
             if state_dim or pixels_shape is not None or dict_obs:
-                raise ValueError("give obs_layout, or state_dim/pixels_shape/dict_obs (the older arguments), not both")
+                raise ValueError("give obs_layout, or state_dim/pixels_shape/dict_obs , not both")
             layout = ObsLayout.from_config(obs_layout)
         else:
             if pixels_shape is not None and len(pixels_shape) != 3:
                 raise ValueError(f"pixels_shape must be (H, W, C), got {tuple(pixels_shape)}")
             if not dict_obs and (pixels_shape is not None or instruction_dim):
                 raise ValueError("pixels and instruction inputs need dict observations (dict_obs=True)")
-            layout = _legacy_layout(int(state_dim), pixels_shape, bool(dict_obs))
+            layout = _plain_layout(int(state_dim), pixels_shape, bool(dict_obs))
         if instruction_dim and any(not e.path for e in layout.entries):
             raise ValueError("an instruction input needs dict observations (an 'instruction' entry)")
         # constructor arguments, JSON-ready: save_pretrained writes them, from_pretrained reads them
@@ -211,7 +204,7 @@ class TokenPolicy(ReadsObservations, SeededSampling, Pretrained, nn.Module):
         self.register_buffer("bin_low", torch.from_numpy(low.reshape(-1).copy()), persistent=False)
         self.register_buffer("bin_width", torch.from_numpy((high - low).reshape(-1) / bins), persistent=False)
 
-        # registered in this order (vectors, cameras, instruction) so that _init_weights draws as before
+        # registered in this order (vectors, cameras, instruction), which is the order _init_weights draws them in
         num_prefix = 0
         if self.state_dim:
             self.state_proj = nn.Linear(self.state_dim, self.state_tokens * d_model)
@@ -249,7 +242,6 @@ class TokenPolicy(ReadsObservations, SeededSampling, Pretrained, nn.Module):
                              persistent=False)
         self._init_weights(torch.Generator().manual_seed(self.seed))
         self._start_sampling()
-        self.register_load_state_dict_pre_hook(load_legacy_keys)
 
     def _init_weights(self, gen: torch.Generator) -> None:
         """GPT-2 initialisation from ``gen`` (so weights depend on ``seed`` only). The token head
@@ -363,13 +355,9 @@ class TokenPolicy(ReadsObservations, SeededSampling, Pretrained, nn.Module):
         bos = (self.bos + self.action_pos[0]).expand(prefix.shape[0], 1, -1)
         return torch.cat([prefix, bos], 1)
 
-    def token_logits(self, obs: Any, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        """Teacher-forced logits ``[N, D, bins]`` of every action dimension given the earlier
-        ``tokens [N, *action_shape]``, and values ``[N]``: one full pass, with gradients."""
-        return self._logits(obs, self._token_ids(tokens))
-
     def _logits(self, obs: Any, ids: Tensor) -> tuple[Tensor, Tensor]:
-        """:meth:`token_logits` on checked ids ``[N, D]``."""
+        """The teacher-forced pass behind :meth:`evaluate`: logits ``[N, D, bins]`` of every action
+        dimension given the earlier checked ids ``[N, D]``, and values ``[N]``, with gradients."""
         inputs = self._prefix_and_bos(obs)
         if self.num_tokens > 1:
             inputs = torch.cat([inputs, self.embed_tokens(ids[:, :-1]) + self.action_pos[1:]], 1)
@@ -405,7 +393,7 @@ class TokenPolicy(ReadsObservations, SeededSampling, Pretrained, nn.Module):
 
         One pass over prefix + BOS fills the cache; then each further token is one
         single-position step. Tokens are sampled from the policy's generator, or, when
-        ``tokens`` is given, teacher-forced (the logits then equal :meth:`token_logits`').
+        ``tokens`` is given, teacher-forced (the logits then equal the full pass's, :meth:`evaluate`'s).
         """
         forced = None if tokens is None else self._token_ids(tokens)
         inputs = self._prefix_and_bos(obs)
@@ -469,8 +457,8 @@ def cosine_bin_basis(bins: int, size: int) -> Tensor:
     return torch.cos(math.pi * freq * place) / freq.square()
 
 
-def _legacy_layout(state_dim: int, pixels_shape: Sequence[int] | None, dict_obs: bool) -> ObsLayout:
-    """The observation read before the observation encoder: a flat Box, or ``state`` and ``pixels`` entries."""
+def _plain_layout(state_dim: int, pixels_shape: Sequence[int] | None, dict_obs: bool) -> ObsLayout:
+    """The layout ``state_dim``/``pixels_shape``/``dict_obs`` describe: a flat Box, or ``state`` and ``pixels``."""
     if not dict_obs:
         return ObsLayout.vector((state_dim,)) if state_dim else ObsLayout()
     images = (ObsEntry(("pixels",), Read.IMAGE, tuple(int(d) for d in pixels_shape), "uint8"),) if pixels_shape else ()

@@ -7,8 +7,8 @@ chunks run on :mod:`ebrl.policies.flow_chain`'s chain in π0's time (noise at ``
 observation's state reader and the instructions, the checkpoint's dtype and LoRA on the linear
 layers under :attr:`~VLAFlowPolicy.LORA_SCOPE`, the two float32 heads EBRL adds (Flow-Noise's noise
 head, ``sigma`` by :func:`~ebrl.policies.flow_chain.tanh_sigma`; the value head, zero at the start,
-its input detached with ``detach_value_input``), ``act``/``evaluate``/``value``/``step_params``,
-the flow-matching SFT loss's targets, the env actions from a final chunk and the weights that train.
+its input detached with ``detach_value_input``), ``act``/``evaluate``/``value``, the
+flow-matching SFT loss's targets, the env actions from a final chunk and the weights that train.
 A subclass supplies its model's parts:
 
 - ``_prefix(obs, last_hidden=...)``: the VLM's one pass over the observation (a prefix with
@@ -211,10 +211,6 @@ class VLAFlowPolicy(HasChain, FrozenModes):
         return self._layout
 
     @property
-    def chain_dim(self) -> int:
-        return self.chain.dim
-
-    @property
     def _device(self) -> torch.device:
         return self.device_anchor.device
 
@@ -295,14 +291,6 @@ class VLAFlowPolicy(HasChain, FrozenModes):
             return torch.stack(out, 1), torch.stack(sigma, 1) if sigma else None
 
         return velocity
-
-    def step_params(self, obs: Any, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        """``(mean_k [B, chunk * max_action_dim], sigma_k [B, execute * A])`` of the transition
-        from ``x = x_k [B, chunk * max_action_dim]`` at step ``k``, with gradients: the density
-        the chain's log-prob is made of (``sigma`` covers the executed block only)."""
-        prefix = self._prefix(obs, last_hidden=False)
-        x = torch.as_tensor(x, device=self._device).float()
-        return self.chain.step_params(self._velocity(prefix), x, k)
 
     # ---- the value ------------------------------------------------------------------------------
 

@@ -4,9 +4,8 @@
 forking processes, joining them) runs here instead. The thread is joined when its work returns.
 Work that may hang (``may_hang``: a user's env constructor) returns at once when the awaiting
 task is cancelled, or past ``timeout_s``: a thread still inside it (a constructor hung in C
-code) cannot be stopped, so it is never joined on the loop; it is a daemon, named in
-``left_running()``, and logged. Work that may hang
-for good belongs in a child process, which can be killed (:mod:`ebrl.runtime.children`).
+code) cannot be stopped, so it is never joined on the loop; it is a daemon, and logged. Work
+that may hang for good belongs in a child process, which can be killed (:mod:`ebrl.runtime.children`).
 
     >>> import asyncio, threading
     >>> asyncio.run(in_thread(lambda: threading.current_thread().name, name="ebrl-doc"))
@@ -22,7 +21,6 @@ import os
 import signal
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -70,17 +68,8 @@ async def in_thread(fn: Callable[..., T], *args: Any, name: str = "ebrl-offloop"
             thread.join()  # it has handed its result over: it is returning
         else:
             done.add_done_callback(forget)  # the work failed after it was given up on
-            _left.add(thread)
             log.warning("thread_left_running", thread=name, timeout_s=timeout_s,
                         hint="a call that never returned (an env constructor hung in C code?); the thread is a daemon")
-
-
-_left: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
-
-
-def left_running() -> list[threading.Thread]:
-    """Threads of :func:`in_thread` given up on (timed out or cancelled) and still running."""
-    return [t for t in _left if t.is_alive()]
 
 
 def settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:

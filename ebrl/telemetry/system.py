@@ -63,10 +63,6 @@ class SystemSampler:
             self._gpus = []
             _shutdown(nvml)
 
-    @property
-    def num_gpus(self) -> int:
-        return len(self._gpus)
-
     def sample(self) -> dict[str, float]:
         """Utilisation since the previous call, as ``{key: percent or MiB}``."""
         out: dict[str, float] = {}

@@ -304,7 +304,7 @@ class PI0Policy(VLAFlowPolicy):
             tok = AutoTokenizer.from_pretrained(str(tokenizer or path), local_files_only=True)
             processor_config = json.loads((path / PROCESSOR_CONFIG).read_text())
             if "image_processor" not in processor_config and (path / "preprocessor_config.json").is_file():
-                # an older layout: the image processor's settings in a file of their own
+                # the image processor's settings in a file of their own, where a checkpoint keeps them there
                 processor_config["image_processor"] = json.loads((path / "preprocessor_config.json").read_text())
             processing = Processing.from_transformers(processor_config, model.config)
         return cls(model, tok, processing, obs_layout=layout, action_low=low, action_high=high,
