@@ -70,16 +70,22 @@ async def in_thread(fn: Callable[..., T], *args: Any, name: str = "ebrl-offloop"
             thread.join()  # it has handed its result over: it is returning
         else:
             done.add_done_callback(forget)  # the work failed after it was given up on
-            _left.add(thread)
-            log.warning("thread_left_running", thread=name, timeout_s=timeout_s,
-                        hint="a call that never returned (an env constructor hung in C code?); the thread is a daemon")
+            leave(thread, timeout_s)
 
 
 _left: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
 
 
+def leave(thread: threading.Thread, timeout_s: float | None = None) -> None:
+    """Give up on ``thread``, in a call that may never return: never joined, named in
+    :func:`left_running`, and logged."""
+    _left.add(thread)
+    log.warning("thread_left_running", thread=thread.name, timeout_s=timeout_s,
+                hint="a call that never returned (an env constructor hung in C code?); the thread is a daemon")
+
+
 def left_running() -> list[threading.Thread]:
-    """Threads of :func:`in_thread` given up on (timed out or cancelled) and still running."""
+    """Threads given up on (:func:`leave`: timed out or cancelled) and still running."""
     return [t for t in _left if t.is_alive()]
 
 
