@@ -203,7 +203,7 @@ class Learner:
         if running:
             if self.remote is not None:
                 log.warning("learner_update_abandoned", wait_s=CLOSE_WAIT_S)
-                self.remote.process.kill()  # the thread's pipe read ends with it
+                self.remote.kill()  # the thread's pipe read ends with it
                 for t in running:
                     t.join(1.0)
             else:
