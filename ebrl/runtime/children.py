@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import multiprocessing as mp
 import os
 import pickle
@@ -303,14 +302,26 @@ class Child:
 
     @classmethod
     async def start_off_loop(cls, name: str, target, *args, ctx: BaseContext) -> Child:
-        """:meth:`start` in a thread, off the loop. Cancelled meanwhile, the thread still finishes
-        the start, and the child it started is reaped."""
-        begin = functools.partial(cls.start, name, target, *args, ctx=ctx)
-        starting = asyncio.ensure_future(in_thread(begin, name=f"{name}-start"))
+        """:meth:`start` in a thread, off the loop. A caller cancelled meanwhile leaves no child:
+        the one started is reaped (by the thread, where it ends after the caller gave up)."""
+        lock, started, gave_up = threading.Lock(), [], threading.Event()
+
+        def begin() -> Child:
+            child = cls.start(name, target, *args, ctx=ctx)
+            with lock:
+                if not gave_up.is_set():
+                    started.append(child)
+                    return child
+            child.reap()
+            return child
+
         try:
-            return await asyncio.shield(starting)
+            return await in_thread(begin, name=f"{name}-start")
         except BaseException:
-            starting.add_done_callback(lambda f: f.cancelled() or f.exception() or f.result().reap())
+            with lock:
+                gave_up.set()
+            for child in started:
+                child.reap()
             raise
 
     @classmethod
