@@ -130,7 +130,7 @@ class InProcess:
 
     @property
     def pid(self) -> int | None:
-        return self.process.process.pid
+        return self.process.child.pid
 
     def update(self, batch: Batch, threads: int | None) -> tuple[dict, dict, np.ndarray]:
         return self.process.update(batch, threads)
@@ -142,7 +142,7 @@ class InProcess:
         return self.process.algo_state()
 
     def kill(self) -> None:
-        self.process.process.kill()  # the stage thread's pipe read ends with it
+        self.process.kill()  # the stage thread's wait on it ends with it
 
     def close(self, policy, algo) -> None:
         self.process.close(policy, algo)
