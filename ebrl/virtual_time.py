@@ -210,6 +210,8 @@ class VirtualExecutor:
 
     def metered(self, env: gym.Env) -> tuple[gym.Env, tuple[Callable[[], float], Callable[[], float]]]:
         """``env`` wrapped so that its steps' declared costs are the probe's wall and CPU clocks."""
+        if not isinstance(env, gym.Env):  # a vector env: the probe reads its facts, never times it
+            return env, (lambda: 0.0, lambda: 0.0)
         meter = _Meter(env)
         clock = lambda: meter.spent
         return meter, (clock, clock)

@@ -14,7 +14,7 @@ from conftest import ebrl_threads
 from ebrl.config import FaultConfig, SimConfig
 from ebrl.runtime.errors import EnvStepError
 from ebrl.runtime.probe import EnvProbe
-from ebrl.runtime.virtual_time import VirtualTimeLoop
+from ebrl.virtual_time import VirtualTimeLoop
 from ebrl.testing import MockEnv
 
 GATE = threading.Event()  # a hung build in the probe's thread returns when it is set

@@ -150,7 +150,9 @@ async def _inspect(trainer: "Trainer", cfg: RunConfig, platform: Platform
     env_fn = chunked_env_fn(trainer.env_fn, trainer.policy)  # a chunk policy on per-step envs
     if env_fn is not trainer.env_fn:
         trainer = dataclasses.replace(trainer, env_fn=env_fn)
-    async with EnvProbe(trainer.env_fn, cfg.sim, cfg.faults, executor=platform.executor) as probe:
+    executor = platform.executor  # one without threads (virtual time) probes inline, on its own clocks
+    async with EnvProbe(trainer.env_fn, cfg.sim, cfg.faults, where="auto" if executor.threads else "inline",
+                        metered=executor.metered) as probe:
         facts = await probe.facts()
         cfg = resolve_run_config(cfg, trainer.algo, facts.max_episode_steps)
         check_policy_spaces(trainer.policy, facts.observation_space, facts.action_space)
