@@ -346,6 +346,17 @@ class EmulatedDevice:
                        train_fixed + train_scaled * p.total_sms / s.training) for s in splits)
         return one_stream / best if best > 0 else 1.0
 
+    # the device as the runtime sees it (ebrl.runtime.platform.Device): training stays in this
+    # process, beside generation on the same device
+    in_process_only = True
+
+    @property
+    def name(self) -> str:
+        return f"the emulated device {self.profile.name}"
+
+    def streams(self, mode: StreamMode) -> EmulatedStreams:
+        return EmulatedStreams.of(self, mode)
+
     def nvml(self) -> _Nvml:
         """An object with the ``pynvml`` functions :class:`~ebrl.telemetry.system.SystemSampler`
         calls, reporting this device (utilisation since the facade's previous query)."""
@@ -436,6 +447,7 @@ class EmulatedPolicy(nn.Module):
         super().__init__()
         self.policy = policy
         self.emulator = device
+        self.runtime_device = device  # the device run() shares between generation and training
         self._steps = getattr(policy, "denoise_steps", None)
 
     def __getattr__(self, name: str) -> Any:

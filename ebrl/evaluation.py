@@ -240,17 +240,18 @@ def evaluate(policy, env, *, episodes: int = 10, seed: int = EVAL_SEED, determin
 log = structlog.get_logger("ebrl.eval")
 
 
-async def evaluate_periodically(trainer, learner, stats, metrics, *, every_s: float, episodes: int,
+async def evaluate_periodically(trainer, learner, stats, metrics, executor=None, *, every_s: float, episodes: int,
                                 log_dir: str | None) -> None:
     cfg = trainer.config
+    offload = executor.call if executor is not None else in_thread  # the platform's (inline under virtual time)
     stop = threading.Event()
     loop = asyncio.get_running_loop()
     policy = env = episode = None
     try:
         policy = acting_copy(trainer.policy)
         try:
-            env = await in_thread(trainer.env_fn, cfg.num_envs, name="ebrl-eval", may_hang=True,
-                                  timeout_s=cfg.faults.build_timeout_s)
+            env = await offload(trainer.env_fn, cfg.num_envs, name="ebrl-eval", may_hang=True,
+                                timeout_s=cfg.faults.build_timeout_s)
         except TimeoutError:  # training goes on; the evaluations do not
             log.error("eval_env_build_timed_out", env=cfg.num_envs, limit_s=cfg.faults.build_timeout_s)
             return
@@ -263,7 +264,7 @@ async def evaluate_periodically(trainer, learner, stats, metrics, *, every_s: fl
             video = Path(log_dir) / "eval" / f"steps-{steps}.mp4" if filmed else None
             # a task of its own, shielded: a cancel leaves it running, and the finally below gives it
             # the time to see ``stop`` before the env is closed under it
-            episode = asyncio.ensure_future(in_thread(lambda: evaluate(
+            episode = asyncio.ensure_future(offload(lambda: evaluate(
                 policy, env, episodes=episodes, deterministic=deterministic, video=video, stop=stop),
                 name="ebrl-eval", may_hang=True))
             result = await asyncio.shield(episode)
@@ -282,4 +283,4 @@ async def evaluate_periodically(trainer, learner, stats, metrics, *, every_s: fl
             log.warning("eval_left_running", wait_s=CLOSE_WAIT_S, hint="an evaluation step or render never returned")
         elif env is not None:
             with contextlib.suppress(TimeoutError):
-                await in_thread(env.close, name="ebrl-eval-close", may_hang=True, timeout_s=CLOSE_WAIT_S)
+                await offload(env.close, name="ebrl-eval-close", may_hang=True, timeout_s=CLOSE_WAIT_S)

@@ -30,11 +30,11 @@ import numpy as np
 
 from ebrl.policies.base import ActResult
 from ebrl.policies.expects import ActionSpec, PolicySpaces
-from ebrl.runtime.virtual_time import VirtualTimeLoop
+from ebrl.virtual_time import VirtualTimeLoop, virtual_platform
 from ebrl.spaces import batch_size
 
 __all__ = ["Latency", "LatencyMode", "MockEnv", "MockPolicy", "NoopAlgo", "VirtualTimeLoop", "mock_vector_env",
-           "run_virtual", "torch_threads"]
+           "run_virtual", "torch_threads", "virtual_platform"]
 
 
 class LatencyMode(enum.StrEnum):
@@ -318,13 +318,13 @@ def mock_vector_env(num_envs: int, *, autoreset: str = "same_step", **kwargs) ->
 
 
 def run_virtual(trainer, **kwargs):
-    """``ebrl.run(trainer)`` on a :class:`VirtualTimeLoop`: every stage runs inline and
-    charges its declared cost (``MockEnv`` latency, ``virtual_cost`` of policy and algorithm)
-    in virtual seconds. Deterministic, and as fast as the Python code itself."""
-    from ebrl.runtime.run import run
+    """``ebrl.run(trainer)`` on a :class:`VirtualTimeLoop` with :func:`virtual_platform`: every
+    stage runs inline and charges its declared cost (``MockEnv`` latency, ``virtual_cost`` of
+    policy and algorithm) in virtual seconds, on a machine of 2 cores that starts no processes.
+    Deterministic, and as fast as the Python code itself."""
+    from ebrl.runtime.run import run_sync
 
-    with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
-        return runner.run(run(trainer, **kwargs))
+    return run_sync(trainer, platform=virtual_platform(), **kwargs)
 
 
 @contextlib.contextmanager

@@ -34,7 +34,8 @@ def flow(seed=0):
 def test_run_executes_chunks_on_a_per_step_env():
     CountingEnv.steps = 0
     trainer = ebrl.Trainer(env_fn=lambda i: CountingEnv(dim=A, episode_len=EPISODE), policy=flow(), algo=PPO(),
-                           config=ebrl.RunConfig(num_envs=2, segment_len=4, total_env_steps=64))
+                           config=ebrl.RunConfig(num_envs=2, segment_len=4, total_env_steps=64,
+                                                 sim={"backend": "thread"}))  # no probe steps in the count
     result = run_virtual(trainer)
     assert result.env_steps == 64 and result.accounting_ok()  # decisions, one chunk each
     # every decision ran up to K single steps; an episode of 10 is 4 decisions (3 + 3 + 3 + 1)

@@ -119,9 +119,9 @@ def test_accounting_with_faults_nan_drops_and_a_stop():
     async def main():
         stop = asyncio.Event()
         asyncio.get_running_loop().call_later(0.5, stop.set)
-        return await ebrl.run(tr, stop=stop)
+        return await ebrl.run(tr, stop=stop, platform=virtual_platform())
 
-    from ebrl.testing import VirtualTimeLoop
+    from ebrl.testing import VirtualTimeLoop, virtual_platform
 
     with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
         res = runner.run(main())
@@ -150,7 +150,8 @@ def test_too_many_failures_stop_the_run_with_a_clear_error():
     from ebrl.runtime.errors import TooManyEnvFailures
 
     tr = ebrl.Trainer(lambda i: MockEnv(fail_at_step=3), MockPolicy(act_dim=4), NoopAlgo(),
-                      ebrl.RunConfig(num_envs=2, total_env_steps=1000, faults={"max_env_failures": 3}))
+                      ebrl.RunConfig(num_envs=2, total_env_steps=1000, faults={"max_env_failures": 3},
+                                     sim={"backend": "thread"}))  # AUTO's probe would step env 0 into its fault
     with pytest.raises(TooManyEnvFailures, match="max_env_failures=3"):
         run_virtual(tr)
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from ebrl.config import SimConfig
+from ebrl.runtime.children import Child
 from ebrl.runtime.errors import EnvStepError, PoolClosed
 from ebrl.runtime.sim import SimPool, StepRows
 from ebrl.runtime.sim import worker as sim_worker
@@ -300,17 +301,17 @@ async def test_dict_observations_travel_through_shared_memory_unpickled(monkeypa
             monkeypatch.setattr(module, "pickle", counting)
         sizes = []
         for w in pool.remote._workers:  # messages sent
-            def sent(msg, fn=w.conn.send_bytes):
+            def sent(msg, fn=w.child.send_bytes):
                 sizes.append(len(msg))
                 return fn(msg)
-            w.conn.send_bytes = sent
-        read = sim_worker.WorkerLink.read_replies  # replies received, as read off the pipe and framed
+            w.child.send_bytes = sent
+        read = Child.frames  # replies received, as read off the pipe and framed
 
         def replied(link):
             got = read(link)
             sizes.extend(len(raw) for raw in got or ())
             return got
-        monkeypatch.setattr(sim_worker.WorkerLink, "read_replies", replied)
+        monkeypatch.setattr(Child, "frames", replied)
         ids = np.arange(4)
         for t in range(1, 7):
             move = np.stack([np.full(2, 0.1 * i + 0.01 * t, np.float32) for i in range(4)])
@@ -403,13 +404,13 @@ async def test_a_dead_worker_fails_its_envs_is_respawned_and_its_envs_come_back_
         await pool.reset(2)
         pool.submit(np.array([0]), np.zeros((1, 4), np.float32))  # env 0 steps for 1 s; env 2 is idle
         await wait_for(lambda: pool.remote.rows.started[0] > 0)  # env 0 is inside its step
-        dead = pool.remote._workers[0].process.pid
+        dead = pool.remote._workers[0].child.pid
         os.kill(dead, signal.SIGKILL)
         blocks = await col.wait([0])
         errors = [e for b in blocks for e in b.errors]
         assert errors == [(0, "worker 0 died (killed by SIGKILL) and was respawned")]
         assert fault_reason(errors[0][1]) == "worker_died"
-        assert pool.respawns == 1 and pool.remote._workers[0].process.pid != dead
+        assert pool.respawns == 1 and pool.remote._workers[0].child.pid != dead
         # env 2 was idle on it: its next step fails the same way, at once, until it is rebuilt
         pool.submit(np.array([1, 2]), np.zeros((2, 4), np.float32))
         blocks = await col.wait([1, 2])
@@ -490,7 +491,7 @@ class PidEnvs:
 
 
 def pids(pool):
-    return [w.process.pid for w in pool.remote._workers]
+    return [w.child.pid for w in pool.remote._workers]
 
 
 async def step_all(pool, col, ids):
@@ -724,7 +725,7 @@ async def test_grow_adds_empty_workers_and_resize_retires_only_empty_ones(tmp_pa
         await pool.migrate(1, 0, seed=None)
         pool.resize_workers(1)
         assert pool.size == 1 and pids(pool) == pid[:1]
-        retired = pool.remote._retired[0].process
+        retired = pool.remote._retired[0].child.process
         await wait_for(lambda: not retired.is_alive())
         assert (tmp_path / f"closed-1-{pid[1]}").exists()  # the drop ran before it quit
         assert await step_all(pool, col, range(2)) == {0: pid[0], 1: pid[0]}
@@ -812,21 +813,3 @@ async def test_a_stale_step_start_never_times_a_step_out(tmp_path, no_leaks):
     finally:
         pool.close()
 
-
-def test_replies_are_framed_whole_across_reads():
-    """One read may hold two replies, or half of one: each whole reply is handled once, in order."""
-    import struct
-
-    mine, theirs = multiprocessing.Pipe()
-    worker = sim_worker.WorkerLink(0, None, mine, None)  # only the reader: no process, no loop
-    theirs.send_bytes(b"S" + bytes(8))
-    theirs.send_bytes(b"S" + bytes(4))
-    got = worker.read_replies()
-    assert got == [b"S" + bytes(8), b"S" + bytes(4)] and worker.inbox == b""
-    frame = struct.pack("!i", 9) + b"E" + bytes(8)
-    os.write(theirs.fileno(), frame[:6])  # the header and a byte of the body
-    assert worker.read_replies() == [] and worker.inbox == frame[:6]
-    os.write(theirs.fileno(), frame[6:])
-    assert worker.read_replies() == [b"E" + bytes(8)] and worker.inbox == b""
-    mine.close()
-    theirs.close()

@@ -7,11 +7,11 @@ import time
 import pytest
 
 from ebrl.runtime.stage import Stage
-from ebrl.runtime.virtual_time import VirtualTimeLoop
+from ebrl.virtual_time import InlineStage, VirtualTimeLoop
 
 
 def test_under_virtual_time_a_call_runs_inline_and_costs_what_it_declares():
-    stage = Stage("gen", virtual_cost=lambda rows: 0.001 * rows)
+    stage = InlineStage("gen", cost=lambda rows: 0.001 * rows)
     seen = []
 
     async def main():

@@ -115,7 +115,7 @@ async def test_a_killed_workers_step_start_does_not_time_out_the_envs_rebuild_in
         blocks = await hang_and_kill(pool)
         assert [(i, fault_reason(e)) for b in blocks for i, e in b.errors] == [(0, "timeout")] and pool.respawns == 1
         # the new worker has started (so its start-up time is not on trial: only the row is)
-        await wait_for(lambda: pool.remote._workers[0].heard, timeout=30.0)
+        await wait_for(lambda: pool.remote._workers[0].child.heard, timeout=30.0)
         rebuild = asyncio.ensure_future(pool.rebuild(0))
         assert not pool.abandon(0, 0.1)  # not started in the new worker: not late
         await rebuild

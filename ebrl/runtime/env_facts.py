@@ -2,12 +2,11 @@
 
 One inspection serves both start-up checks: the policy against the env's spaces
 (:func:`ebrl.policies.expects.check_policy_spaces`) and the algorithm's needs against the
-time limit (:func:`ebrl.algos.resolve_run_config`). The AUTO sim probe reads them from the env
-it builds anyway (:mod:`ebrl.runtime.probe`); other runs build ``env_fn(0)``
-once for it with :func:`inspect_env`.
+time limit (:func:`ebrl.algos.resolve_run_config`). The start-up probe reads them from the
+env 0 it builds (:mod:`ebrl.runtime.probe`).
 
     >>> from ebrl.testing import MockEnv
-    >>> facts = inspect_env(lambda i: MockEnv(dim=3))
+    >>> facts = EnvFacts.of(MockEnv(dim=3))
     >>> facts.action_space.shape, facts.max_episode_steps
     ((3,), None)
 """
@@ -18,8 +17,7 @@ from dataclasses import dataclass
 
 import gymnasium as gym
 
-from ebrl.runtime.errors import EnvStepError
-from ebrl.runtime.sim.stepping import EnvFn, close_quietly, describe, single_spaces
+from ebrl.runtime.sim.stepping import single_spaces
 
 
 @dataclass(frozen=True)
@@ -35,17 +33,3 @@ class EnvFacts:
         obs, act = single_spaces(env)
         limit = getattr(getattr(env, "spec", None), "max_episode_steps", None)
         return cls(obs, act, int(limit) if limit else None)
-
-
-def inspect_env(env_fn: EnvFn) -> EnvFacts:
-    """Build ``env_fn(0)``, read its :class:`EnvFacts` and close it; it is never stepped. A
-    failing ``env_fn`` raises :class:`~ebrl.runtime.errors.EnvStepError` for env 0, as the
-    pools do."""
-    try:
-        env = env_fn(0)
-    except Exception as exc:
-        raise EnvStepError(0, "env_fn", describe(exc)) from exc
-    try:
-        return EnvFacts.of(env)
-    finally:
-        close_quietly(env)

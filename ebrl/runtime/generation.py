@@ -44,7 +44,6 @@ the batch calls each request's callback with its rows of the result.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -55,7 +54,6 @@ from ebrl.config import Offload
 from ebrl.policies.base import ActResult, load_published
 from ebrl.runtime.stage import Stage
 from ebrl.runtime.state import RunState
-from ebrl.runtime.virtual_time import is_virtual
 from ebrl.spaces import concat
 
 if TYPE_CHECKING:
@@ -117,7 +115,7 @@ class Generator:
     def __init__(self, policy, *, batch_target: int, max_wait_s: float, live: int = 0,
                  state: RunState | None = None, offload: Offload = Offload.AUTO,
                  on_batch: Callable[[np.ndarray, int], None] | None = None, timeline: Timeline | None = None,
-                 streams: GpuStreams | None = None):
+                 streams: GpuStreams | None = None, stage: Stage | None = None):
         self.policy = policy
         self.streams = streams  # GPU: policy calls go to the generation stream (resources.gpu)
         self.batch_target = batch_target
@@ -135,7 +133,7 @@ class Generator:
         self.capped_batches = 0  # batches started because the wait reached max_wait_s (not full, not all waiting)
         # where policy calls run and what they cost (busy and CPU seconds: wall over CPU says how
         # long calls wait for the GIL)
-        self.stage = Stage("generator", getattr(policy, "virtual_cost", None))
+        self.stage = stage or Stage("generator")  # where its calls run (the platform's: ebrl.runtime.platform)
         self._on_batch = on_batch  # (env ids, version) as a batch forms: the rollout marks them in flight
         self._timeline = timeline  # records lane "generator", "batch" (arg: batch size) per policy call
         self._pending: list[tuple[np.ndarray, Any, OnActions, float]] = []  # (ids, obs rows, callback, time)
@@ -237,7 +235,6 @@ class Generator:
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
-        virtual = is_virtual(loop)
         try:
             while True:
                 while not self._pending:
@@ -259,7 +256,7 @@ class Generator:
                         break
                 if self._paused:
                     await self._unpaused.wait()
-                await self._run_batch(loop, virtual)
+                await self._run_batch(loop)
         finally:
             self.stage.close()
             self._pending.clear()
@@ -272,7 +269,7 @@ class Generator:
             return min(FILL_WAIT_MAX_S, max(self.max_wait_s, fill)), fill <= self.max_wait_s
         return min(self.max_wait_s, self.batch_s_ewma), self.max_wait_s <= self.batch_s_ewma
 
-    async def _run_batch(self, loop: asyncio.AbstractEventLoop, virtual: bool) -> None:
+    async def _run_batch(self, loop: asyncio.AbstractEventLoop) -> None:
         batch, self._pending = self._pending, []
         rows, self._pending_rows = self._pending_rows, 0
         start = loop.time()
@@ -283,15 +280,14 @@ class Generator:
         if self._new_weights is not None:
             state, self.version, event = self._new_weights
             self._new_weights = None
-            t0 = time.perf_counter()
+            t0 = self.stage.now()
             if self.streams is not None:
                 self.streams.wait_published(event)
                 with self.streams.generation():
                     load_published(self.policy, state)
             else:
                 load_published(self.policy, state)
-            if not virtual:  # only the loop clock means anything under virtual time
-                self.load_weights_s += time.perf_counter() - t0
+            self.load_weights_s += self.stage.now() - t0
         now = loop.time()
         self.max_request_wait_s = max(self.max_request_wait_s, now - batch[0][3])
         if len(batch) == 1:
@@ -306,10 +302,10 @@ class Generator:
         self._idle.clear()
         try:
             act = self.policy.act if self.streams is None else self._act_on_stream
-            threaded = not virtual and self._use_thread()
+            threaded = self.stage.threads and self._use_thread()
             result = await self.stage.call(act, obs, thread=threaded, size=rows)
             spent = self.stage.last_s
-            if self.first_inline_cpu_s is None and not virtual and not threaded:
+            if self.first_inline_cpu_s is None and self.stage.threads and not threaded:
                 # CPU time, not wall: waiting for the GIL or a core under load is no reason to offload
                 self.first_inline_cpu_s = self.stage.last_cpu_s
                 self.measured.set()

@@ -1,12 +1,18 @@
-"""Learner: takes segments from the RolloutQueue, runs ``algo.update`` off the event loop,
-publishes the new weights to the Generator.
+"""Learner: one loop that takes segments from the RolloutQueue, has an update worker train on
+them, publishes the new weights to the Generator, and runs its hooks.
 
-The update runs in the learner's :class:`~ebrl.runtime.stage.Stage` thread, so rollout
-continues while it trains, in one of two places (:class:`~ebrl.config.LearnerMode`):
+    while an update is due:        (this queue's; or the job's, for a data-parallel rank)
+        take the segments
+        metrics = worker.update(batch)           off the event loop
+        hooks accept it?  (NaN rollback)  -> publish the weights
+        hooks after it    (metric rows, checkpoints)
 
-- that thread itself: right for a GPU, where torch ops are asynchronous launches;
-- a child process (:class:`~ebrl.runtime.learner_process.LearnerProcess`) the thread waits
-  on: right on a CPU host, where a learner thread and the event loop convoy on the GIL.
+Where the update runs is the worker's business (:class:`InThread`, :class:`InProcess`):
+
+- the learner stage's thread itself: right for a GPU, where torch ops are asynchronous launches,
+  and for a data-parallel rank, whose gradients meet in the optimiser step;
+- a child process (:class:`~ebrl.runtime.learner_process.LearnerProcess`) the stage's thread
+  waits on: right on a CPU host, where a learner thread and the event loop convoy on the GIL.
 
 Weights are published as a snapshot taken right after the update, so the generator never
 sees a half-written tensor.
@@ -17,12 +23,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-import torch
 # torch.optim imports torch._dynamo (about 1.2 s on the reference machine) the first time an
 # optimiser is built or stepped. Imported here, with the runtime, it is paid before run() and
 # before any fork: the learner process and the sim workers inherit it, and no run's first
@@ -33,78 +38,282 @@ from ebrl.algos.batch import Batch
 from ebrl.checkpoint import algo_state, write_checkpoint
 from ebrl.config import NonFinite
 from ebrl.policies.base import published_state
+from ebrl.runtime.collate import collate
 from ebrl.runtime.errors import LearnerError, NonFiniteError
 from ebrl.runtime.generation import Generator
 from ebrl.runtime.learner_process import LearnerProcess, nonfinite_weights, restore, snapshot, update_once
-from ebrl.runtime.collate import collate
 from ebrl.runtime.rollout import RolloutQueue
 from ebrl.runtime.stage import Stage
 from ebrl.runtime.state import RunState
 from ebrl.runtime.stats import RunStats
 from ebrl.runtime.threads import CLOSE_WAIT_S, in_thread
-from ebrl.runtime.virtual_time import is_virtual
 from ebrl.telemetry.logging import get_logger
 from ebrl.telemetry.metrics import MetricsLog
 
 if TYPE_CHECKING:
     from ebrl.distributed import DataParallel
-    from ebrl.telemetry.timeline import Timeline
     from ebrl.runtime.resources.gpu import GpuStreams
+    from ebrl.telemetry.timeline import Timeline
 
 log = get_logger("ebrl.learner")
 JOINT_POLL_S = 0.005  # how often a rank waiting for its queue looks for another rank's request
 
 
+# ------------------------------------------------------------------ where updates run
+
+
+class UpdateWorker(Protocol):
+    """Runs updates on the training copies of the policy and algorithm. Its methods block: the
+    learner calls them from its stage's thread."""
+
+    pid: int | None  # the process updates run in (None: this one)
+    timeout_s: float | None  # the deadline the learner puts on an update (None: the worker keeps its own)
+
+    def update(self, batch: Batch, threads: int | None) -> tuple[dict, dict, np.ndarray]: ...
+
+    def restore(self, published: dict) -> None: ...
+
+    def algo_state(self) -> dict | None: ...
+
+    def kill(self) -> None:
+        """End an update in flight (a stop that cannot wait for it)."""
+
+    def close(self, policy, algo) -> None:
+        """Hand the trained state to the caller's ``policy`` and ``algo``."""
+
+
+class InThread:
+    """Updates on the caller's own policy and algorithm, in the learner stage's thread: on a
+    GPU's training stream (``streams``), and, for a rank of a data-parallel job (``dp``), with
+    its statistics and gradients joint across ranks."""
+
+    pid = None
+
+    def __init__(self, policy, algo, *, streams: GpuStreams | None = None, dp: DataParallel | None = None,
+                 timeout_s: float | None = None, clock=None):
+        self.policy, self.algo, self.streams, self.dp = policy, algo, streams, dp
+        self.timeout_s = timeout_s  # faults.update_timeout_s: the thread cannot be killed, the run ends
+        self.clock = clock  # what the publication snapshot is timed on (the stage's)
+        self.event = None  # the CUDA event recorded after the latest update's weight snapshot
+
+    def update(self, batch: Batch, threads: int | None) -> tuple[dict, dict, np.ndarray]:
+        with self.dp.active() if self.dp is not None else contextlib.nullcontext():
+            if self.streams is None:
+                return update_once(self.policy, self.algo, batch, clock=self.clock)
+            with self.streams.training():  # the stream is per thread: entered in the learner's thread
+                out = update_once(self.policy, self.algo, batch, clock=self.clock)
+                self.event = self.streams.publish()  # after the snapshot: generation waits for it
+            return out
+
+    def restore(self, published: dict) -> None:
+        restore(self.policy, self.algo, published)
+
+    def algo_state(self) -> dict | None:
+        return algo_state(self.algo)
+
+    def kill(self) -> None:
+        pass  # a thread cannot be stopped: it is left to finish
+
+    def close(self, policy, algo) -> None:
+        pass  # it trained the caller's own copies
+
+
+class InProcess:
+    """Updates in a :class:`~ebrl.runtime.learner_process.LearnerProcess`, which applies
+    ``faults.update_timeout_s`` itself (killing the process)."""
+
+    timeout_s = None
+
+    def __init__(self, process: LearnerProcess):
+        self.process = process
+        self.event = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.child.pid
+
+    def update(self, batch: Batch, threads: int | None) -> tuple[dict, dict, np.ndarray]:
+        return self.process.update(batch, threads)
+
+    def restore(self, published: dict) -> None:
+        self.process.restore(published)
+
+    def algo_state(self) -> dict | None:
+        return self.process.algo_state()
+
+    def kill(self) -> None:
+        self.process.kill()  # the stage thread's wait on it ends with it
+
+    def close(self, policy, algo) -> None:
+        self.process.close(policy, algo)
+
+
+# ------------------------------------------------------------------ hooks
+
+
 @dataclass
-class Checkpointing:
-    """Periodic checkpoints (``RunConfig.checkpoint_every_s``): where, how often, and the env
-    steps of earlier runs this one continues."""
+class Update:
+    """One finished update, as the hooks see it."""
+
+    metrics: dict[str, float]
+    state: dict  # the published tensors
+    lags: np.ndarray  # each transition's policy lag
+    steps: int
+    seconds: float  # its stage call's
+    ended: float  # loop time
+
+
+class Hook:
+    """Called by the learner around each update; every method may be left as it is."""
+
+    async def accept(self, learner: Learner, update: Update) -> bool:
+        """False: the update is undone and not published (its steps are dropped)."""
+        return True
+
+    async def after(self, learner: Learner, update: Update) -> None:
+        """After a published update."""
+
+    async def failed(self, learner: Learner) -> None:
+        """After an update failed with :class:`LearnerError` (the run ends)."""
+
+
+class NonFiniteGuard(Hook):
+    """An update whose loss or new weights hold NaN/inf: raise (``faults.nonfinite='raise'``), or
+    undo it (the training copy back to the last published weights, a fresh optimiser), publish
+    nothing, and count its steps as dropped (``nonfinite_update``)."""
+
+    def __init__(self, mode: NonFinite):
+        self.mode = mode
+
+    async def accept(self, learner: Learner, update: Update) -> bool:
+        metrics = update.metrics
+        bad = nonfinite_weights(update.state)
+        if not bad and not metrics.get("nonfinite_loss"):
+            return True
+        what = (f"update {learner.version + 1} produced NaN/inf weights in {', '.join(bad[:4])}" if bad else
+                f"update {learner.version + 1}'s loss was NaN/inf (after {int(metrics.get('minibatches', 0))} "
+                "minibatch steps)")
+        if self.mode is NonFinite.RAISE:
+            raise NonFiniteError(what + "; nothing was published. Set faults.nonfinite='drop' to skip such "
+                                 "updates instead")
+        log.warning("update_skipped", reason=what, steps=update.steps)
+        await learner.stage.aside(learner.worker.restore, learner.published())
+        learner.stats.skipped_updates += 1
+        learner.stats.drop("nonfinite_update", update.steps)
+        return False
+
+
+class MetricRows(Hook):
+    """One row per update into ``metrics`` (``RunResult.history``, ``history.jsonl``, TensorBoard):
+    counters, rates since the previous row and overall, the batch's policy lag, then the
+    algorithm's metrics (the runtime's own keys win a clash)."""
+
+    def __init__(self, metrics: MetricsLog):
+        self.metrics = metrics
+        self._last = (0.0, 0, 0, 0)  # run time, env steps, generated rows, generation batches at the last row
+
+    async def after(self, learner: Learner, update: Update) -> None:
+        st, gen, lags = learner.stats, learner.generator.batch_sizes, update.lags
+        rows, batches = sum(k * v for k, v in gen.items()), sum(gen.values())
+        last_t, last_steps, last_rows, last_batches = self._last
+        elapsed = update.ended - learner.t0
+        self._last = (elapsed, st.simulated, rows, batches)
+        interval = elapsed - last_t
+        row = {"update": learner.version, "env_steps": st.simulated, "trained": st.trained, "time": elapsed,
+               "mean_return": st.mean_return,
+               "success_once": (sum(st.success_once) / len(st.success_once)) if st.success_once else None,
+               "success_at_end": (sum(st.success_at_end) / len(st.success_at_end)) if st.success_at_end else None,
+               "episodes": st.episodes,
+               "episode_length": (sum(st.lengths) / len(st.lengths)) if st.lengths else math.nan,
+               "env_steps_per_s": (st.simulated - last_steps) / interval if interval > 0 else math.nan,
+               "env_steps_per_s_overall": st.simulated / elapsed if elapsed > 0 else math.nan,
+               "update_s": update.seconds,
+               "lag_mean": float(lags.mean()) if lags.size else 0.0,
+               "lag_max": int(lags.max()) if lags.size else 0,
+               "gen_batch_mean": (rows - last_rows) / (batches - last_batches) if batches > last_batches else math.nan,
+               "dropped": sum(st.dropped.values()), "env_failures": st.env_failures}
+        if learner.job:  # data-parallel: the job's env steps (every rank's, at this update's start)
+            row["job_env_steps"] = learner.job["env_steps"]
+        row.update((k, v) for k, v in update.metrics.items() if k not in row)
+        self.metrics.record(row)
+
+
+@dataclass
+class Checkpointing(Hook):
+    """Checkpoints every ``every_s`` (``RunConfig.checkpoint_every_s``), and one of the last
+    published weights when an update fails; ``base_env_steps``: those of the runs this one
+    continues."""
 
     path: Path
     every_s: float
     policy_class: str
     base_env_steps: int = 0
-    last: float = -math.inf
+    last: float = field(default=-math.inf)
 
     def due(self, now: float) -> bool:
         return math.isfinite(self.every_s) and now - self.last >= self.every_s
 
+    async def after(self, learner: Learner, update: Update) -> None:
+        if self.due(asyncio.get_running_loop().time()):
+            await self.write(learner, update.state)
+
+    async def failed(self, learner: Learner) -> None:
+        await self.write(learner, learner.published(), algo=False)  # what the generator acts with
+
+    async def write(self, learner: Learner, policy_state: dict, algo: bool = True) -> None:
+        """The weights and the algorithm's state (``algo``: else none, as when the learner
+        process died with it), written in the learner's stage, between updates."""
+        self.last = asyncio.get_running_loop().time()
+        job = learner.job  # a data-parallel job's counters (every rank's) at the latest update
+        meta = {"env_steps": self.base_env_steps + job.get("env_steps", learner.stats.simulated),
+                "trained": job.get("trained", learner.stats.trained),
+                "updates": learner.version, "periodic": True}
+
+        def work() -> None:
+            state = None
+            if algo:
+                try:
+                    state = learner.worker.algo_state()
+                except LearnerError:  # the learner process died while asked: its weights are still here
+                    write_checkpoint(self.path, policy_state, None, self.policy_class, **meta)
+                    raise
+            write_checkpoint(self.path, policy_state, state, self.policy_class, **meta)
+
+        await learner.stage.aside(work)
+        log.info("checkpoint", path=str(self.path), **meta)
+
+
+# ------------------------------------------------------------------ the loop
+
 
 class Learner:
+    """The learner's loop (see the module docstring). ``stage``: where its calls run (the
+    platform's); ``worker``: where updates run (default :class:`InThread` on ``policy`` and
+    ``algo``); ``pause_generation``: lag 0 and lockstep schedules, no overlap of rollout and
+    training; ``dp``: a rank of a data-parallel job (:mod:`ebrl.distributed`); ``hooks`` run
+    after the :class:`NonFiniteGuard` and :class:`MetricRows` it always has."""
+
     def __init__(self, policy, algo, rollout: RolloutQueue, generator: Generator, stats: RunStats,
-                 state: RunState, *, pause_generation: bool, remote: LearnerProcess | None = None,
-                 timeline: Timeline | None = None, checkpoint: Checkpointing | None = None,
-                 metrics: MetricsLog | None = None, streams: GpuStreams | None = None,
-                 nonfinite: NonFinite = NonFinite.RAISE, dp: DataParallel | None = None,
-                 update_timeout_s: float | None = None):
-        self.policy = policy
-        # faults.update_timeout_s: an update in the learner's thread past it ends the run (the
-        # learner process applies its own, killing the process)
-        self.update_timeout_s = update_timeout_s
-        self.algo = algo
-        self.nonfinite = nonfinite  # faults.nonfinite: a NaN/inf loss or weights raise, or skip the update
-        self._published = snapshot(published_state(policy))  # what an update that went NaN is undone to
-        self.streams = streams  # GPU: updates go to the training stream (resources.gpu)
-        self.threads: int | None = None  # torch threads for the learner process (the controller's), None: as started
-        self._event = None  # the CUDA event recorded after the latest update's weight snapshot
-        self.rollout = rollout
-        self.generator = generator
-        self.stats = stats
-        self.pause_generation = pause_generation  # lag 0 and lockstep schedules: no overlap
-        self.version = 0
-        self.metrics = metrics if metrics is not None else MetricsLog()  # receives one row per update
-        # where updates run and what they cost: busy seconds (virtual ones under virtual time)
-        self.stage = Stage("learner", getattr(algo, "virtual_cost", None))
-        self.untrained_in_hand = 0  # taken for an update that has not finished
-        self.state = state  # state.stopping: finish the update in flight, take no more
-        self.t0 = 0.0  # loop time at the run's start; history times are relative to it
-        self.remote = remote
+                 state: RunState, *, pause_generation: bool, stage: Stage | None = None,
+                 worker: UpdateWorker | None = None, metrics: MetricsLog | None = None,
+                 nonfinite: NonFinite = NonFinite.RAISE, hooks: list[Hook] = (), dp: DataParallel | None = None,
+                 timeline: Timeline | None = None):
+        self.policy, self.algo = policy, algo
+        self.rollout, self.generator, self.stats, self.state = rollout, generator, stats, state
+        self.pause_generation = pause_generation
+        self.stage = stage or Stage("learner")  # busy seconds, the call in progress
+        self.worker: UpdateWorker = worker or InThread(policy, algo, clock=self.stage.now)
+        self.metrics = metrics if metrics is not None else MetricsLog()
+        self.hooks: list[Hook] = [NonFiniteGuard(nonfinite), MetricRows(self.metrics), *hooks]
+        self.dp = dp
         self._timeline = timeline  # records lane "learner", "update" (arg: steps trained) per update
-        self.checkpoint = checkpoint
-        self.dp = dp  # one rank of a data-parallel job (ebrl.distributed), or None
+        self._published = snapshot(published_state(policy))  # what an update that went NaN is undone to
+        self.threads: int | None = None  # torch threads for a learner process (the controller's), None: as started
+        self.version = 0
+        self.untrained_in_hand = 0  # taken for an update that has not finished
+        self.t0 = 0.0  # loop time at the run's start; history times are relative to it
         self._rounds, self._said_done = 0, False  # a data-parallel rank: updates joined, done announced
         self.job: dict[str, Any] = {}  # the job's counters at the latest update's header (data-parallel)
-        self._last = (0.0, 0, 0, 0)  # loop time, env steps, generated rows, generation batches at the last row
 
     def published(self) -> dict:
         """The latest published weights (what the generator acts with; only what trains under LoRA)."""
@@ -112,7 +321,7 @@ class Learner:
 
     @property
     def busy_s(self) -> float:
-        """Seconds in updates (loop time under virtual time)."""
+        """Seconds in updates."""
         return self.stage.busy_s
 
     def counters(self, now: float) -> dict[str, float]:
@@ -125,23 +334,14 @@ class Learner:
         return self.metrics.rows
 
     async def run(self) -> None:
-        """The learner's one loop: wait until an update is due, take its segments, train. A rank
-        of a data-parallel job (:mod:`ebrl.distributed`) joins every update of the job instead,
-        asked for by whichever rank's queue falls due first (:meth:`_joint_due`)."""
-        if self.remote is None and not is_virtual():  # every update runs in this one thread
+        """Wait until an update is due, take its segments, train; until the run stops."""
+        joint = self.dp is not None
+        if self.worker.pid is None:  # every update runs in this one thread
             self.stage.start_thread()
         try:
-            joint = self.dp is not None
             if joint:
                 await self._first_step()
-            while joint or not self.state.stopping:  # a rank stops with its job, at the same update
-                if joint:
-                    if not await self._joint_due():
-                        break
-                else:
-                    await self.rollout.wait_due()
-                    if self.state.stopping:
-                        break
+            while await (self._joint_due() if joint else self._due()):
                 if self.pause_generation:
                     # the running batch finishes first, so its actions are in flight (and awaited) before the cut
                     await self.generator.pause()
@@ -151,12 +351,90 @@ class Learner:
                 await self.train(slots)
                 if joint and self.job["done"] == self.dp.world_size:  # every rank handed everything over
                     break
-            if self.remote is not None and not is_virtual():
-                # joining the learner process (its trained state comes back first) would take the
-                # loop ~15 ms
+            if self.worker.pid is not None:
+                # joining a learner process (its trained state comes back first) would take the loop ~15 ms
                 await in_thread(self.close, name="ebrl-learner-close")
         finally:
             self.close()
+
+    async def _due(self) -> bool:
+        await self.rollout.wait_due()
+        return not self.state.stopping
+
+    async def train(self, slots: list[int]) -> None:
+        """Train on the rollout's ``slots``: gathered into a batch in the stage's thread, given back
+        to the rollout as soon as they are (the rollout refills them meanwhile), then the update."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        n = self.untrained_in_hand = self.rollout.steps_in(slots)
+        rollout, version, taken, threads = self.rollout, self.version, list(slots), self.threads
+
+        def give_back() -> None:
+            rollout.release(taken)
+            taken.clear()
+
+        def work():
+            batch = collate(rollout, taken, version)
+            loop.call_soon_threadsafe(give_back)
+            return self.worker.update(batch, threads)
+
+        limit = self.worker.timeout_s
+        try:
+            try:
+                async with asyncio.timeout(limit):
+                    metrics, state, lags = await self.stage.call(work, thread=True, size=n)
+            except TimeoutError:
+                raise LearnerError(f"an update ran past faults.update_timeout_s={limit:g} s; the learner's "
+                                   "thread is left to finish it") from None
+        except LearnerError:
+            for hook in self.hooks:
+                await hook.failed(self)
+            raise
+        finally:
+            give_back()
+        done = Update(metrics, state, lags, n, self.stage.last_s, loop.time())
+        if self._timeline is not None:
+            self._timeline.record("learner", "update", started, done.ended, n)
+        accepted = True
+        for hook in self.hooks:
+            accepted = accepted and await hook.accept(self, done)
+        if accepted:
+            self._published = state
+            self.version += 1
+            self.generator.publish(state, self.version, getattr(self.worker, "event", None))
+            self.stats.published_bytes += int(metrics.get("publish_bytes", 0))
+            self.stats.publish_snapshot_s += metrics.get("publish_s", 0.0)
+        if self.pause_generation:
+            self.generator.resume()
+        self.untrained_in_hand = 0
+        if not accepted:
+            return
+        st = self.stats
+        st.trained += n
+        st.updates += 1
+        if st.updates == 1:  # RunResult.first_update_s and the steady-state rate after it
+            st.first_update_at, st.steps_at_first_update = done.ended, st.simulated
+        values, counts = np.unique(lags, return_counts=True)
+        for v, c in zip(values.tolist(), counts.tolist()):
+            st.lag[v] += c
+        st.last_metrics = metrics
+        for hook in self.hooks:
+            await hook.after(self, done)
+
+    def close(self) -> None:
+        """Join the learner's thread (after the update in flight, ``CLOSE_WAIT_S`` at most: then
+        the worker is killed, which ends a learner process's update and the thread's wait on it),
+        and hand the trained state back from the worker."""
+        running = self.stage.close(CLOSE_WAIT_S)
+        if running:
+            log.warning("learner_update_abandoned", wait_s=CLOSE_WAIT_S, worker=type(self.worker).__name__)
+            self.worker.kill()
+            for t in running:
+                t.join(1.0)
+        worker, self.worker = self.worker, _Closed()
+        worker.close(self.policy, self.algo)
+
+    # ---------------------------------------------------------------- a data-parallel rank
 
     async def _first_step(self) -> None:
         """A rank joins updates once it has a step to store."""
@@ -196,162 +474,9 @@ class Learner:
             raise RuntimeError(f"rank {dp.rank} ended before recording any step: it cannot take part in updates")
         return True
 
-    def close(self) -> None:
-        """Join the learner's thread (after the update in flight, ``CLOSE_WAIT_S`` at most: then
-        a learner process is killed, which ends the thread's wait on it) and its process, if any."""
-        running = self.stage.close(CLOSE_WAIT_S)
-        if running:
-            if self.remote is not None:
-                log.warning("learner_update_abandoned", wait_s=CLOSE_WAIT_S)
-                self.remote.process.kill()  # the thread's pipe read ends with it
-                for t in running:
-                    t.join(1.0)
-            else:
-                log.warning("learner_thread_left_running", wait_s=CLOSE_WAIT_S)
-        if self.remote is not None:
-            remote, self.remote = self.remote, None
-            remote.close(self.policy, self.algo)
 
-    async def train(self, slots: list[int]) -> None:
-        """Train on the rollout's ``slots``: gathered into a batch in the stage's thread (inline
-        under virtual time), then given back to the rollout."""
-        loop = asyncio.get_running_loop()
-        n = self.rollout.steps_in(slots)
-        self.untrained_in_hand = n
-        lt0 = loop.time()
-        virtual = is_virtual(loop)
-        rollout, version, taken = self.rollout, self.version, list(slots)
-        threads = self.threads
-        update = (lambda b: self.remote.update(b, threads)) if self.remote is not None else self._update
+class _Closed(InThread):
+    """The worker after :meth:`Learner.close`: closing again does nothing."""
 
-        def work():
-            batch = collate(rollout, taken, version)
-            if virtual:  # inline: the slots are free while the update's declared cost is slept
-                rollout.release(taken)
-                taken.clear()
-            return update(batch)
-
-        limit = None if virtual or self.remote is not None else self.update_timeout_s
-        try:
-            try:
-                async with asyncio.timeout(limit):
-                    metrics, state, lags = await self.stage.call(work, thread=not virtual, size=n)
-            except TimeoutError:
-                raise LearnerError(f"an update ran past faults.update_timeout_s={limit:g} s; the learner's "
-                                   "thread is left to finish it") from None
-        except LearnerError:
-            if self.checkpoint is not None:  # what the generator acts with: the last published weights
-                await self._write_checkpoint(self._published, algo=False)
-            raise
-        finally:
-            rollout.release(taken)
-        if virtual:
-            metrics["publish_s"] = 0.0  # only the loop clock means anything here (as for update_s)
-        lt1, spent = loop.time(), self.stage.last_s
-        if self._timeline is not None:
-            self._timeline.record("learner", "update", lt0, lt1, n)
-        skipped = await self._skip_if_nonfinite(metrics, state, n, loop)
-        if not skipped:
-            self._published = state
-            self.version += 1
-            self.generator.publish(state, self.version, self._event)
-            self.stats.published_bytes += int(metrics.get("publish_bytes", 0))
-            self.stats.publish_snapshot_s += metrics.get("publish_s", 0.0)
-        if self.pause_generation:
-            self.generator.resume()
-        self.untrained_in_hand = 0
-        if skipped:
-            return
-        st = self.stats
-        st.trained += n
-        st.updates += 1
-        if st.updates == 1:  # RunResult.first_update_s and the steady-state rate after it
-            st.first_update_at, st.steps_at_first_update = lt1, st.simulated
-        values, counts = np.unique(lags, return_counts=True)
-        for v, c in zip(values.tolist(), counts.tolist()):
-            st.lag[v] += c
-        st.last_metrics = metrics
-        self.metrics.record(self._row(metrics, lags, spent, lt1))
-        if self.checkpoint is not None and self.checkpoint.due(loop.time()):
-            await self._write_checkpoint(state)
-
-    async def _skip_if_nonfinite(self, metrics: dict[str, float], state: dict, n: int, loop) -> bool:
-        """An update whose loss or new weights hold NaN/inf: raise (``faults.nonfinite='raise'``),
-        or undo it (the training copy back to the last published weights, a fresh optimiser),
-        publish nothing, and count its ``n`` steps as dropped (``nonfinite_update``)."""
-        bad = nonfinite_weights(state)
-        if not bad and not metrics.get("nonfinite_loss"):
-            return False
-        what = (f"update {self.version + 1} produced NaN/inf weights in {', '.join(bad[:4])}" if bad else
-                f"update {self.version + 1}'s loss was NaN/inf (after {int(metrics.get('minibatches', 0))} "
-                "minibatch steps)")
-        if self.nonfinite is NonFinite.RAISE:
-            raise NonFiniteError(what + "; nothing was published. Set faults.nonfinite='drop' to skip such "
-                                 "updates instead")
-        log.warning("update_skipped", reason=what, steps=n)
-        if self.remote is not None:  # never under virtual time: a learner process is a real-time mode
-            await self.stage.aside(self.remote.restore, self._published)
-        else:
-            restore(self.policy, self.algo, self._published)
-        self.stats.skipped_updates += 1
-        self.stats.drop("nonfinite_update", n)
-        return True
-
-    def _row(self, metrics: dict[str, float], lags: np.ndarray, update_s: float, now: float) -> dict[str, Any]:
-        """The update's row: counters, rates since the previous row and overall, the batch's
-        policy lag, then the algorithm's metrics (the runtime's own keys win a clash)."""
-        st, gen = self.stats, self.generator.batch_sizes
-        rows, batches = sum(k * v for k, v in gen.items()), sum(gen.values())
-        last_t, last_steps, last_rows, last_batches = self._last
-        self._last = (now - self.t0, st.simulated, rows, batches)
-        elapsed, interval = now - self.t0, now - self.t0 - last_t
-        row = {"update": self.version, "env_steps": st.simulated, "trained": st.trained, "time": elapsed,
-               "mean_return": st.mean_return,
-               "success_once": (sum(st.success_once) / len(st.success_once)) if st.success_once else None,
-               "success_at_end": (sum(st.success_at_end) / len(st.success_at_end)) if st.success_at_end else None,
-               "episodes": st.episodes,
-               "episode_length": (sum(st.lengths) / len(st.lengths)) if st.lengths else math.nan,
-               "env_steps_per_s": (st.simulated - last_steps) / interval if interval > 0 else math.nan,
-               "env_steps_per_s_overall": st.simulated / elapsed if elapsed > 0 else math.nan,
-               "update_s": update_s,
-               "lag_mean": float(lags.mean()) if lags.size else 0.0,
-               "lag_max": int(lags.max()) if lags.size else 0,
-               "gen_batch_mean": (rows - last_rows) / (batches - last_batches) if batches > last_batches else math.nan,
-               "dropped": sum(st.dropped.values()), "env_failures": st.env_failures}
-        if self.job:  # data-parallel: the job's env steps (every rank's, at this update's start)
-            row["job_env_steps"] = self.job["env_steps"]
-        row.update((k, v) for k, v in metrics.items() if k not in row)
-        return row
-
-    async def _write_checkpoint(self, policy_state: dict, algo: bool = True) -> None:
-        """The weights just trained and the algorithm's state (``algo``: else none, as when the
-        learner process died with it), written off the loop."""
-        cp, loop = self.checkpoint, asyncio.get_running_loop()
-        cp.last = loop.time()
-        job = self.job  # a data-parallel job's counters (every rank's) at the latest update
-        meta = {"env_steps": cp.base_env_steps + job.get("env_steps", self.stats.simulated),
-                "trained": job.get("trained", self.stats.trained),
-                "updates": self.version, "periodic": True}
-
-        def work() -> None:  # the learner's thread: idle between updates, so the algo is not mid-update
-            state = None
-            if algo:
-                try:
-                    state = self.remote.algo_state() if self.remote is not None else algo_state(self.algo)
-                except LearnerError:  # the learner process died while asked: its weights are still here
-                    write_checkpoint(cp.path, policy_state, None, cp.policy_class, **meta)
-                    raise
-            write_checkpoint(cp.path, policy_state, state, cp.policy_class, **meta)
-
-        await self.stage.aside(work)  # inline under virtual time
-        log.info("checkpoint", path=str(cp.path), **meta)
-
-    def _update(self, batch: Batch):
-        # in the learner's thread: a data-parallel update's statistics and gradients are joint
-        with self.dp.active() if self.dp is not None else contextlib.nullcontext():
-            if self.streams is None:
-                return update_once(self.policy, self.algo, batch)
-            with self.streams.training():  # the stream is per thread: entered in the learner's thread
-                out = update_once(self.policy, self.algo, batch)
-                self._event = self.streams.publish()  # after the snapshot: generation waits for it
-            return out
+    def __init__(self):
+        super().__init__(None, None)

@@ -16,44 +16,42 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ebrl.algos.needs import resolve_run_config
 from ebrl.algos.minibatch import MinibatchAlgo
+from ebrl.algos.needs import resolve_run_config
 from ebrl.config import (DEFAULT_MAX_WAIT_S, ConfigError, LearnerMode, Offload, RunConfig, SegmentCut, SimBackend,
                          StreamMode)
 from ebrl.distributed import DataParallel, combine_results, rank_config, reseed_sampling, weight_hash
-from ebrl.emulated import EmulatedStreams, emulator_of
 from ebrl.envs.chunks import chunked_env_fn
+from ebrl.evaluation import evaluate_periodically
 from ebrl.policies.base import acting_copy
 from ebrl.policies.expects import check_policy_spaces
 from ebrl.runtime.children import helpers_scope
 from ebrl.runtime.driver import Driver
-from ebrl.runtime.env_facts import EnvFacts, inspect_env
+from ebrl.runtime.env_facts import EnvFacts
 from ebrl.runtime.errors import raise_first
 from ebrl.runtime.fields import transition_fields
 from ebrl.runtime.generation import Generator
-from ebrl.runtime.learner import Checkpointing, Learner
+from ebrl.runtime.learner import Checkpointing, InProcess, InThread, Learner
 from ebrl.runtime.learner_process import LearnerProcess
-from ebrl.runtime.resources.gpu import GpuStreams
+from ebrl.runtime.platform import Device, Executor, Platform, policy_device
+from ebrl.runtime.probe import EnvProbe, StepProfile
 from ebrl.runtime.resources.knobs import Decision
 from ebrl.runtime.resources.manager import ResourceManager
 from ebrl.runtime.resources.profiler import LiveProfiler
 from ebrl.runtime.resources.rules_start import device_offload_start, learner_start, sim_start
 from ebrl.runtime.rollout import RolloutQueue
 from ebrl.runtime.schedules import effective_lag, generation_target, is_lockstep
-from ebrl.runtime.probe import EnvProbe, StepProfile
-from ebrl.runtime.sim import SimPool
 from ebrl.runtime.state import RunState
 from ebrl.runtime.stats import RunResult, RunStats, summarize
-from ebrl.runtime.threads import in_thread, usable_cpus
-from ebrl.runtime.virtual_time import is_virtual
+from ebrl.runtime.threads import in_thread
 from ebrl.telemetry.logging import get_logger
 from ebrl.telemetry.metrics import MetricsLog
-from ebrl.telemetry.system import SystemSampler
 
 if TYPE_CHECKING:
     from ebrl.telemetry.timeline import Timeline
@@ -64,21 +62,20 @@ log = get_logger("ebrl.run")
 Progress = Callable[[RunStats, "Learner"], None]
 
 
-async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
-              progress: Progress | None = None, timeline: "Timeline | None" = None) -> RunResult:
+async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None, progress: Progress | None = None,
+              timeline: "Timeline | None" = None, platform: Platform | None = None) -> RunResult:
     """Train ``trainer`` on the running event loop until ``total_env_steps`` or ``stop`` is set.
 
     ``progress(stats, learner)`` is called every ``config.log_every_s`` seconds and at the end.
     ``timeline`` (:class:`ebrl.telemetry.timeline.Timeline`) records every env step, generation
-    batch and update, in loop time.
+    batch and update, in loop time. ``platform`` (:mod:`ebrl.runtime.platform`): what the run is
+    built on; default this machine (:func:`ebrl.testing.run_virtual` passes virtual time's).
     """
+    platform = platform or Platform()
     cfg = trainer.config
-    loop = asyncio.get_running_loop()
-    called = loop.time()  # start-up is timed from here (RunResult.first_step_s, first_update_s)
-    virtual = is_virtual(loop)
+    called = asyncio.get_running_loop().time()  # start-up is timed from here (first_step_s, first_update_s)
     # under torchrun (WORLD_SIZE > 1) this run is one rank of a data-parallel job
-    dp = None if virtual else DataParallel.from_env(timeout_s=cfg.faults.collective_timeout_s,
-                                                    device=policy_device(trainer.policy))
+    dp = DataParallel.from_env(timeout_s=cfg.faults.collective_timeout_s, device=policy_device(trainer.policy))
     clean = False
     try:
         if dp is not None:
@@ -88,7 +85,7 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
             cfg = rank_config(cfg, dp)
             dp.broadcast_module(trainer.policy)  # every rank starts from rank 0's weights
         with helpers_scope():  # the fork server and resource tracker this run starts end with it
-            result = await _run(trainer, cfg, dp, loop, virtual, called, stop=stop, progress=progress,
+            result = await _run(trainer, cfg, dp, platform, called, stop=stop, progress=progress,
                                 timeline=timeline)
         clean = True
     finally:
@@ -97,188 +94,182 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None,
     return result
 
 
-async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, loop, virtual: bool, called: float, *,
+async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, platform: Platform, called: float, *,
                stop: asyncio.Event | None, progress: Progress | None, timeline: "Timeline | None") -> RunResult:
-    # the algorithm's needs fill the config's auto fields; a contradiction raises before any env is built
-    cfg = resolve_run_config(cfg, trainer.algo)
-    # a policy acting in chunks of K on envs that take one action: each env runs the chunk itself
-    env_fn = chunked_env_fn(trainer.env_fn, trainer.policy)
-    if env_fn is not trainer.env_fn:
-        trainer = dataclasses.replace(trainer, env_fn=env_fn)
-    # env 0 once, for its spaces and time limit, built in the probe's child process (virtual time:
-    # inline). The trainer is checked against them before any env steps anywhere, the probe's
-    # own timing steps (AUTO) included: one error naming both spaces
-    step = None
-    if virtual:
-        facts = inspect_env(trainer.env_fn)
-        cfg = _checked(trainer, cfg, facts)
-    else:
-        async with EnvProbe(trainer.env_fn, cfg.sim, cfg.faults) as probe:
-            facts = await probe.facts()
-            cfg = _checked(trainer, cfg, facts)
-            step = await probe.step_profile()
-    inputs = getattr(trainer.policy, "describe_inputs", None)
-    if callable(inputs):  # which observation entries the policy reads, and how
-        log.info("policy_inputs", policy=type(trainer.policy).__name__, inputs=inputs())
-    # the controller's first decisions resolve the config's auto values (rules_start.py)
-    start = start_decisions(cfg, step, trainer.policy, virtual)
-    chosen = {d.knob: d.new for d in start}
-    backend = SimBackend(chosen.get("backend", SimBackend.INLINE if virtual else cfg.sim.backend))
-    mode = LearnerMode(chosen.get("learner", LearnerMode.THREAD if virtual else cfg.learner))
-    emulator = emulator_of(trainer.policy)
-    if emulator is not None and mode is LearnerMode.PROCESS:
-        raise ConfigError("learner", cfg.learner.value, "a policy on an emulated device trains in a thread of this "
-                          "process, beside the generator on the same device: set learner='auto' or 'thread'")
-    old_threads = torch.get_num_threads()
-    if cfg.torch_threads is not None:
-        torch.set_num_threads(cfg.torch_threads)
-    stats = RunStats(started_at=called)
-    state = RunState(budget=cfg.total_env_steps, active=cfg.num_envs)
-    # AUTO's choice is a start: the controller may move envs between lanes and workers
-    movable = cfg.sim.backend is SimBackend.AUTO and cfg.resources.adapt and not virtual
-    pool = SimPool(trainer.env_fn, cfg.num_envs, cfg.sim, backend=backend, lanes=chosen.get("lanes"), movable=movable,
-                   spaces=(facts.observation_space, facts.action_space), build_timeout_s=cfg.faults.build_timeout_s)
-    lockstep, lag = is_lockstep(cfg.schedule), effective_lag(cfg)
-    rollout = RolloutQueue(cfg.num_envs, cfg.segment_len, cfg.segments_per_batch, lag, stats,
-                           transition_fields(facts.observation_space, facts.action_space), lockstep,
-                           state, cut_at_episode_end=cfg.segment_cut is SegmentCut.EPISODE)
-    learner_threads = cfg.resources.learner_threads or cfg.torch_threads  # the learner process's
-    streams = (gpu_streams(trainer.policy, cfg.resources.gpu_streams) if mode is LearnerMode.THREAD and not virtual
-               else None)
-    acting = acting_copy(trainer.policy)  # shares a frozen backbone where the policy has one
-    if dp is not None:  # the ranks' weights are one, their exploration noise is not
-        reseed_sampling(acting, cfg.seed)
-    generator = Generator(acting, batch_target=generation_target(cfg),
-                          max_wait_s=_or(cfg.generation.max_wait_s, DEFAULT_MAX_WAIT_S), state=state,
-                          offload=Offload(chosen.get("offload", cfg.generation.offload)),
-                          on_batch=rollout.mark_inflight, timeline=timeline, streams=streams)
-    checkpoint = None
-    if cfg.log_dir is not None:  # periodic checkpoints if asked for; always one if the learner process dies
-        checkpoint = Checkpointing(Path(cfg.log_dir) / "checkpoint.pt", _or(cfg.checkpoint_every_s, math.inf),
-                                   type(trainer.policy).__name__, trainer.env_steps_done)
-    # log_dir None: rows stay in memory (RunResult.history), nothing is written
-    metrics = MetricsLog(cfg.log_dir, wandb={"project": cfg.wandb_project, "config": cfg.to_dict()}
-                         if cfg.wandb else None)
-    learner = Learner(trainer.policy, trainer.algo, rollout, generator, stats, state,
-                      pause_generation=lockstep or lag == 0, timeline=timeline, checkpoint=checkpoint,
-                      metrics=metrics, streams=streams, nonfinite=cfg.faults.nonfinite, dp=dp,
-                      update_timeout_s=cfg.faults.update_timeout_s)
-    driver = Driver(cfg, pool, generator, rollout, stats, state, timeline)
-    manager: ResourceManager | None = None
-    log.info("run_start", schedule=cfg.schedule.value, num_envs=cfg.num_envs, sim_backend=pool.backend.value,
-             sim_size=pool.size, total_env_steps=cfg.total_env_steps, max_policy_lag=lag, virtual_time=virtual)
-    t0, wall0 = loop.time(), time.perf_counter()
-    learner.t0 = t0
+    trainer, cfg, facts, step = await _inspect(trainer, cfg, platform)  # env 0, before any env steps
+    device = platform.device(trainer.policy)
+    start = start_decisions(cfg, step, device, platform.executor)
+    parts = Parts.build(trainer, cfg, facts, start, device, platform, dp, timeline, called)
+    loop = asyncio.get_running_loop()
+    log.info("run_start", schedule=cfg.schedule.value, num_envs=cfg.num_envs, sim_backend=parts.pool.backend.value,
+             sim_size=parts.pool.size, total_env_steps=cfg.total_env_steps, max_policy_lag=parts.rollout.max_lag)
+    parts.learner.t0 = t0 = loop.time()
+    wall0 = time.perf_counter()
     try:
-        if mode is LearnerMode.PROCESS:
-            def start_learner() -> None:  # set by the thread: a cancel while it forks still closes it
-                learner.remote = LearnerProcess(trainer.policy, trainer.algo, learner_threads, cfg.sim.start_method,
-                                                start_timeout_s=cfg.faults.build_timeout_s,
-                                                update_timeout_s=cfg.faults.update_timeout_s)
-
-            # forking copies this process's page tables (~8 ms with torch loaded): off the loop
-            await in_thread(start_learner, name="ebrl-learner-start")
-        await pool.start()
-        # after the forks above (learner process, sim workers): the writer's thread must not be forked
-        metrics.open()
-        # cores, and GPUs via pynvml (an emulated device answers as one)
-        gpus = (lambda: None) if emulator is None else emulator.nvml
-        if not virtual:  # a virtual run's hardware use means nothing, and its history stays deterministic
-            metrics.system = SystemSampler(nvml=gpus())
-        profiler = LiveProfiler(pool, driver, generator, learner, loop.time,
-                                system=None if virtual else SystemSampler(nvml=gpus()))
-        manager = ResourceManager(cfg, profiler, pool, driver, generator, virtual, streams, learner,
-                                  learner_threads=learner_threads, start=start)
+        await parts.start(trainer, platform, start)
         async with asyncio.TaskGroup() as tg:
-            helpers = [tg.create_task(generator.serve(), name="ebrl-generator"),
-                       tg.create_task(manager.run(), name="ebrl-resources")]
+            helpers = [tg.create_task(parts.generator.serve(), name="ebrl-generator"),
+                       tg.create_task(parts.manager.run(), name="ebrl-resources")]
             if progress is not None:
-                helpers.append(tg.create_task(_report(progress, stats, learner, cfg.log_every_s)))
-            if cfg.eval_every_s is not None and not virtual:
-                from ebrl.evaluation import evaluate_periodically
-
+                helpers.append(tg.create_task(_report(progress, parts.stats, parts.learner, cfg.log_every_s)))
+            if cfg.eval_every_s is not None:
                 helpers.append(tg.create_task(evaluate_periodically(
-                    trainer, learner, stats, metrics, every_s=cfg.eval_every_s, episodes=cfg.eval_episodes,
-                    log_dir=cfg.log_dir), name="ebrl-eval"))
+                    trainer, parts.learner, parts.stats, parts.metrics, platform.executor, every_s=cfg.eval_every_s,
+                    episodes=cfg.eval_episodes, log_dir=cfg.log_dir), name="ebrl-eval"))
             if stop is not None:
-                helpers.append(tg.create_task(_watch_stop(stop, state)))
-            learn = tg.create_task(learner.run(), name="ebrl-learner")
-            drive = tg.create_task(driver.run(), name="ebrl-driver")
+                helpers.append(tg.create_task(_watch_stop(stop, parts.state)))
+            learn = tg.create_task(parts.learner.run(), name="ebrl-learner")
+            drive = tg.create_task(parts.driver.run(), name="ebrl-driver")
             await learn
             for task in [drive] + helpers:  # a stop leaves envs parked on a queue that no one empties
                 task.cancel()
-        manager.finish()  # before the pool closes: the last window reads its counters
+        parts.manager.finish()  # before the pool closes: the last window reads its counters
     except BaseExceptionGroup as group:  # one error out of run(): the first, the others its notes
         raise_first(group)
     finally:
-        try:
-            pool.close()
-            learner.close()  # with a learner process, this loads the trained state into trainer.policy/algo
-        finally:
-            metrics.close()  # flushes the files and joins the TensorBoard writer's thread
-            if manager is not None:
-                manager.close()
-            torch.set_num_threads(old_threads)
+        parts.close()
     if progress is not None:
-        progress(stats, learner)
-    t_end = loop.time()
-    wall_s, versions = t_end - t0, learner.version
-    busy = {}
-    if wall_s > 0:
-        busy = {"generator": generator.busy_s / wall_s, "learner": learner.busy_s / wall_s}
-        if timeline is not None:
-            busy["sim"] = timeline.busy_fraction("env", t0, t_end, name="sim")
-    result = summarize(
-        stats, schedule=cfg.schedule.value, wall_s=wall_s, in_flight=rollout.pending_steps() + learner.untrained_in_hand,
-        version=versions, gen_batches=generator.batch_sizes, ended_at=t_end,
-        steps_per_env=rollout.steps_per_env.tolist(), history=learner.history,
-        gen_wait_max_s=generator.max_request_wait_s, gen_costs=generator.costs.to_dict(),
-        timeouts=driver.recovery.timeouts, respawns=pool.respawns, migrations=driver.moves.done,
-        sim_backend=pool.backend.value, sim_size=pool.size, learner_mode=mode.value,
-        generator_busy_s=generator.busy_s, learner_busy_s=learner.busy_s, busy=busy,
-        cpu_wall_s=time.perf_counter() - wall0,
-        profiles=[p.to_dict() for p in manager.profiles], decisions=[d.to_dict() for d in manager.decisions],
-        evaluations=list(metrics.eval_rows),
-        publications=versions,
-        publish_bytes=stats.published_bytes / versions if versions else math.nan,
-        publish_s=(stats.publish_snapshot_s + generator.load_weights_s) / versions if versions else math.nan)
+        progress(parts.stats, parts.learner)
+    result = summarize(parts, t0, loop.time(), cpu_wall_s=time.perf_counter() - wall0)
     if dp is not None:  # every rank's counters, summed; the weights' hash of every rank
         result = combine_results(dp, result, weight_hash(trainer.policy))
-    metrics.write_result(result)
+    parts.metrics.write_result(result)
     log.info("run_end", env_steps=result.env_steps, steps_per_s=round(result.env_steps_per_s, 1),
              updates=result.updates, lag_max=result.lag_max, dropped=result.dropped,
              in_flight_at_stop=result.in_flight_at_stop, mean_return=result.mean_return)
     return result
 
 
-def _checked(trainer: "Trainer", cfg: RunConfig, facts: EnvFacts) -> RunConfig:
-    """``cfg`` with the algorithm's needs resolved against env 0's time limit (whole episodes:
-    segment_len), after the policy is checked against env 0's spaces."""
-    cfg = resolve_run_config(cfg, trainer.algo, facts.max_episode_steps)
-    check_policy_spaces(trainer.policy, facts.observation_space, facts.action_space)
-    return cfg
+async def _inspect(trainer: "Trainer", cfg: RunConfig, platform: Platform
+                   ) -> tuple["Trainer", RunConfig, EnvFacts, StepProfile | None]:
+    """The trainer (its env built to execute a chunked policy's chunks), the config with the
+    algorithm's needs resolved, env 0's facts and, under AUTO, its step's profile: env 0 is built
+    once, in the probe (:mod:`~ebrl.runtime.probe`), and the trainer is checked against its
+    spaces before any env steps anywhere, the probe's own timing steps included."""
+    cfg = resolve_run_config(cfg, trainer.algo)  # a contradiction raises before any env is built
+    env_fn = chunked_env_fn(trainer.env_fn, trainer.policy)  # a chunk policy on per-step envs
+    if env_fn is not trainer.env_fn:
+        trainer = dataclasses.replace(trainer, env_fn=env_fn)
+    executor = platform.executor  # one without threads (virtual time) probes inline, on its own clocks
+    async with EnvProbe(trainer.env_fn, cfg.sim, cfg.faults, where="auto" if executor.threads else "inline",
+                        metered=executor.metered) as probe:
+        facts = await probe.facts()
+        cfg = resolve_run_config(cfg, trainer.algo, facts.max_episode_steps)
+        check_policy_spaces(trainer.policy, facts.observation_space, facts.action_space)
+        step = await probe.step_profile()
+    inputs = getattr(trainer.policy, "describe_inputs", None)
+    if callable(inputs):  # which observation entries the policy reads, and how
+        log.info("policy_inputs", policy=type(trainer.policy).__name__, inputs=inputs())
+    return trainer, cfg, facts, step
 
 
-def policy_device(policy) -> torch.device | None:
-    """The device of a torch policy's first parameter; None for a policy without parameters."""
-    params = getattr(policy, "parameters", None)
-    first = next(iter(params()), None) if callable(params) else None
-    return None if first is None else first.device
+@dataclass
+class Parts:
+    """The runtime of one run, assembled by :meth:`build`: what ``run()`` starts, runs under its
+    TaskGroup, closes, and reads its result from."""
+
+    cfg: RunConfig
+    stats: RunStats
+    state: RunState
+    pool: Any  # SimPool
+    rollout: RolloutQueue
+    generator: Generator
+    learner: Learner
+    driver: Driver
+    metrics: MetricsLog
+    mode: LearnerMode
+    streams: Any  # GpuStreams, emulated streams, or None
+    learner_threads: int | None
+    timeline: "Timeline | None" = None
+    manager: ResourceManager | None = None
+    old_threads: int = 0
+
+    @classmethod
+    def build(cls, trainer: "Trainer", cfg: RunConfig, facts: EnvFacts, start: list[Decision], device: Device,
+              platform: Platform, dp: DataParallel | None, timeline: "Timeline | None", called: float) -> Parts:
+        chosen = {d.knob: d.new for d in start}
+        mode = LearnerMode(chosen.get("learner", cfg.learner))
+        if device.in_process_only and mode is LearnerMode.PROCESS:
+            raise ConfigError("learner", cfg.learner.value, f"a policy on {device.name} trains in a thread of this "
+                              "process, beside the generator on the same device: set learner='auto' or 'thread'")
+        stats, state = RunStats(started_at=called), RunState(budget=cfg.total_env_steps, active=cfg.num_envs)
+        # AUTO's choice is a start: the controller may move envs between lanes and workers
+        movable = cfg.sim.backend is SimBackend.AUTO and cfg.resources.adapt
+        pool = platform.sim_pool(trainer.env_fn, cfg.num_envs, cfg.sim, backend=chosen.get("backend", cfg.sim.backend),
+                                 lanes=chosen.get("lanes"), movable=movable,
+                                 spaces=(facts.observation_space, facts.action_space),
+                                 build_timeout_s=cfg.faults.build_timeout_s)
+        lockstep, lag = is_lockstep(cfg.schedule), effective_lag(cfg)
+        rollout = RolloutQueue(cfg.num_envs, cfg.segment_len, cfg.segments_per_batch, lag, stats,
+                               transition_fields(facts.observation_space, facts.action_space), lockstep,
+                               state, cut_at_episode_end=cfg.segment_cut is SegmentCut.EPISODE)
+        streams = _streams(device, cfg.resources.gpu_streams) if mode is LearnerMode.THREAD else None
+        acting = acting_copy(trainer.policy)  # shares a frozen backbone where the policy has one
+        if dp is not None:  # the ranks' weights are one, their exploration noise is not
+            reseed_sampling(acting, cfg.seed)
+        generator = Generator(acting, batch_target=generation_target(cfg),
+                              max_wait_s=_or(cfg.generation.max_wait_s, DEFAULT_MAX_WAIT_S), state=state,
+                              offload=Offload(chosen.get("offload", cfg.generation.offload)),
+                              on_batch=rollout.mark_inflight, timeline=timeline, streams=streams,
+                              stage=platform.executor.stage("generator", trainer.policy))
+        hooks = []
+        if cfg.log_dir is not None:  # periodic checkpoints if asked for; always one if the learner process dies
+            hooks.append(Checkpointing(Path(cfg.log_dir) / "checkpoint.pt", _or(cfg.checkpoint_every_s, math.inf),
+                                       type(trainer.policy).__name__, trainer.env_steps_done))
+        # log_dir None: rows stay in memory (RunResult.history), nothing is written
+        metrics = MetricsLog(cfg.log_dir, wandb={"project": cfg.wandb_project, "config": cfg.to_dict()}
+                             if cfg.wandb else None)
+        stage = platform.executor.stage("learner", trainer.algo)
+        worker = InThread(trainer.policy, trainer.algo, streams=streams, dp=dp,
+                          timeout_s=cfg.faults.update_timeout_s, clock=stage.now)
+        learner = Learner(trainer.policy, trainer.algo, rollout, generator, stats, state, stage=stage, worker=worker,
+                          pause_generation=lockstep or lag == 0, metrics=metrics, nonfinite=cfg.faults.nonfinite,
+                          hooks=hooks, dp=dp, timeline=timeline)
+        driver = Driver(cfg, pool, generator, rollout, stats, state, timeline)
+        return cls(cfg, stats, state, pool, rollout, generator, learner, driver, metrics, mode, streams,
+                   learner_threads=cfg.resources.learner_threads or cfg.torch_threads, timeline=timeline,
+                   old_threads=torch.get_num_threads())
+
+    async def start(self, trainer: "Trainer", platform: Platform, start: list[Decision]) -> None:
+        """The learner process (if any), the sim pool, the metric files and the controller."""
+        cfg = self.cfg
+        if cfg.torch_threads is not None:
+            torch.set_num_threads(cfg.torch_threads)
+        if self.mode is LearnerMode.PROCESS:
+            def start_learner() -> None:  # set by the thread: a cancel while it forks still closes it
+                self.learner.worker = InProcess(LearnerProcess(
+                    trainer.policy, trainer.algo, self.learner_threads, cfg.sim.start_method,
+                    start_timeout_s=cfg.faults.build_timeout_s, update_timeout_s=cfg.faults.update_timeout_s))
+
+            # forking copies this process's page tables (~8 ms with torch loaded): off the loop
+            await in_thread(start_learner, name="ebrl-learner-start")
+        await self.pool.start()
+        # after the forks above (learner process, sim workers): the writer's thread must not be forked
+        self.metrics.open()
+        nvml = platform.device(trainer.policy).nvml()  # cores, and GPUs via pynvml (an emulated device's own)
+        self.metrics.system = platform.sampler(nvml)
+        profiler = LiveProfiler(self.pool, self.driver, self.generator, self.learner, asyncio.get_running_loop().time,
+                                system=platform.sampler(nvml))
+        self.manager = ResourceManager(cfg, profiler, self.pool, self.driver, self.generator, platform.executor.cpus(),
+                                       self.streams, self.learner, learner_threads=self.learner_threads, start=start)
+
+    def close(self) -> None:
+        """Every thread, process and file of the run, whatever state it is in."""
+        try:
+            self.pool.close()
+            self.learner.close()  # with a learner process, this loads the trained state into the trainer's copies
+        finally:
+            self.metrics.close()  # flushes the files and joins the TensorBoard writer's thread
+            if self.manager is not None:
+                self.manager.close()
+            torch.set_num_threads(self.old_threads)
 
 
-def gpu_streams(policy, mode: StreamMode) -> GpuStreams | None:
-    """Generation and training streams in ``mode`` (or the richest mode below it that works)
-    for a policy on a CUDA device or an emulated one; None for one on the CPU."""
-    emulator = emulator_of(policy)
-    if emulator is not None:
-        streams = EmulatedStreams.of(emulator, mode)
+def _streams(device: Device, mode: StreamMode):
+    """Generation and training streams on ``device`` in ``mode`` (None on the CPU), logged."""
+    streams = device.streams(mode)
+    if streams is not None:
         log.info("gpu_streams", **streams.describe())
-        return streams
-    device = policy_device(policy)
-    if device is None or device.type != "cuda":
-        return None
-    streams = GpuStreams.create(device=device, max_mode=mode)
-    log.info("gpu_streams", **streams.describe())
     return streams
 
 
@@ -286,19 +277,16 @@ def _or(value, default):
     return default if value is None else value
 
 
-def start_decisions(cfg: RunConfig, step: StepProfile | None, policy, virtual: bool) -> list[Decision]:
+def start_decisions(cfg: RunConfig, step: StepProfile | None, device: Device, executor: Executor) -> list[Decision]:
     """The controller's decisions before the first epoch (:mod:`~ebrl.runtime.resources.rules_start`):
-    AUTO's backend and lanes from the probe's ``step``, and AUTO's learner mode. A virtual run
-    makes none: it steps inline and trains in a thread."""
-    decisions = [] if step is None else sim_start(step, cfg.sim, cfg.num_envs, usable_cpus())
-    emulator = emulator_of(policy)
-    device = policy_device(policy)
-    where = (f"the emulated device {emulator.profile.name}" if emulator is not None
-             else None if device is None else device.type)
-    if cfg.learner is LearnerMode.AUTO and not virtual:
-        decisions.append(learner_start(where, usable_cpus()))
-    if cfg.generation.offload is Offload.AUTO and not virtual and where not in (None, "cpu"):
-        decisions.append(device_offload_start(where))
+    AUTO's backend and lanes from the probe's ``step``, AUTO's learner mode, and where a device
+    policy's calls run, for the cores and processes the platform's ``executor`` offers."""
+    cpus, processes = executor.cpus(), executor.processes
+    decisions = [] if step is None else sim_start(step, cfg.sim, cfg.num_envs, cpus, processes)
+    if cfg.learner is LearnerMode.AUTO:
+        decisions.append(learner_start(device.name, cpus, processes))
+    if cfg.generation.offload is Offload.AUTO and device.name not in (None, "cpu"):
+        decisions.append(device_offload_start(device.name))
     return decisions
 
 
@@ -323,7 +311,9 @@ def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
-def run_sync(trainer: "Trainer", **kwargs) -> RunResult:
-    """Run on a fresh uvloop event loop (asyncio's own where uvloop is not installed)."""
-    with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        return runner.run(run(trainer, **kwargs))
+def run_sync(trainer: "Trainer", *, platform: Platform | None = None, **kwargs) -> RunResult:
+    """Run on a fresh event loop: the platform's (virtual time's), else uvloop's where installed,
+    else asyncio's own."""
+    factory = platform.loop_factory if platform is not None and platform.loop_factory is not None else loop_factory()
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(run(trainer, platform=platform, **kwargs))

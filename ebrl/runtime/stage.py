@@ -4,13 +4,12 @@ The generator's policy calls and the learner's updates are both stages. A call r
 
 - on the event loop's thread, when it costs less than a thread hop;
 - in the stage's own thread, one call at a time (the same thread every time: CUDA streams
-  and torch's thread settings are per thread), so the loop serves simulation meanwhile;
-- inline on a :class:`~ebrl.runtime.virtual_time.VirtualTimeLoop`, with the call's declared
-  cost (``virtual_cost(size)``) slept on the loop clock: nothing may run in threads there.
+  and torch's thread settings are per thread), so the loop serves simulation meanwhile.
 
-A stage counts what its calls cost: busy seconds (loop time under virtual time, the only
-clock that means anything there), CPU seconds of the thread that ran them (wall over CPU: how
-long a call waited for the GIL or a core), calls, and the call in progress
+A platform may run them elsewhere (:mod:`ebrl.runtime.platform`: virtual time runs every call
+inline and charges its declared cost). A stage counts what its calls cost: busy seconds, CPU
+seconds of the thread that ran them (wall over CPU: how long a call waited for the GIL or a
+core), calls, and the call in progress
 (:meth:`busy_until_now`: a profile window sees a 20 s update in every window it spans).
 
     >>> import asyncio
@@ -36,18 +35,16 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from ebrl.runtime.virtual_time import is_virtual
-
 T = TypeVar("T")
 
 
 class Stage:
-    """Runs one stage's calls (see the module docstring); ``virtual_cost(size)``: the seconds
-    a call of ``size`` (rows, steps) costs on a virtual clock, None for nothing."""
+    """Runs one stage's calls (see the module docstring)."""
 
-    def __init__(self, name: str, virtual_cost: Callable[[int], float] | None = None):
+    threads = True  # whether ``call(..., thread=True)`` runs the call in the stage's thread
+
+    def __init__(self, name: str):
         self.name = name
-        self.virtual_cost = virtual_cost
         self.busy_s = 0.0  # in calls
         self.cpu_s = 0.0  # CPU time of the threads that made them
         self.calls = 0
@@ -56,23 +53,22 @@ class Stage:
         self._started: float | None = None  # loop time the call in progress started
         self._executor: ThreadPoolExecutor | None = None
 
+    def now(self) -> float:
+        """The clock the stage's costs are read on (seconds)."""
+        return time.perf_counter()
+
     def busy_until_now(self, now: float) -> float:
         """``busy_s`` with the call in progress counted up to loop time ``now``."""
         return self.busy_s + (now - self._started if self._started is not None else 0.0)
 
     async def call(self, fn: Callable[..., T], *args: Any, thread: bool = False, size: int = 0) -> T:
-        """``fn(*args)`` on the loop's thread, or in the stage's thread (``thread``), timed."""
+        """``fn(*args)`` on the loop's thread, or in the stage's thread (``thread``), timed;
+        ``size``: the call's rows or steps (what a platform charging declared costs reads)."""
         loop = asyncio.get_running_loop()
-        virtual = is_virtual(loop)
-        self._started = lt0 = loop.time()
+        self._started = loop.time()
         t0 = time.perf_counter()
         try:
-            if virtual:
-                result = fn(*args)
-                if self.virtual_cost is not None:
-                    await asyncio.sleep(float(self.virtual_cost(size)))
-                spent, cpu = loop.time() - lt0, 0.0
-            elif thread:
+            if thread:
                 result, cpu = await loop.run_in_executor(self._thread(), _timed, fn, args)
                 spent = time.perf_counter() - t0
             else:
@@ -89,10 +85,8 @@ class Stage:
 
     async def aside(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in the stage's thread, between its calls and not counted as one (a
-        checkpoint, a collective's header); inline under virtual time."""
+        checkpoint, a collective's header)."""
         loop = asyncio.get_running_loop()
-        if is_virtual(loop):
-            return fn(*args)
         return await loop.run_in_executor(self._thread(), fn, *args)
 
     def start_thread(self) -> None:

@@ -132,22 +132,27 @@ def _mean(xs) -> float:
     return sum(xs) / len(xs) if xs else math.nan
 
 
-def summarize(stats: RunStats, *, schedule: str, wall_s: float, in_flight: int, version: int,
-              gen_batches: Counter, ended_at: float = math.nan, **parts: Any) -> RunResult:
-    """The result of a run that ended at loop time ``ended_at`` (for the steady-state rate), built
-    once: the counters' figures, then ``parts`` (the other fields of :class:`RunResult`, as the
-    run's pieces report them)."""
+def summarize(parts: Any, t0: float, ended_at: float, cpu_wall_s: float = 0.0) -> RunResult:
+    """The result of a run whose ``parts`` (:class:`ebrl.runtime.run.Parts`) ran from loop time
+    ``t0`` to ``ended_at``: the counters' figures, then what each part reports of itself."""
+    stats, generator, learner, pool, manager = parts.stats, parts.generator, parts.learner, parts.pool, parts.manager
+    wall_s, version, gen_batches = ended_at - t0, learner.version, generator.batch_sizes
     lag_n = sum(stats.lag.values())
     steady_s = ended_at - stats.first_update_at
     gen_n = sum(gen_batches.values())
+    busy = {}
+    if wall_s > 0:
+        busy = {"generator": generator.busy_s / wall_s, "learner": learner.busy_s / wall_s}
+        if parts.timeline is not None:
+            busy["sim"] = parts.timeline.busy_fraction("env", t0, ended_at, name="sim")
     return RunResult(
-        schedule=schedule,
+        schedule=parts.cfg.schedule.value,
         wall_s=wall_s,
         env_steps=stats.simulated,
         env_steps_per_s=stats.simulated / wall_s if wall_s > 0 else math.inf,
         trained=stats.trained,
         dropped=dict(stats.dropped),
-        in_flight_at_stop=in_flight,
+        in_flight_at_stop=parts.rollout.pending_steps() + learner.untrained_in_hand,
         env_failures=stats.env_failures,
         updates=stats.updates,
         policy_version=version,
@@ -166,5 +171,15 @@ def summarize(stats: RunStats, *, schedule: str, wall_s: float, in_flight: int, 
         first_step_s=stats.first_step_at - stats.started_at,
         first_update_s=stats.first_update_at - stats.started_at,
         steady_env_steps_per_s=(stats.simulated - stats.steps_at_first_update) / steady_s if steady_s > 0 else math.nan,
-        **parts,
+        history=learner.history,
+        steps_per_env=parts.rollout.steps_per_env.tolist(),
+        gen_wait_max_s=generator.max_request_wait_s, gen_costs=generator.costs.to_dict(),
+        timeouts=parts.driver.recovery.timeouts, respawns=pool.respawns, migrations=parts.driver.moves.done,
+        sim_backend=pool.backend.value, sim_size=pool.size, learner_mode=parts.mode.value,
+        generator_busy_s=generator.busy_s, learner_busy_s=learner.busy_s, busy=busy, cpu_wall_s=cpu_wall_s,
+        profiles=[p.to_dict() for p in manager.profiles], decisions=[d.to_dict() for d in manager.decisions],
+        evaluations=list(parts.metrics.eval_rows),
+        publications=version,
+        publish_bytes=stats.published_bytes / version if version else math.nan,
+        publish_s=(stats.publish_snapshot_s + generator.load_weights_s) / version if version else math.nan,
     )

@@ -68,8 +68,13 @@ async def in_thread(fn: Callable[..., T], *args: Any, name: str = "ebrl-offloop"
             thread.join()  # it has handed its result over: it is returning
         else:
             done.add_done_callback(forget)  # the work failed after it was given up on
-            log.warning("thread_left_running", thread=name, timeout_s=timeout_s,
-                        hint="a call that never returned (an env constructor hung in C code?); the thread is a daemon")
+            leave(thread, timeout_s)
+
+
+def leave(thread: threading.Thread, timeout_s: float | None = None) -> None:
+    """Give up on ``thread``, in a call that may never return: it is never joined, and logged."""
+    log.warning("thread_left_running", thread=thread.name, timeout_s=timeout_s,
+                hint="a call that never returned (an env constructor hung in C code?); the thread is a daemon")
 
 
 def settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:

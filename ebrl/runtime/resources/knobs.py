@@ -23,7 +23,7 @@ class Knobs:
     """What the controller may set, as it stands."""
 
     backend: str
-    lanes: int | None = None  # resizable lanes (thread backend, virtual-time inline); None: not resizable
+    lanes: int | None = None  # resizable lanes (thread backend); None: not resizable
     workers: int | None = None  # worker processes (process backend)
     placement: tuple[int, ...] | None = None  # env -> worker (process backend)
     max_wait_s: float | None = None

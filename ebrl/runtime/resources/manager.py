@@ -49,7 +49,6 @@ from ebrl.runtime.resources.gpu import GpuStreams, StreamMode
 from ebrl.runtime.resources.profiler import EpochProfile, LiveProfiler
 from ebrl.runtime.resources.rules_start import offload_start
 from ebrl.runtime.sim import LOCAL
-from ebrl.runtime.threads import usable_cpus
 from ebrl.telemetry.logging import get_logger
 
 log = get_logger("ebrl.resources")
@@ -72,19 +71,19 @@ def fixed_knobs(cfg: RunConfig) -> frozenset[str]:
 
 
 class ResourceManager:
-    def __init__(self, cfg: RunConfig, profiler: LiveProfiler, pool, driver, generator, virtual: bool,
+    def __init__(self, cfg: RunConfig, profiler: LiveProfiler, pool, driver, generator, cpus: int,
                  streams: GpuStreams | None = None, learner=None, learner_threads: int | None = None,
                  start: list[Decision] = ()):
         self.cfg, self.profiler, self.pool, self.driver, self.generator = cfg, profiler, pool, driver, generator
         self.learner = learner
-        remote = getattr(learner, "remote", None)
+        remote = learner.worker.pid if learner is not None else None  # a learner process's
         # the learner process's torch threads, when the controller may change them
         self._threads = learner_threads if remote is not None and cfg.resources.learner_threads is None else None
         # envs on worker processes that can move (checked once): placement, workers, backend
         self.elastic = pool if pool.movable else None
         self.mixed = self.elastic is not None and self.elastic.mixed  # envs may move between lanes and workers
         self._affinity = ("shared" if remote is not None and self.elastic is not None
-                          and cfg.resources.affinity and not virtual and affinity.available() else None)
+                          and cfg.resources.affinity and affinity.available() else None)
         self._cores = sorted(os.sched_getaffinity(0)) if self._affinity else []
         self.streams = streams if streams is not None and streams.mode is StreamMode.GREEN_CONTEXTS else None
         self.profiles: list[EpochProfile] = []
@@ -92,11 +91,10 @@ class ResourceManager:
         for d in start:  # made before the pool was built (rules_start.py): kept and logged like the rest
             self._record(d)
         self.memory = Memory()
-        self.virtual = virtual
         self._retire_to: int | None = None  # workers to keep once the envs moving off the rest have moved
         self._grow_to: int | None = None  # workers to start (forks run off the loop, in run())
         self.limits = Limits(num_units=cfg.num_envs // cfg.sim.vector_size, num_envs=cfg.num_envs,
-                             cpus=len(self._cores) if self._cores else usable_cpus(),
+                             cpus=len(self._cores) if self._cores else cpus,
                              # an offload decided at the start (a device policy's: rules_start) holds
                              fixed=fixed_knobs(cfg) | {d.knob for d in start if d.knob == "offload"},
                              lane_wait_above=cfg.resources.lane_wait_above,
@@ -104,7 +102,7 @@ class ResourceManager:
                              total_sms=self.streams.total_sms if self.streams else 0,
                              sm_granularity=self.streams.granularity if self.streams else 8,
                              inline_up_to_s=cfg.generation.inline_below_s)
-        self._resizable = pool.resizable and (pool.backend is SimBackend.THREAD or virtual or self.mixed)
+        self._resizable = pool.resizable and (pool.backend is SimBackend.THREAD or self.mixed)
         # envs move between workers only one by one (vector envs stay where they are built)
         self._movable = self.elastic is not None and cfg.sim.vector_size == 1
         self._then_place: tuple[int, ...] | None = None  # a placement waiting for workers to start
@@ -132,12 +130,12 @@ class ResourceManager:
                      max_wait_s=self.generator.max_wait_s,
                      gen_sms=self.streams.split.generation if self.streams and self.streams.split else None,
                      learner_threads=self._threads, affinity=self._affinity,
-                     offload=None if self.virtual else self.generator.offload_mode.value,
+                     offload=self.generator.offload_mode.value if self.generator.stage.threads else None,
                      batch_target=self.generator.batch_target)
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as tg:
-            if self.generator.offload is Offload.AUTO and not self.virtual:
+            if self.generator.offload is Offload.AUTO and self.generator.stage.threads:
                 tg.create_task(self._start_offload(), name="ebrl-offload-start")
             epoch_s = self.cfg.resources.epoch_s
             while True:
@@ -227,7 +225,7 @@ class ResourceManager:
         if plan is None:  # back to sharing every core the run started with
             plan = {"loop": self._cores, "learner": self._cores, "workers": self._cores}
         affinity.pin(os.getpid(), plan["loop"])
-        affinity.pin(self.learner.remote.process.pid, plan["learner"])
+        affinity.pin(self.learner.worker.pid, plan["learner"])
         for pid in self.elastic.worker_pids():
             affinity.pin(pid, plan["workers"])
         self._affinity = mode

@@ -46,18 +46,21 @@ START = -1  # the epoch of a decision made at the start, before the first window
 WAITS_BELOW = 0.5  # a step busy less than this fraction of its time mostly waits: threads overlap it
 
 
-def sim_start(profile: StepProfile, cfg: SimConfig, num_envs: int, cpus: int) -> list[Decision]:
+def sim_start(profile: StepProfile, cfg: SimConfig, num_envs: int, cpus: int,
+              processes: bool = True) -> list[Decision]:
     """The backend for plain envs under ``sim.backend="auto"``, and the thread lanes where it
-    chose threads and ``sim.num_threads`` is unset (an explicit value is never overridden)."""
+    chose threads and ``sim.num_threads`` is unset (an explicit value is never overridden).
+    ``processes``: whether the platform may start worker processes."""
     step = f"a step took {profile.wall_s * 1e6:.0f} us, {profile.busy:.0%} of it on a CPU"
     if profile.wall_s < cfg.inline_below_s:
         return [Decision(START, "backend", "auto", "inline",
                          f"{step}: under sim.inline_below_s ({cfg.inline_below_s * 1e6:.0f} us), less than a thread hop")]
-    if not (profile.releases_gil or cpus < 2 or profile.busy < WAITS_BELOW):
+    if processes and not (profile.releases_gil or cpus < 2 or profile.busy < WAITS_BELOW):
         return [Decision(START, "backend", "auto", "process",
                          f"{step} holding the GIL: worker processes step such envs in parallel")]
     why = ("the env declares it releases the GIL" if profile.releases_gil
            else "one core: worker processes would gain nothing" if cpus < 2
+           else "the platform starts no processes (virtual time): lanes step it" if not processes
            else "it mostly waits: lane threads overlap the waits")
     decisions = [Decision(START, "backend", "auto", "thread", f"{step}; {why}")]
     if cfg.num_threads is None:
@@ -67,14 +70,14 @@ def sim_start(profile: StepProfile, cfg: SimConfig, num_envs: int, cpus: int) ->
     return decisions
 
 
-def learner_start(device: str | None, cpus: int) -> Decision:
+def learner_start(device: str | None, cpus: int, processes: bool = True) -> Decision:
     """The learner under ``learner="auto"``, for a policy whose parameters are on ``device``
     (``"cpu"``, ``"cuda"``, ...; None: it has none): a process of its own when it trains on the
-    CPU of a multi-core host, a thread of this process otherwise."""
-    if device == "cpu" and cpus >= 2:
+    CPU of a multi-core host that may start one (``processes``), a thread of this process otherwise."""
+    if device == "cpu" and cpus >= 2 and processes:
         return Decision(START, "learner", "auto", "process",
                         f"training runs on the CPU and there are {cpus} cores: off the event loop's GIL")
-    why = ("one core" if device == "cpu" else "the policy has no parameters" if device is None
+    why = (("one core" if cpus < 2 else "the platform starts no processes (virtual time)") if device == "cpu" else "the policy has no parameters" if device is None
            else f"training runs on {device}, on a stream of its own")
     return Decision(START, "learner", "auto", "thread", why)
 

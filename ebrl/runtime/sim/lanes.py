@@ -20,6 +20,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
+from ebrl.config import SimBackend
 from ebrl.runtime.errors import EnvStepError, TimedOut
 from ebrl.runtime.sim.local import LocalHost
 from ebrl.runtime.sim.stepping import close_quietly, describe, step_unit
@@ -31,6 +32,8 @@ log = get_logger("ebrl.sim")
 
 class LaneHost(LocalHost):
     """Lane threads take units to step from one queue; finished steps come back a block per loop wake-up."""
+
+    backend = SimBackend.THREAD
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -51,10 +54,8 @@ class LaneHost(LocalHost):
 
     async def start(self, spaces, hosted=None):
         spaces = await super().start(spaces, hosted)
-        if self.virtual:
-            self.resize(self.lanes)
-        else:  # off the loop: starting 64 threads takes the loop ~20 ms
-            await in_thread(self.resize, self.lanes, name="ebrl-sim-lanes")
+        # off the loop: starting 64 threads takes the loop ~20 ms
+        await in_thread(self.resize, self.lanes, name="ebrl-sim-lanes")
         return spaces
 
     def resize(self, n: int) -> None:

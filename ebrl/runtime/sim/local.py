@@ -3,9 +3,8 @@ the inline one.
 
 :class:`InlineHost` steps on the event loop thread: every block submitted within one loop
 iteration runs in one call soon after, and comes back as one block. Right for envs whose step
-costs less than a thread hop. Under virtual time each unit's step holds one of ``lanes`` lanes
-while its declared cost is charged with ``asyncio.sleep``. The lane host
-(:mod:`ebrl.runtime.sim.lanes`) builds on the same :class:`LocalHost`.
+costs less than a thread hop. The lane host (:mod:`ebrl.runtime.sim.lanes`) and virtual time's
+host (:class:`ebrl.virtual_time.VirtualHost`) build on the same :class:`LocalHost`.
 """
 
 from __future__ import annotations
@@ -17,11 +16,11 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
+from ebrl.config import SimBackend
 from ebrl.runtime.errors import EnvStepError, TimedOut
 from ebrl.runtime.sim.block import Outbox, StepRows
 from ebrl.runtime.sim.stepping import EnvFn, build_unit, close_quietly, describe, reset_unit, single_spaces, step_unit
 from ebrl.runtime.threads import in_thread
-from ebrl.runtime.virtual_time import is_virtual
 from ebrl.telemetry.logging import get_logger
 
 log = get_logger("ebrl.sim")
@@ -39,7 +38,6 @@ class LocalHost:
         self.lanes = lanes
         self.rows: StepRows | None = None
         self.envs: list[gym.Env | None] = []  # None: not hosted here (on a worker), or left to a hung lane
-        self.virtual = False  # under virtual time a step's cost is the one it declares
         self.build_timeout_s = build_timeout_s
         self.unbuilt: dict[int, TimedOut] = {}  # units whose build timed out, until rebuilt
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -48,16 +46,15 @@ class LocalHost:
                     ) -> tuple[gym.Space, gym.Space]:
         """Build the ``hosted`` units off the event loop, each in a private thread under
         ``build_timeout_s`` (64 MuJoCo envs take a few hundred ms to build, which would stall the
-        caller's loop); inline under virtual time, where threads are not allowed. A unit past its
+        caller's loop). A unit past its
         deadline is left to its thread and recorded in ``unbuilt``: its first reset fails as
         ``timeout`` and the driver rebuilds it. Returns one env's spaces (``spaces``, else the
         first unit's)."""
         self._loop = asyncio.get_running_loop()
-        self.virtual = is_virtual(self._loop)
         units = [u for u in range(self.num_units) if hosted is None or u in hosted]
         self.envs = [None] * self.num_units
         for u in units:
-            self.envs[u] = self._build(u) if self.virtual else await self._build_off_loop(u)
+            self.envs[u] = await self._build_off_loop(u)
         first = next((env for env in self.envs if env is not None), None)
         if spaces is None and first is None:
             raise EnvStepError(min(self.unbuilt, default=0), "env_fn", self._build_timed_out())
@@ -92,13 +89,12 @@ class LocalHost:
     def _step(self, unit: int, queued_s: float = 0.0, account: bool = True) -> float:
         """Step one unit (:func:`~ebrl.runtime.sim.stepping.step_unit`); with ``account``, also
         count the step's cost (wall and stepping-thread CPU seconds, and ``queued_s`` it waited
-        for a lane; under virtual time the declared cost, all of it waiting). Returns the
-        declared cost."""
+        for a lane). Returns the step's declared cost (:func:`~ebrl.runtime.sim.stepping.step_unit`)."""
         if not account:
             return self._commit(unit)
         t0, c0 = perf_counter(), thread_time()
         declared = self._commit(unit)
-        wall, cpu = (declared, 0.0) if self.virtual else (perf_counter() - t0, thread_time() - c0)
+        wall, cpu = perf_counter() - t0, thread_time() - c0
         if self.vector_size == 1:
             self.rows.add_cost(unit, wall, cpu, queued_s)
         else:
@@ -176,37 +172,20 @@ class LocalHost:
 
 
 class InlineHost(LocalHost):
-    """Steps on the event loop. Under virtual time, charges each step's cost on one of ``lanes`` lanes.
-    A hung inline step holds the event loop itself: nothing here can give it up."""
+    """Steps on the event loop. A hung inline step holds the event loop itself: nothing here can
+    give it up."""
+
+    backend = SimBackend.INLINE
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._lane_sem: asyncio.Semaphore | None = None
         self._pending: list[np.ndarray] = []
-        self._tasks: set[asyncio.Task] = set()
-
-    async def start(self, spaces, hosted=None):
-        self._lane_sem = asyncio.Semaphore(self.lanes)
-        return await super().start(spaces, hosted)
 
     def resize(self, n: int) -> None:
-        delta, self.lanes = n - self.lanes, n
-        for _ in range(max(delta, 0)):
-            self._lane_sem.release()
-        for _ in range(max(-delta, 0)):  # shrink lazily: lanes are taken as steps finish
-            self._spawn(self._lane_sem.acquire())
-
-    def _spawn(self, coro) -> None:
-        task = self._loop.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.lanes = n  # one loop steps them all: nothing to start or stop
 
     def submit(self, ids: np.ndarray, actions: Any) -> None:
         self.rows.set_actions(ids, actions)
-        if self.virtual:
-            for unit in self._units(ids):
-                self._spawn(self._virtual_step(unit))
-            return
         if not self._pending:
             self._loop.call_soon(self._run)
         self._pending.append(ids)
@@ -231,22 +210,8 @@ class InlineHost(LocalHost):
             self.rows.cost[ids] += (1.0, (perf_counter() - t0) / n, (thread_time() - c0) / n, 0.0)
         self.outbox.put(self.rows.block(ids, errors))
 
-    async def _virtual_step(self, unit: int) -> None:
-        t_in = self._loop.time()
-        async with self._lane_sem:
-            try:
-                cost = self._step(unit, self._loop.time() - t_in)
-            except Exception as exc:
-                self.outbox.put(self.rows.block(np.zeros(0, np.int64), self._errors(unit, exc)))
-                return
-            if cost > 0:
-                await asyncio.sleep(cost)
-            self.outbox.put(self.rows.block(self._ids(unit)))
-
     async def rebuild(self, unit: int) -> None:
-        """Build the unit anew: off the loop, under ``build_timeout_s`` (inline under virtual time)."""
-        if self.virtual:
-            return await super().rebuild(unit)
+        """Build the unit anew: off the loop, under ``build_timeout_s``."""
         old, self.envs[unit] = self.envs[unit], None
         close_quietly(old)
         env = await self._build_off_loop(unit)
@@ -263,7 +228,4 @@ class InlineHost(LocalHost):
             raise EnvStepError(unit, op, describe(exc)) from exc
 
     def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        self._tasks.clear()
         self._close_envs()

@@ -4,7 +4,7 @@ The pool routes each env to one of two hosts and does, once, what does not depen
 env steps: routing a submitted block, resets, rebuilds, moves, costs, reset seeds, timeouts.
 
 - the **local host**, in this process: :class:`~ebrl.runtime.sim.local.InlineHost` steps on the
-  event loop (envs cheaper than a thread hop; virtual time), :class:`~ebrl.runtime.sim.lanes.LaneHost`
+  event loop (envs cheaper than a thread hop), :class:`~ebrl.runtime.sim.lanes.LaneHost`
   on lane threads (simulators that release the GIL);
 - the **worker host**, :class:`~ebrl.runtime.sim.workers.WorkerHost`: worker processes (GIL-bound
   Python envs, which is most gymnasium envs).
@@ -50,6 +50,7 @@ from ebrl.runtime.threads import usable_cpus
 from ebrl.spaces import index
 
 DEFAULT_LANES = 2  # thread lanes when neither the probe nor sim.num_threads says
+LOCAL_HOSTS = {SimBackend.INLINE: InlineHost, SimBackend.THREAD: LaneHost}  # the local host of each backend
 LOCAL = NOWHERE  # the placement of an env on the local host: no worker hosts it
 
 
@@ -65,12 +66,14 @@ class SimPool:
     ``cfg.num_threads``, else 2). With ``movable`` (AUTO chose the backend and the controller may
     move envs), plain envs on lanes or workers get both hosts, starting on ``backend``.
     ``spaces``: env 0's (the start-up probe's), so nothing is built to learn them;
-    ``build_timeout_s``: each env build's deadline (``faults.build_timeout_s``).
+    ``build_timeout_s``: each env build's deadline (``faults.build_timeout_s``). ``local_hosts``:
+    the local host class of the ``inline`` and ``thread`` backends (virtual time replaces them).
     """
 
     def __init__(self, env_fn: EnvFn, num_envs: int, cfg: SimConfig | None = None, *,
                  backend: SimBackend | None = None, lanes: int | None = None, movable: bool = False,
-                 spaces: tuple[gym.Space, gym.Space] | None = None, build_timeout_s: float | None = None):
+                 spaces: tuple[gym.Space, gym.Space] | None = None, build_timeout_s: float | None = None,
+                 local_hosts: dict[SimBackend, type[LocalHost]] | None = None):
         cfg = cfg or SimConfig()
         backend = SimBackend(backend or cfg.backend)
         size = self.vector_size = cfg.vector_size
@@ -91,7 +94,7 @@ class SimPool:
         self.local: LocalHost | None = None
         self.remote: WorkerHost | None = None
         if backend is not SimBackend.PROCESS or both:
-            kind = InlineHost if backend is SimBackend.INLINE else LaneHost
+            kind = (local_hosts or LOCAL_HOSTS)[SimBackend.INLINE if backend is SimBackend.INLINE else SimBackend.THREAD]
             self.local = kind(env_fn, num_envs, self.outbox, lanes, size, build_timeout_s)
         if backend is SimBackend.PROCESS or both:
             self.remote = WorkerHost(env_fn, num_envs, self.outbox, cfg.num_workers or usable_cpus(),
@@ -112,7 +115,7 @@ class SimPool:
         """Where the envs step now: ``mixed`` once they are split between the hosts."""
         local = int(np.count_nonzero(self.on_local))
         if local == self.num_envs:
-            return SimBackend.INLINE if isinstance(self.local, InlineHost) else SimBackend.THREAD
+            return self.local.backend
         return SimBackend.PROCESS if local == 0 else SimBackend.MIXED
 
     @property
@@ -226,7 +229,7 @@ class SimPool:
     # ---------------------------------------------------------------- sizes
 
     def resize(self, n: int) -> None:
-        """Thread lanes (or virtual-time inline lanes)."""
+        """The local host's lanes."""
         if n < 1:
             raise ValueError(f"sim pool size must be >= 1, got {n}")
         if self.local is None:

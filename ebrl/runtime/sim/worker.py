@@ -1,7 +1,8 @@
 """One worker process of :class:`~ebrl.runtime.sim.workers.WorkerHost`: the parent's handle on
-it (:class:`WorkerLink`: the process, its pipe, what is queued for it and what it owes) and the
-process's own loop (:func:`worker_main`: messages, streamed replies, requests), which steps its
-envs with the hosts' one stepping function. What a reply or a death means is the host's.
+it (:class:`WorkerLink`: its :class:`~ebrl.runtime.children.Child`, what is queued for it and
+what it owes) and the process's own loop (:func:`worker_main`: messages, streamed replies,
+requests), which steps its envs with the hosts' one stepping function. What a reply or a death
+means is the host's; the child's life (start, reader, death, kill, reap) is the Child's.
 
 Every array of :class:`StepRows` (one per observation key, for ``obs`` and ``final_obs``, plus
 actions, rewards, flags and per-env costs) is a shared-memory block made by the parent, so a
@@ -24,10 +25,7 @@ block: too fine a stream spends the CPU that CPU-bound simulators need).
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import pickle
-import signal
 import time
 from collections import deque
 from multiprocessing import shared_memory
@@ -36,18 +34,16 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from ebrl.runtime.children import child_context, portable
-from ebrl.runtime.children import start as start_child
+from ebrl.runtime.children import READY, Child, child_context
 from ebrl.runtime.errors import EnvStepError
 from ebrl.runtime.sim.block import STEPS, WALL, StepRows, release_shared, shm_alloc
 from ebrl.runtime.sim.stepping import EnvFn, close_quietly, describe, reset_env, step_unit
-from ebrl.runtime.threads import CLOSE_WAIT_S, ignore_stop_signals
+from ebrl.runtime.threads import CLOSE_WAIT_S
 
-# message tags. Parent to worker: step ids, pickled requests, quit. Worker to parent: ready (once,
-# serving), step ids, pickled (step ids, errors), pickled request replies.
-STEP, ERRORS, PICKLED, QUIT, READY = b"S", b"E", b"P", b"Q", b"R"
+# message tags, beside the Child's READY (once, serving) and QUIT. Parent to worker: step ids,
+# pickled requests. Worker to parent: step ids, pickled (step ids, errors), pickled request replies.
+STEP, ERRORS, PICKLED = b"S", b"E", b"P"
 _ALPHA = 0.1  # EWMA weight of the latest step time (low: a step preempted by another process is noise)
-READ_BYTES = 1 << 20  # the most one read of a worker's pipe takes (more waits for the next)
 _STRAGGLER = 3.0  # an env expected to take this many times its message-mates' mean is a straggler
 # ... and to take at least this long: each reply costs the event loop a block (about 0.2 ms of
 # CPU at 32 envs), so holding the finished envs for less than that is cheaper than splitting.
@@ -58,7 +54,6 @@ _STRAGGLER_MIN_S = 100e-6
 def worker_main(conn, env_fn: EnvFn, num_envs: int, hold_s: float, attach: tuple) -> None:
     """A worker process: maps the shared memory (``attach``: the block names and the spaces),
     then hosts the envs it is asked to build and answers requests until told to quit."""
-    ignore_stop_signals()  # the parent decides when we stop
     envs: dict[int, gym.Env] = {}
     blocks: list[shared_memory.SharedMemory] = []
     rows = None
@@ -76,9 +71,9 @@ def worker_main(conn, env_fn: EnvFn, num_envs: int, hold_s: float, attach: tuple
             elif kind == PICKLED:
                 replies = _serve(envs, env_fn, pickle.loads(body), rows, cost)
                 conn.send_bytes(PICKLED + pickle.dumps(replies))
-            else:
+            else:  # QUIT
                 break
-    except (EOFError, KeyboardInterrupt, BrokenPipeError, OSError):
+    except (EOFError, OSError):
         pass
     finally:
         release_shared(rows, blocks, unlink=False)
@@ -198,45 +193,23 @@ def _adopt(envs: dict[int, gym.Env], env_fn: EnvFn, i: int, seed: Any, rows: Ste
 
 
 class WorkerLink:
-    """Worker ``index``: its process, the parent's end of its pipe, and its queues."""
+    """Worker ``index``: its child process, and its queues."""
 
-    def __init__(self, index: int, process, conn, loop: asyncio.AbstractEventLoop | None):
-        self.index, self.process, self.conn, self.loop = index, process, conn, loop
+    def __init__(self, index: int, child: Child, loop: asyncio.AbstractEventLoop | None):
+        self.index, self.child, self.loop = index, child, loop
         self.steps: list[np.ndarray] = []  # ids whose actions are written, not yet sent
         self.requests: list[tuple[str, int, Any]] = []  # pickled requests, not yet sent
         self.waiting: deque[tuple[int, str, asyncio.Future]] = deque()  # sent requests, in order
         self.dead: str | None = None  # why it is gone
-        self.killed = False  # killed for a hung step (its death is on the way)
-        self.inbox = b""  # the start of a reply not yet whole (see read_replies)
-        self.spawned_at = time.perf_counter()
-        self.heard = False  # it has sent something (its READY first): it started (see WorkerHost.abandon)
 
     @classmethod
     def spawn(cls, start_method: str | None, loop: asyncio.AbstractEventLoop | None, index: int, env_fn: EnvFn,
               num_envs: int, reply_hold_s: float, attach: tuple) -> WorkerLink:
         """Start worker ``index`` (fork-safely: :func:`~ebrl.runtime.children.child_context`), hosting
         no env yet and mapping the shared memory named in ``attach`` at once."""
-        ctx, _ = child_context(start_method)
-        parent, child = ctx.Pipe(duplex=True)
-        proc = ctx.Process(
-            target=worker_main, name=f"ebrl-sim-worker-{index}", daemon=True,
-            args=(child, portable(env_fn, ctx), num_envs, reply_hold_s, attach))
-        start_child(proc, ctx)
-        child.close()
-        return cls(index, proc, parent, loop)
-
-    def watch(self, callback, *args) -> None:
-        """Call ``callback(*args)`` on the loop whenever the pipe is readable."""
-        fd = self.conn.fileno()
-        self.loop.add_reader(fd, callback, *args)
-        # add_reader makes the socket non-blocking; a message larger than the socket buffer
-        # then arrives in pieces and recv_bytes would fail half-way. Readable means a message
-        # has started, and the worker writes the rest at once: a blocking read is safe.
-        os.set_blocking(fd, True)
-
-    def unwatch(self) -> None:
-        with contextlib.suppress(Exception):
-            self.loop.remove_reader(self.conn.fileno())
+        child = Child.start(f"ebrl-sim-worker-{index}", worker_main, env_fn, num_envs, reply_hold_s, attach,
+                            ctx=child_context(start_method)[0])
+        return cls(index, child, loop)
 
     def request(self, op: str, env_id: int, arg: Any) -> asyncio.Future:
         """Queue request ``op`` (sent, pickled, by the next :meth:`flush`); the future gets its reply."""
@@ -264,80 +237,35 @@ class WorkerLink:
                 ids = np.concatenate(self.steps).astype(np.int32)
                 self.steps = []
                 sent_at[ids] = time.perf_counter()
-                self.conn.send_bytes(STEP + ids.tobytes())
+                self.child.send_bytes(STEP + ids.tobytes())
             if self.requests:
                 reqs, self.requests = self.requests, []
-                self.conn.send_bytes(PICKLED + pickle.dumps(reqs))
-        except (BrokenPipeError, OSError):
+                self.child.send_bytes(PICKLED + pickle.dumps(reqs))
+        except OSError:
             return False
         return True
 
-    def read_replies(self) -> list[bytes] | None:
-        """Every whole reply the worker has sent, or None if its end of the pipe closed (it died).
-        One read takes what the pipe holds (often two replies at once); the framing is
-        multiprocessing's (a 4-byte big-endian signed length, -1 for an 8-byte one), as the
-        worker's ``send_bytes`` writes it. ``Connection.recv_bytes`` cost two reads and a BytesIO
-        per reply. A reply not yet whole waits in ``inbox`` for the next read."""
-        try:
-            data = os.read(self.conn.fileno(), READ_BYTES)
-        except OSError:
-            data = b""
-        if not data:
-            return None
-        self.heard = True
-        if self.inbox:
-            data, self.inbox = self.inbox + data, b""
-        replies = []
-        start, end = 0, len(data)
-        while end - start >= 4:
-            n, head = int.from_bytes(data[start:start + 4], "big", signed=True), 4
-            if n == -1:  # over 2 GiB (a pickled request's reply, in theory)
-                if end - start < 12:
-                    break
-                n, head = int.from_bytes(data[start + 4:start + 12], "big"), 12
-            if end - start < head + n:
-                break
-            replies.append(data[start + head:start + head + n])
-            start += head + n
-        self.inbox = data[start:]
-        return replies
-
-    def kill(self) -> None:
-        """SIGKILL it (a hung step or reset): its pipe closes, and the pool's reader sees it die."""
-        self.killed = True
-        self.process.kill()
-
     def mark_dead(self) -> None:
         """Its pipe closed: stop watching it, and say in ``dead`` how it ended."""
-        self.unwatch()
-        self.process.join(0.5)  # to learn its exit code; it closed its pipe, so it is exiting
-        code = self.process.exitcode
-        how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
-        self.dead = f"worker {self.index} died ({how})"
+        self.child.unwatch()
+        self.dead = f"worker {self.index} died ({self.child.exit_reason()})"
 
     def retire(self) -> None:
         """Stop watching it and tell it to quit (after what it was sent); its requests' futures
         are cancelled. :meth:`stop` joins it later."""
-        self.unwatch()
-        with contextlib.suppress(Exception):
-            self.conn.send_bytes(QUIT)
+        self.child.unwatch()
+        self.child.quit()
+        self._cancel_waiting()
+
+    def _cancel_waiting(self) -> None:
         for _, _, fut in self.waiting:
             fut.cancel()
         self.waiting.clear()
 
     @staticmethod
     def stop(links: list[WorkerLink]) -> None:
-        """Tell ``links``' workers to quit, then join them (``CLOSE_WAIT_S`` in all, then killed:
-        a worker hung in a step never reads the message)."""
+        """End ``links``' workers (``CLOSE_WAIT_S`` in all, then killed: a worker hung in a step
+        never reads its QUIT); their requests' futures are cancelled."""
+        Child.reap_all([link.child for link in links], CLOSE_WAIT_S)
         for link in links:
-            with contextlib.suppress(Exception):
-                link.conn.send_bytes(QUIT)
-        deadline = time.monotonic() + CLOSE_WAIT_S
-        for link in links:
-            link.process.join(timeout=max(0.0, deadline - time.monotonic()))
-            if link.process.is_alive():
-                link.process.kill()
-                link.process.join()
-            link.conn.close()
-            for _, _, fut in link.waiting:
-                fut.cancel()
+            link._cancel_waiting()

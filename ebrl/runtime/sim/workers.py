@@ -19,11 +19,11 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from ebrl.runtime.children import helpers_scope
+from ebrl.runtime.children import READY, helpers_scope
 from ebrl.runtime.errors import EnvStepError, Fault, TimedOut, WorkerDied
 from ebrl.runtime.sim.block import Outbox, StepRows, release_shared, shm_alloc
 from ebrl.runtime.sim.stepping import EnvFn
-from ebrl.runtime.sim.worker import ERRORS, PICKLED, READY, WorkerLink
+from ebrl.runtime.sim.worker import ERRORS, PICKLED, WorkerLink
 from ebrl.runtime.threads import forget, in_thread
 from ebrl.spaces import index
 from ebrl.telemetry.logging import get_logger
@@ -75,7 +75,7 @@ class WorkerHost:
                                 self._attach)
 
     def worker_pids(self) -> list[int]:  # the live ones' (CPU affinity is set per process)
-        return [w.process.pid for w in self._workers if w.dead is None and w.process.pid is not None]
+        return [w.child.pid for w in self._workers if w.dead is None]
 
     async def start(self, spaces: tuple[gym.Space, gym.Space], hosted: set[int] | None = None
                     ) -> tuple[gym.Space, gym.Space]:
@@ -173,7 +173,7 @@ class WorkerHost:
 
     def _on_readable(self, worker: WorkerLink) -> None:
         """Every whole reply the worker has sent; its pipe closed means it died."""
-        replies = worker.read_replies()
+        replies = worker.child.frames()
         if replies is None:  # the worker's end closed: it died
             self._fail_worker(worker)
             return
@@ -183,7 +183,7 @@ class WorkerHost:
                 break
             if kind == PICKLED:
                 worker.answered(pickle.loads(body))
-            elif kind != READY:  # READY: it is serving (read_replies marked it heard)
+            elif kind != READY:  # READY: it is serving (frames() marked it heard)
                 errors: list[tuple[int, str]] = []
                 if kind == ERRORS:
                     body, errors = pickle.loads(body)
@@ -224,10 +224,10 @@ class WorkerHost:
             self.rows.started[[e for e, _, _ in worker.waiting]] = 0.0  # an adopt (migration) too
         for env_id, op, fut in worker.waiting:
             fault = self._fault(env_id, worker.dead)
-            if env_id in running and not worker.killed:
+            if env_id in running and not worker.child.killed:
                 doing = "resetting" if op == "reset" else "building"
                 fault = Fault(f"{worker.dead} while {doing} it")
-            elif not worker.heard and not worker.killed:  # a worker that cannot start: charged, not respawned for ever
+            elif not worker.child.heard and not worker.child.killed:  # a worker that cannot start: charged, not respawned for ever
                 fault = Fault(f"{worker.dead} before it started (its stderr says why)")
             if not fut.done():
                 fut.set_exception(EnvStepError(env_id, op, fault))
@@ -246,7 +246,7 @@ class WorkerHost:
         # forked on the loop (a few ms): a fault's path, not a step's
         new = self._spawn(dead.index)
         self._workers[dead.index] = new
-        new.watch(self._on_readable, new)
+        new.child.watch(self._loop, self._on_readable, new)
         self._retired.append(dead)  # joined at close
         self.respawns += 1
         log.warning("sim_worker_respawned", worker=dead.index, reason=dead.dead)
@@ -270,10 +270,10 @@ class WorkerHost:
         """SIGKILL env ``env_id``'s worker for its hung call: its pipe closes, and
         :meth:`_on_readable` sees it die. False if it is dead or dying already."""
         worker = self._workers[self._placement[env_id]]
-        if worker.dead is not None or worker.killed:
+        if worker.dead is not None or worker.child.killed:
             return False
         self._timed_out.add(env_id)
-        worker.kill()
+        worker.child.kill()
         return True
 
     def abandon(self, env_id: int, limit_s: float) -> bool:
@@ -283,7 +283,7 @@ class WorkerHost:
         if self.rows is None or env_id in self._moving or self._busy[env_id]:
             return False
         started, worker, now = self.rows.started[env_id], self._workers[self._placement[env_id]], time.perf_counter()
-        if not (started and now - started > limit_s) and (worker.heard or now - worker.spawned_at <= limit_s):
+        if not (started and now - started > limit_s) and (worker.child.heard or now - worker.child.started_at <= limit_s):
             return False
         return self._kill_for(env_id)
 
@@ -389,15 +389,13 @@ class WorkerHost:
                 return
             self._starting.remove(worker)
             self._workers.append(worker)
-            worker.watch(self._on_readable, worker)
+            worker.child.watch(self._loop, self._on_readable, worker)
             self._num_workers = w + 1
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for worker in self._workers:
-            worker.unwatch()
         WorkerLink.stop(self._workers + self._retired + self._starting)
         self._workers, self._retired, self._starting = [], [], []
         release_shared(self.rows, self._blocks, unlink=True)
