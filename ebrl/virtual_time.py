@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import gymnasium as gym
 import numpy as np
 
-from ebrl.config import SimBackend
+from ebrl.config import SimBackend, SimConfig
 from ebrl.runtime.platform import Platform
 from ebrl.runtime.sim.local import InlineHost
 from ebrl.runtime.stage import Stage
@@ -144,10 +144,7 @@ class VirtualHost(InlineHost):
     def _step(self, unit: int, queued_s: float = 0.0, account: bool = True) -> float:
         declared = self._commit(unit)
         if account:  # the declared cost, all of it waiting: a virtual run's CPU time means nothing
-            if self.vector_size == 1:
-                self.rows.add_cost(unit, declared, 0.0, queued_s)
-            else:
-                self.rows.cost[self._ids(unit)] += (1.0, declared, 0.0, queued_s)
+            self._add_cost(unit, declared, 0.0, queued_s)
         return declared
 
     async def _virtual_step(self, unit: int) -> None:
@@ -217,19 +214,17 @@ class VirtualExecutor:
         return meter, (clock, clock)
 
 
-def virtual_pool(*args, cores: int = VIRTUAL_CORES, **kwargs):
+def virtual_pool(env_fn, num_envs: int, cfg: SimConfig, *, backend: SimBackend | None = None,
+                 lanes: int | None = None, cores: int = VIRTUAL_CORES, **kwargs):
     """A :class:`~ebrl.runtime.sim.pool.SimPool` on virtual lanes: ``thread`` and ``inline`` as
     asked, ``process`` and ``mixed`` as one lane per worker (``sim.num_workers``, else a core)."""
     from ebrl.runtime.sim import SimPool
 
-    cfg = args[2] if len(args) > 2 else kwargs.get("cfg")
-    backend = kwargs.get("backend") or (cfg.backend if cfg is not None else None)
-    if backend in (SimBackend.PROCESS, SimBackend.MIXED):
-        kwargs["backend"] = SimBackend.THREAD
-        kwargs["lanes"] = kwargs.get("lanes") or (cfg.num_workers if cfg is not None else None) or cores
+    if SimBackend(backend or cfg.backend) in (SimBackend.PROCESS, SimBackend.MIXED):
+        backend, lanes = SimBackend.THREAD, lanes or cfg.num_workers or cores
     kwargs["movable"] = False
-    return SimPool(*args, local_hosts={SimBackend.INLINE: VirtualInlineHost, SimBackend.THREAD: VirtualHost},
-                   **kwargs)
+    return SimPool(env_fn, num_envs, cfg, backend=backend, lanes=lanes,
+                   local_hosts={SimBackend.INLINE: VirtualInlineHost, SimBackend.THREAD: VirtualHost}, **kwargs)
 
 
 def _no_sampler(nvml: Any) -> None:

@@ -180,6 +180,7 @@ class Parts:
     mode: LearnerMode
     streams: Any  # GpuStreams, emulated streams, or None
     learner_threads: int | None
+    device: Device
     timeline: "Timeline | None" = None
     manager: ResourceManager | None = None
     old_threads: int = 0
@@ -227,7 +228,7 @@ class Parts:
                           hooks=hooks, dp=dp, timeline=timeline)
         driver = Driver(cfg, pool, generator, rollout, stats, state, timeline)
         return cls(cfg, stats, state, pool, rollout, generator, learner, driver, metrics, mode, streams,
-                   learner_threads=cfg.resources.learner_threads or cfg.torch_threads, timeline=timeline,
+                   learner_threads=cfg.resources.learner_threads or cfg.torch_threads, device=device, timeline=timeline,
                    old_threads=torch.get_num_threads())
 
     async def start(self, trainer: "Trainer", platform: Platform, start: list[Decision]) -> None:
@@ -246,7 +247,7 @@ class Parts:
         await self.pool.start()
         # after the forks above (learner process, sim workers): the writer's thread must not be forked
         self.metrics.open()
-        nvml = platform.device(trainer.policy).nvml()  # cores, and GPUs via pynvml (an emulated device's own)
+        nvml = self.device.nvml()  # cores, and GPUs via pynvml (an emulated device's own)
         self.metrics.system = platform.sampler(nvml)
         profiler = LiveProfiler(self.pool, self.driver, self.generator, self.learner, asyncio.get_running_loop().time,
                                 system=platform.sampler(nvml))

@@ -94,12 +94,15 @@ class LocalHost:
             return self._commit(unit)
         t0, c0 = perf_counter(), thread_time()
         declared = self._commit(unit)
-        wall, cpu = perf_counter() - t0, thread_time() - c0
+        self._add_cost(unit, perf_counter() - t0, thread_time() - c0, queued_s)
+        return declared
+
+    def _add_cost(self, unit: int, wall: float, cpu: float, queued_s: float) -> None:
+        """One step of ``unit`` in its rows' costs (a vector env's: every row waited through the call)."""
         if self.vector_size == 1:
             self.rows.add_cost(unit, wall, cpu, queued_s)
         else:
-            self.rows.cost[self._ids(unit)] += (1.0, wall, cpu, queued_s)  # every row waited through the call
-        return declared
+            self.rows.cost[self._ids(unit)] += (1.0, wall, cpu, queued_s)
 
     def _commit(self, unit: int) -> float:
         """Step the unit into the rows (the lane host checks, before writing, that it was not abandoned)."""
