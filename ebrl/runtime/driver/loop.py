@@ -1,25 +1,18 @@
 """The driver: one loop turns blocks of finished steps into records and new requests, for
 every schedule and backend, with no coroutine, future or Python object per env step
-(:meth:`Driver._steps`, PufferLib's and EnvPool's send/recv):
+(PufferLib's and EnvPool's send/recv):
 
-1. ``block = await pool.recv()``: it is recorded into the rollout storage (one write per
-   field) and its episodes tracked (:class:`~ebrl.runtime.driver.episodes.Episodes`); NaN/inf rows
-   and failed envs go to :class:`~ebrl.runtime.driver.recovery.Recovery`, which resets or rebuilds
-   them and answers whether they are back: only the driver releases envs;
-2. released envs claim steps from the budget; those that would open a segment on a full
-   queue park (backpressure), the rest make one request (:meth:`Generator.request`);
-3. the batch that serves them calls :meth:`Driver.on_actions`: the behaviour data go to the
-   rollout and the action rows to the pool (``pool.submit``).
+1. ``block = await pool.recv()`` is recorded into the rollout storage and its episodes tracked;
+   NaN/inf rows and failed envs go to :class:`~ebrl.runtime.driver.recovery.Recovery`, which
+   answers when they are back: only the driver releases envs;
+2. released envs claim steps from the budget; those that would open a segment on a full queue
+   park (backpressure), the rest make one request (:meth:`Generator.request`);
+3. the batch that serves them calls :meth:`Driver.on_actions`, which submits the actions to the pool.
 
-The schedules differ only in what is released together (:class:`~ebrl.config.Schedule`):
-under ``async`` every unit (an env, or a vector env) goes on alone, as soon as its step is
-back; under ``sync`` and ``pipelined`` a lockstep group goes on once all of its units are
-back. :class:`EnvWaits` observes the path: each env's waits by cause, for the profiler and
-(when given) the :class:`~ebrl.telemetry.timeline.Timeline`, from the same calls, so the
-controller's profile and a trace cannot disagree.
-
-Every transition is counted exactly once: simulated, then trained, dropped with a reason, or
-still in flight when the run stops.
+Under ``async`` every unit (an env, or a vector env) goes on alone as soon as its step is back;
+under ``sync`` and ``pipelined`` a lockstep group goes on once all of its units are back. Every
+transition is counted exactly once: simulated, then trained, dropped with a reason, or still in
+flight when the run stops.
 """
 
 from __future__ import annotations
@@ -66,8 +59,6 @@ class Driver:
         self._tg: asyncio.TaskGroup | None = None
         rollout.on_space = self.unpark
 
-    # ---------------------------------------------------------------- lifecycle
-
     async def run(self) -> None:
         """Reset every env, release them all, and return when every env has finished."""
         self._loop = asyncio.get_running_loop()
@@ -104,8 +95,6 @@ class Driver:
         self.state.finish(n)
         if self.state.active <= 0 and not self._done.done():
             self._done.set_result(None)
-
-    # ---------------------------------------------------------------- the hot path
 
     async def _steps(self) -> None:
         """The loop: every block of finished steps, in the order the pool returns them."""
@@ -187,8 +176,6 @@ class Driver:
         except BaseException as exc:
             self._fail(exc)
 
-    # ---------------------------------------------------------------- backpressure
-
     def _park(self, ids: np.ndarray) -> None:
         if self.lockstep:
             self.barrier.leave(ids)
@@ -214,8 +201,6 @@ class Driver:
                 self.barrier.rejoin(ids)
             self._release(ids)
         self.state.changed()
-
-    # ---------------------------------------------------------------- faults
 
     def _on_errors(self, errors: list[tuple[int, str]], now: float) -> None:
         detail = dict(errors)
@@ -251,7 +236,8 @@ class Driver:
 
 
 class EnvWaits:
-    """Per-env wait seconds by cause, and the timeline's spans (see module docstring)."""
+    """Per-env wait seconds by cause (the profiler's) and the timeline's spans, from the same
+    calls, so the controller's profile and a trace cannot disagree."""
 
     def __init__(self, num_envs: int, timeline: Timeline | None = None):
         self.timeline = timeline

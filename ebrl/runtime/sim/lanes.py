@@ -1,11 +1,9 @@
-"""The lane host: a resizable set of threads sharing one queue of units to step.
+"""The lane host: a resizable set of threads sharing one queue of units to step, for simulators
+that release the GIL while stepping (MuJoCo, C++ or GPU sims, anything that sleeps).
 
-Right for simulators that release the GIL while stepping (MuJoCo's ``mj_step``, C++ or GPU
-sims, anything that sleeps). A lane writes its result into the host's rows and wakes the loop
-only if no wake-up is pending, so finished steps come back a block per wake-up. Shrinking
-never interrupts a running step. A step, reset or build past its deadline is abandoned: a new
-lane takes the stuck one's place, the env is left to it (never touched again), and if the call
-ever returns nothing of it is kept.
+A lane wakes the loop only if no wake-up is pending, so finished steps come back a block per
+wake-up. A step, reset or build past its deadline is abandoned: a new lane takes the stuck one's
+place, the env is left to it (never touched again), and if the call ever returns nothing of it is kept.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ import numpy as np
 from ebrl.config import SimBackend
 from ebrl.runtime.errors import EnvStepError, TimedOut
 from ebrl.runtime.sim.local import LocalHost
-from ebrl.runtime.sim.stepping import close_quietly, describe, step_unit
+from ebrl.runtime.sim.stepping import close_quietly, step_unit
 from ebrl.runtime.threads import CLOSE_WAIT_S, in_thread, settle
 from ebrl.telemetry.logging import get_logger
 
@@ -127,7 +125,7 @@ class LaneHost(LocalHost):
                     self._done.append(item)
                 else:
                     self._failed += failed
-            if wake and not self._wake():
+            if wake and not self._soon(self._drain):
                 return
 
     def _run_call(self, me: threading.Thread, unit: int, gen: int, fn, args, fut) -> bool:
@@ -149,11 +147,12 @@ class LaneHost(LocalHost):
             self.rows.started[unit * self.vector_size] = 0.0
         return True
 
-    def _wake(self) -> bool:
+    def _soon(self, fn, *args) -> bool:
+        """``fn(*args)`` on the loop, from a lane; False: the loop was closed (shutdown)."""
         try:
-            self._loop.call_soon_threadsafe(self._drain)
+            self._loop.call_soon_threadsafe(fn, *args)
             return True
-        except RuntimeError:  # loop closed during shutdown
+        except RuntimeError:
             return False
 
     def _drain(self) -> None:
@@ -171,20 +170,12 @@ class LaneHost(LocalHost):
             result, exc = fn(*args), None
         except BaseException as e:  # handed to the awaiting coroutine
             result, exc = None, e
-        try:
-            self._loop.call_soon_threadsafe(settle, fut, result, exc)
-        except RuntimeError:  # loop closed during shutdown
-            pass
+        self._soon(settle, fut, result, exc)
 
-    async def _call(self, unit: int, op: str, fn, *args):
+    async def _invoke(self, unit: int, fn, args):
         fut = self._loop.create_future()
         self._requests.put((unit, self._gen[unit], fn, args, fut))
-        try:
-            return await fut
-        except EnvStepError:
-            raise
-        except Exception as exc:
-            raise EnvStepError(unit, op, describe(exc)) from exc
+        return await fut
 
     def abandon_late(self, limit_s: float) -> list[int]:
         """Give up each unit whose step started over ``limit_s`` ago: it comes back as a

@@ -1,10 +1,6 @@
-"""The hosts that keep their units in this process: what they share (:class:`LocalHost`), and
-the inline one.
-
-:class:`InlineHost` steps on the event loop thread: every block submitted within one loop
-iteration runs in one call soon after, and comes back as one block. Right for envs whose step
-costs less than a thread hop. The lane host (:mod:`ebrl.runtime.sim.lanes`) and virtual time's
-host (:class:`ebrl.virtual_time.VirtualHost`) build on the same :class:`LocalHost`.
+"""The hosts that keep their units in this process: what they share (:class:`LocalHost`, also the
+base of the lane host and of virtual time's), and :class:`InlineHost`, which steps on the event loop
+(right for envs whose step costs less than a thread hop).
 """
 
 from __future__ import annotations
@@ -44,12 +40,8 @@ class LocalHost:
 
     async def start(self, spaces: tuple[gym.Space, gym.Space] | None, hosted: set[int] | None = None
                     ) -> tuple[gym.Space, gym.Space]:
-        """Build the ``hosted`` units off the event loop, each in a private thread under
-        ``build_timeout_s`` (64 MuJoCo envs take a few hundred ms to build, which would stall the
-        caller's loop). A unit past its
-        deadline is left to its thread and recorded in ``unbuilt``: its first reset fails as
-        ``timeout`` and the driver rebuilds it. Returns one env's spaces (``spaces``, else the
-        first unit's)."""
+        """Build the ``hosted`` units off the event loop (64 MuJoCo envs take a few hundred ms to
+        build); returns one env's spaces (``spaces``, else the first unit's)."""
         self._loop = asyncio.get_running_loop()
         units = [u for u in range(self.num_units) if hosted is None or u in hosted]
         self.envs = [None] * self.num_units
@@ -63,8 +55,8 @@ class LocalHost:
         return spaces
 
     async def _build_off_loop(self, unit: int) -> gym.Env | None:
-        """``env_fn(unit)`` in a thread of its own under ``build_timeout_s``; None past it (the
-        thread is left, and the unit recorded in ``unbuilt``)."""
+        """``env_fn(unit)`` in a thread of its own; None past ``build_timeout_s`` (the thread is left,
+        and the unit recorded in ``unbuilt``: its first reset fails as ``timeout``, and the driver rebuilds it)."""
         try:
             return await in_thread(self._build, unit, name="ebrl-sim-build", timeout_s=self.build_timeout_s,
                                    may_hang=True)
@@ -86,12 +78,8 @@ class LocalHost:
     def _units(self, ids: np.ndarray) -> list[int]:
         return ids.tolist() if self.vector_size == 1 else (ids[:: self.vector_size] // self.vector_size).tolist()
 
-    def _step(self, unit: int, queued_s: float = 0.0, account: bool = True) -> float:
-        """Step one unit (:func:`~ebrl.runtime.sim.stepping.step_unit`); with ``account``, also
-        count the step's cost (wall and stepping-thread CPU seconds, and ``queued_s`` it waited
-        for a lane). Returns the step's declared cost (:func:`~ebrl.runtime.sim.stepping.step_unit`)."""
-        if not account:
-            return self._commit(unit)
+    def _step(self, unit: int, queued_s: float = 0.0) -> float:
+        """Step one unit and count its cost (``queued_s``: its wait for a lane); returns its declared cost."""
         t0, c0 = perf_counter(), thread_time()
         declared = self._commit(unit)
         self._add_cost(unit, perf_counter() - t0, thread_time() - c0, queued_s)
@@ -105,7 +93,7 @@ class LocalHost:
             self.rows.cost[self._ids(unit)] += (1.0, wall, cpu, queued_s)
 
     def _commit(self, unit: int) -> float:
-        """Step the unit into the rows (the lane host checks, before writing, that it was not abandoned)."""
+        """Step the unit into the rows (the lane host checks, first, that it was not abandoned)."""
         return step_unit(self.envs[unit], self.rows, unit, self.vector_size)
 
     def _errors(self, unit: int, exc: BaseException) -> list[tuple[int, str]]:
@@ -145,7 +133,16 @@ class LocalHost:
         close_quietly(env)
 
     async def _call(self, unit: int, op: str, fn, *args):
-        raise NotImplementedError
+        """``fn(*args)`` where the host runs its rare calls; an exception becomes the unit's :class:`EnvStepError`."""
+        try:
+            return await self._invoke(unit, fn, args)
+        except EnvStepError:
+            raise
+        except Exception as exc:
+            raise EnvStepError(unit, op, describe(exc)) from exc
+
+    async def _invoke(self, unit: int, fn, args):
+        return fn(*args)  # on the loop; the lane host runs it in a lane
 
     async def reset(self, unit: int, seed: Any = None) -> tuple[Any, Any]:
         return await self._call(unit, "reset", self._reset, unit, seed)
@@ -175,8 +172,8 @@ class LocalHost:
 
 
 class InlineHost(LocalHost):
-    """Steps on the event loop. A hung inline step holds the event loop itself: nothing here can
-    give it up."""
+    """Steps on the event loop: every block submitted within one loop iteration in one call soon
+    after, back as one block. A hung inline step holds the event loop itself: nothing can give it up."""
 
     backend = SimBackend.INLINE
 
@@ -202,7 +199,7 @@ class InlineHost(LocalHost):
         t0, c0 = perf_counter(), thread_time()
         for unit in self._units(ids):
             try:
-                self._step(unit, account=False)
+                self._commit(unit)
             except Exception as exc:
                 errors += self._errors(unit, exc)
         if errors:
@@ -221,14 +218,6 @@ class InlineHost(LocalHost):
         if env is None:
             raise EnvStepError(unit, "env_fn", self.unbuilt[unit])
         self._keep(unit, env)
-
-    async def _call(self, unit: int, op: str, fn, *args):
-        try:
-            return fn(*args)
-        except EnvStepError:
-            raise
-        except Exception as exc:
-            raise EnvStepError(unit, op, describe(exc)) from exc
 
     def close(self) -> None:
         self._close_envs()
