@@ -43,9 +43,8 @@ class LocalHost:
         """Build the ``hosted`` units off the event loop (64 MuJoCo envs take a few hundred ms to
         build); returns one env's spaces (``spaces``, else the first unit's)."""
         self._loop = asyncio.get_running_loop()
-        units = [u for u in range(self.num_units) if hosted is None or u in hosted]
         self.envs = [None] * self.num_units
-        for u in units:
+        for u in range(self.num_units) if hosted is None else sorted(hosted):
             self.envs[u] = await self._build_off_loop(u)
         first = next((env for env in self.envs if env is not None), None)
         if spaces is None and first is None:
@@ -72,8 +71,7 @@ class LocalHost:
         return build_unit(self.env_fn, unit, self.vector_size)
 
     def _ids(self, unit: int) -> np.ndarray:
-        v = self.vector_size
-        return np.arange(unit * v, unit * v + v)
+        return np.arange(self.vector_size) + unit * self.vector_size
 
     def _units(self, ids: np.ndarray) -> list[int]:
         return ids.tolist() if self.vector_size == 1 else (ids[:: self.vector_size] // self.vector_size).tolist()
@@ -107,9 +105,7 @@ class LocalHost:
         return reset_unit(self.envs[unit], seed, self.vector_size)
 
     def _rebuild(self, unit: int) -> None:
-        if self.envs[unit] is not None:  # None: left to a lane that hung in it (never touched again)
-            close_quietly(self.envs[unit])
-            self.envs[unit] = None
+        self._drop(unit)
         self._keep(unit, self._build(unit))
 
     def _keep(self, unit: int, env: gym.Env) -> None:
@@ -129,7 +125,7 @@ class LocalHost:
         return out
 
     def _drop(self, unit: int) -> None:
-        env, self.envs[unit] = self.envs[unit], None
+        env, self.envs[unit] = self.envs[unit], None  # None: not here, or left to a lane that hung in it
         close_quietly(env)
 
     async def _call(self, unit: int, op: str, fn, *args):
@@ -165,7 +161,7 @@ class LocalHost:
     def abandon(self, unit: int, limit_s: float) -> bool:
         return False
 
-    def _close_envs(self) -> None:
+    def close(self) -> None:
         for env in self.envs:
             close_quietly(env)
         self.envs = []
@@ -203,21 +199,15 @@ class InlineHost(LocalHost):
             except Exception as exc:
                 errors += self._errors(unit, exc)
         if errors:
-            failed = {i for i, _ in errors}
-            ids = np.array([i for i in ids.tolist() if i not in failed], np.int64)
-        if len(ids):
-            n = len(ids)
+            ids = ids[~np.isin(ids, [i for i, _ in errors])]
+        if n := len(ids):
             self.rows.cost[ids] += (1.0, (perf_counter() - t0) / n, (thread_time() - c0) / n, 0.0)
         self.outbox.put(self.rows.block(ids, errors))
 
     async def rebuild(self, unit: int) -> None:
         """Build the unit anew: off the loop, under ``build_timeout_s``."""
-        old, self.envs[unit] = self.envs[unit], None
-        close_quietly(old)
+        self._drop(unit)
         env = await self._build_off_loop(unit)
         if env is None:
             raise EnvStepError(unit, "env_fn", self.unbuilt[unit])
         self._keep(unit, env)
-
-    def close(self) -> None:
-        self._close_envs()
