@@ -86,6 +86,7 @@ class SimPool:
         if backend is SimBackend.PROCESS or both:
             self.remote = WorkerHost(env_fn, num_envs, self.outbox, cfg.num_workers or usable_cpus(),
                                      cfg.start_method, cfg.reply_hold_s, build_timeout_s)
+        self.hosts = [h for h in (self.local, self.remote) if h is not None]
         self.start_method, self.build_timeout_s = cfg.start_method, build_timeout_s
         self.on_local = np.full(num_envs, backend is not SimBackend.PROCESS)  # env -> on the local host
         self.mixed = both  # envs may move between the lanes and the workers
@@ -226,7 +227,7 @@ class SimPool:
     def abandon_late(self, limit_s: float) -> list[int]:
         """Give up the steps that started more than ``limit_s`` ago (not those still waiting for a
         lane or for worker-mates): each comes back as a :class:`TimedOut` error. Returns their units."""
-        return [u for host in (self.local, self.remote) if host is not None for u in host.abandon_late(limit_s)]
+        return [u for host in self.hosts for u in host.abandon_late(limit_s)]
 
     def abandon(self, unit: int, limit_s: float) -> bool:
         """Give up unit ``unit``'s reset or rebuild if it has *run* (not waited) over ``limit_s``."""
@@ -235,19 +236,17 @@ class SimPool:
     def set_reset_seeds(self, ids: np.ndarray, seeds: np.ndarray) -> None:
         """The seeds of the autoresets inside the steps that end these envs' episodes (under
         ``RunConfig.reset_group``); both hosts' rows, as an env may move."""
-        for host in (self.local, self.remote):
-            if host is not None and host.rows is not None:
+        for host in self.hosts:
+            if host.rows is not None:
                 host.rows.reset_seed[ids] = np.asarray(seeds, np.int64) + 1
 
     def costs(self) -> np.ndarray | None:
         """The per-env step costs summed over both hosts (:attr:`StepRows.cost`), or None before start."""
-        parts = [h.rows.cost.copy() for h in (self.local, self.remote)
-                 if h is not None and h.rows is not None and h.rows.cost is not None]
+        parts = [h.rows.cost.copy() for h in self.hosts if h.rows is not None and h.rows.cost is not None]
         return sum(parts[1:], parts[0]) if parts else None
 
     def close(self) -> None:
         """Release every thread, process and env. Safe to call twice."""
-        for host in (self.local, self.remote):
-            if host is not None:
-                host.close()
+        for host in self.hosts:
+            host.close()
         self.outbox.close()

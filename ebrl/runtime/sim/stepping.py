@@ -31,7 +31,7 @@ import numpy as np
 
 from ebrl.runtime.errors import EnvStepError
 from ebrl.runtime.sim.block import StepRows
-from ebrl.spaces import all_finite, copy_tree, finite_rows, index, tree_map, unstack
+from ebrl.spaces import all_finite, copy_tree, finite_rows, index, unstack
 from ebrl.spaces import write as write_rows
 
 EnvFn = Callable[[int], gym.Env]
@@ -104,8 +104,7 @@ def reset_unit(env: gym.Env, seed: Any, vector_size: int = 1) -> tuple[Any, Any]
         return reset_env(env, seed)
     n = env.num_envs
     if isinstance(seed, dict):
-        mask = np.zeros(n, bool)
-        mask[list(seed)] = True
+        mask = np.isin(np.arange(n), list(seed))
         obs, infos = env.reset(seed=[seed.get(i) for i in range(n)], options={"reset_mask": mask})
         rows = sorted(seed)
     else:
@@ -184,9 +183,8 @@ def _step_vector(venv: gym.vector.VectorEnv, rows: StepRows, ids: np.ndarray, wr
     same_step = done.any() and autoreset_mode(venv) is not DISABLED
     if done.any():
         if not same_step:  # DISABLED: the finished rows are reset here
-            final_obs = {int(i): index(obs, int(i)) for i in np.flatnonzero(done)}
+            final_obs = {int(i): copy_tree(index(obs, int(i))) for i in np.flatnonzero(done)}
             reset_obs, _ = reset_unit(venv, {i: None for i in final_obs}, n)
-            obs = tree_map(np.copy, obs)
             for i, o in reset_obs.items():
                 write_rows(obs, i, o)
                 finite[i] &= all_finite(o)
