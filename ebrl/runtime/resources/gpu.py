@@ -240,7 +240,8 @@ class GpuStreams:
         return self._enter(self.training_stream)
 
     def publish(self) -> Any:
-        """A CUDA event recorded on the training stream (after the weight snapshot); None on CPU."""
+        """A CUDA event recorded on the training stream (after the weight snapshot); None on CPU. It
+        orders the snapshot only: that must be a copy, kept alive until generation has read it."""
         if self.training_stream is None:
             return None
         event = self._torch.cuda.Event()
