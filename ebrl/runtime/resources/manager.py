@@ -2,34 +2,14 @@
 
 A task under the run's TaskGroup. Every ``resources.epoch_s`` (loop time), once the window
 holds ``MIN_STEPS_PER_UNIT`` env steps per env (or has lasted ``MAX_WINDOW_EPOCHS`` epochs, or
-training held the envs back for most of it: a slow policy's decisions fill a window in seconds,
-not one, but an update's hold is a window of its own), it takes an
+training held the envs back for most of it), it takes an
 :class:`~ebrl.runtime.resources.profiler.EpochProfile`, asks
 :func:`~ebrl.runtime.resources.controller.decide` (unless ``resources.adapt`` is false) and
-applies each decision where it acts:
-
-- ``lanes``: :meth:`SimPool.resize` (a thread pool starts or retires lane threads; shrinking
-  never interrupts a step);
-- ``backend`` (a mixed pool): envs between the thread lanes and worker processes, as
-  ``placement`` does it (workers are started first, and the lanes made one per env moved there);
-- ``placement``: the driver moves each env at its next episode end (the process pool rebuilds
-  it from ``env_fn`` in its new worker: no sample is lost, migrations are counted);
-- ``workers``: new worker processes are forked (off the loop) and envs placed on them by cost;
-  fewer: the envs on the workers past the new count move off at their episode ends, then those
-  workers retire;
-- ``max_wait_s``, ``batch_target``: the generator's batch-fill wait and the rows that start a
-  batch at once, from its next batch;
-- ``offload``: policy calls inline on the event loop or in the generator thread, from the next batch;
-- ``gen_sms``: new green contexts for generation and training (:meth:`GpuStreams.resplit`);
-- ``learner_threads``: torch threads of the learner process, sent with the next update;
-- ``affinity``: every thread of this process, the learner process and the workers pinned to
-  their cores (:mod:`~ebrl.runtime.resources.affinity`); this process gets all its cores back
-  when the run ends.
-
-Before the first epoch it also holds the start decisions (``rules_start.py``, epoch -1): the
-ones ``run()`` made from the probe before the pool was built, and the offload from the first
-measured policy call. Every decision is logged (``resource_decision``, with its reason) and
-kept in ``RunResult.decisions``; every profile in ``RunResult.profiles``.
+applies each decision through its knob's actuator: the sim pool (lanes, workers, where each env
+runs: envs move at their episode ends, workers start off the loop and retire once empty), the
+generator, the GPU streams, the learner process's threads and core affinity. It also holds the
+start decisions (``rules_start.py``, epoch -1). Every decision is logged (``resource_decision``)
+and kept in ``RunResult.decisions``; every profile in ``RunResult.profiles``.
 """
 
 from __future__ import annotations
@@ -40,14 +20,14 @@ import os
 import numpy as np
 
 from ebrl.config import Offload, RunConfig, SimBackend
-from ebrl.runtime.schedules import is_lockstep
 from ebrl.runtime.resources import affinity
 from ebrl.runtime.resources.controller import decide, postpone_trials
-from ebrl.runtime.resources.knobs import MAX_WINDOW_EPOCHS, MIN_STEPS_PER_UNIT, Decision, Knobs, Limits, Memory
-from ebrl.runtime.resources.rules_sim import lpt_placement
 from ebrl.runtime.resources.gpu import GpuStreams, StreamMode
+from ebrl.runtime.resources.knobs import MAX_WINDOW_EPOCHS, MIN_STEPS_PER_UNIT, Decision, Knobs, Limits, Memory
 from ebrl.runtime.resources.profiler import EpochProfile, LiveProfiler
+from ebrl.runtime.resources.rules_sim import lpt_placement
 from ebrl.runtime.resources.rules_start import offload_start
+from ebrl.runtime.schedules import is_lockstep
 from ebrl.runtime.sim import LOCAL
 from ebrl.telemetry.logging import get_logger
 
@@ -56,18 +36,13 @@ log = get_logger("ebrl.resources")
 
 def fixed_knobs(cfg: RunConfig) -> frozenset[str]:
     """The knobs the user set explicitly: the controller leaves them alone."""
-    fixed = set()
-    if cfg.sim.num_threads is not None or cfg.sim.num_workers is not None:
-        fixed.add("lanes")
-    if cfg.sim.num_workers is not None:
-        fixed.add("workers")
-    if cfg.generation.max_wait_s is not None:
-        fixed.add("max_wait_s")
-    if cfg.generation.batch_target is not None or is_lockstep(cfg.schedule):  # lockstep: a group is one batch
-        fixed.add("batch_target")
-    if cfg.generation.offload is not Offload.AUTO:
-        fixed.add("offload")
-    return frozenset(fixed)
+    sim, gen = cfg.sim, cfg.generation
+    set_by_user = {"lanes": sim.num_threads is not None or sim.num_workers is not None,
+                   "workers": sim.num_workers is not None, "max_wait_s": gen.max_wait_s is not None,
+                   # lockstep: a group is one batch
+                   "batch_target": gen.batch_target is not None or is_lockstep(cfg.schedule),
+                   "offload": gen.offload is not Offload.AUTO}
+    return frozenset(knob for knob, fixed in set_by_user.items() if fixed)
 
 
 class ResourceManager:
@@ -151,9 +126,7 @@ class ResourceManager:
         """Resolve ``generation.offload="auto"`` from the first measured policy call, at once:
         the first epoch is a second away, and a 40 ms call inline stalls the loop meanwhile."""
         await self.generator.measured.wait()
-        d = offload_start(self.generator.first_inline_cpu_s, self.limits.inline_up_to_s)
-        self._apply(d)
-        self._record(d)
+        self._apply(offload_start(self.generator.first_inline_cpu_s, self.limits.inline_up_to_s))
 
     async def _grow(self) -> None:
         """Start the workers a ``workers`` or ``backend`` decision asked for, then move envs
@@ -190,7 +163,6 @@ class ResourceManager:
         decisions = decide(profile, self.knobs, self.limits, self.memory)
         for d in decisions:
             self._apply(d)
-            self._record(d)
         return decisions
 
     def _record(self, d: Decision) -> None:
@@ -243,10 +215,12 @@ class ResourceManager:
             self.profiles.append(self.profiler.take())
 
     def _apply(self, d: Decision) -> None:
+        """Act on ``d`` and record it."""
         act = self._actuators.get(d.knob)
         if act is None:  # a rule without an actuator is a bug
             raise ValueError(f"no actuator for knob {d.knob!r}")
         act(d.new)
+        self._record(d)
 
     def _to_backend(self, placement: tuple[int, ...]) -> None:
         """Envs between lanes and workers (a mixed pool): the workers start first."""
