@@ -1,43 +1,21 @@
 """Rollout storage: segments of ``T`` steps in preallocated ``[slots, T]`` arrays, and the rules
-that bound policy lag.
+that bound policy lag (docs/policy-lag.md).
 
 Batch-first, as in rsl_rl: each field of the transition (:mod:`ebrl.runtime.fields`) is one
-array (one per observation leaf) ``[M, T, ...]`` of ``M`` segment slots. Each env fills an
-open slot; a block of finished steps is written with one fancy-indexed assignment per field
-(``buf[slots, pos] = rows``), never a Python loop per env. A full slot closes and joins the
-queue; the learner receives the slots' rows gathered into contiguous ``[S, T]`` arrays
-(:func:`~ebrl.runtime.collate.collate`), and the slots return to the free list.
+array ``[M, T, ...]`` of ``M`` segment slots, written a block of finished steps at a time with
+one fancy-indexed assignment per field. The storage owns the whole transition, the step in
+flight included: ``obs`` is each env's current observation, :meth:`RolloutQueue.begin` keeps
+the behaviour data of its step in flight, and :meth:`RolloutQueue.record` stores both and
+overwrites ``obs`` with the next observations. A segment's bootstrap observation is ``obs`` at
+the moment it closes; with ``cut_at_episode_end`` a segment also closes at every episode end
+and remembers the key of the episode it starts with (``Batch.group``, -1 mid-episode).
 
-The storage owns the whole transition, the step in flight included: ``obs``, each env's
-current observation (the one its next or in-flight action is computed from), and from
-:meth:`RolloutQueue.begin` the behaviour data of the step in flight (action, log-prob, value,
-policy version). :meth:`RolloutQueue.record` then stores a block of finished steps, copying
-both into the slots, and overwrites ``obs`` with the steps' next observations. A segment's
-bootstrap observation is ``obs`` at the moment it closes.
-
-Bounded policy lag without waiting on stragglers: update ``u`` trains at weights version
-``u``, so a transition made by version ``v`` must be trained by update ``v + max_lag``.
-When update ``u`` starts, :meth:`RolloutQueue.take` hands over the ``S`` oldest closed
-segments and every segment holding a transition with version ``<= u - max_lag``; an open
-segment in that state is *cut* (its completed prefix goes now, the env keeps stepping into
-a fresh segment). A transition whose simulation is still running when it falls due is
-awaited: one step, never a whole segment. Hence every trained transition has lag
-``<= max_lag`` and a slow env never holds an update back by more than one step.
-
-With ``cut_at_episode_end`` (``RunConfig.segment_cut="episode"``) a segment also closes at
-every episode end, so each segment is one episode from its reset (or the rest of one longer
-than ``T``), and remembers the key of the episode it starts with (``episode_key``, set by the
-driver: the reset's seed, shared by a reset group); ``Batch.group`` carries it, -1 where the
-segment does not start at a reset.
-
-Backpressure, not dropping: an env may not start a new segment while the queue is full.
-Under ``async`` the queue holds ``(max_lag + 1) * S`` closed segments, so fast envs run
-ahead of slow ones; under the lockstep schedules each env holds at most one closed
-segment, which makes an update wait for the whole rollout (their defining barrier).
-
-The learner is woken only by what can make an update due or unblock a take: a segment
-closing, an env parking on a full queue, the run finishing, or a stale in-flight step
-clearing (``RunStats.learner_wakeups`` counts them).
+Update ``u`` takes the ``S`` oldest closed segments and every segment holding a transition of
+version ``<= u - max_lag``, cutting open ones and awaiting such a step still in flight: every
+trained transition has lag ``<= max_lag`` and a slow env never holds an update back by more
+than one step. An env may not open a segment while the queue is full (backpressure, never
+dropping): ``(max_lag + 1) * S`` closed segments under ``async``, one per env under the
+lockstep schedules. The learner is woken only by what can make an update due or unblock a take.
 """
 
 from __future__ import annotations
