@@ -55,7 +55,7 @@ class RolloutQueue:
         self.lockstep = lockstep
         self.stats = stats
         self.state = state if state is not None else RunState(budget=0, active=num_envs)
-        self.state.watch(self.poke)
+        self.state.watch(self._wake)  # envs parked, finished or stopped: an update may now be due
         self.num_envs = num_envs
         self.capacity = num_envs if lockstep else (max_lag + 1) * batch_segments  # closed segments
         self.schema = fields
@@ -223,7 +223,7 @@ class RolloutQueue:
             return 0
         self.open_slot[env_id] = -1
         n = int(self.slot_n[slot])
-        self._free([slot])
+        self.release([slot])
         self.stats.drop(reason, n)
         return n
 
@@ -233,16 +233,6 @@ class RolloutQueue:
         write(self.store["bootstrap_obs"], slot, index(self.obs, env_id))
         self.closed.append(slot)
         self.closed_per_env[env_id] += 1
-
-    def _free(self, slots: list[int]) -> None:
-        for s in slots:
-            self.slot_env[s] = -1
-            self.slot_final[s] = {}
-            self.free.append(s)
-
-    def poke(self) -> None:
-        """Envs parked, finished or stopped (:meth:`RunState.watch`): an update may now be due."""
-        self._wake()
 
     def finish(self) -> None:
         """No env will record again: the next take hands over everything."""
@@ -323,8 +313,11 @@ class RolloutQueue:
         return taken
 
     def release(self, slots: list[int]) -> None:
-        """The learner has its copy of these slots: they are free again."""
-        self._free(slots)
+        """These slots are free again (the learner has its copy, or their env failed)."""
+        for s in slots:
+            self.slot_env[s] = -1
+            self.slot_final[s] = {}
+            self.free.append(s)
 
     def steps_in(self, slots: list[int]) -> int:
         return int(self.slot_n[slots].sum())
