@@ -237,10 +237,8 @@ class LiveProfiler:
         """The profile of the window since the previous call (or since the profiler was made)."""
         last, now = self._last, self._snapshot()
         self._last = now
-        dc = now["costs"] - last["costs"]
-        steps, wall = dc[:, STEPS], dc[:, WALL]
-        roundtrip = now["sim"] - last["sim"]
-        total = now["costs"]
+        d = {k: now[k] - last[k] for k in now}  # the window's share of every running sum
+        dc, total = d["costs"], now["costs"]
         with np.errstate(invalid="ignore", divide="ignore"):
             mean = np.where(total[:, STEPS] > 0, total[:, WALL] / total[:, STEPS], np.nan)
         pool = self.pool
@@ -250,22 +248,18 @@ class LiveProfiler:
             epoch=self.epoch, t_start=last["t"], t_end=now["t"], backend=pool.backend.value,
             lanes=pool.lanes if elastic and pool.mixed else pool.size, workers=workers,
             num_units=self.driver.cfg.num_envs // self.driver.V,
-            steps=steps, wall_s=wall, cpu_s=dc[:, CPU], mean_step_s=mean,
-            waits={"lane": dc[:, QUEUE], "delivery": np.maximum(roundtrip - wall - dc[:, QUEUE], 0.0),
-                   **{c: now[c] - last[c] for c in ("action", "barrier", "backpressure")}},
-            gen_batches=now["gen_batches"] - last["gen_batches"], gen_rows=now["gen_rows"] - last["gen_rows"],
-            gen_busy_s=now["gen_busy"] - last["gen_busy"], gen_cpu_s=now["gen_cpu"] - last["gen_cpu"],
-            offload=self.generator.offload_mode.value, gen_wait_s=now["gen_wait"] - last["gen_wait"],
-            gen_capped=now["gen_capped"] - last["gen_capped"],
+            steps=dc[:, STEPS], wall_s=dc[:, WALL], cpu_s=dc[:, CPU], mean_step_s=mean,
+            waits={"lane": dc[:, QUEUE], "delivery": np.maximum(d["sim"] - dc[:, WALL] - dc[:, QUEUE], 0.0),
+                   **{c: d[c] for c in ("action", "barrier", "backpressure")}},
+            gen_batches=d["gen_batches"], gen_rows=d["gen_rows"], gen_busy_s=d["gen_busy"], gen_cpu_s=d["gen_cpu"],
+            gen_wait_s=d["gen_wait"], gen_capped=d["gen_capped"], gen_paused_s=d["gen_paused"],
+            updates=d["updates"], learner_busy_s=max(0.0, d["learner_busy"]), offload=self.generator.offload_mode.value,
             batch_target=self.generator.batch_target, max_wait_s=self.generator.max_wait_s,
-            live_envs=self.generator.live, updates=now["updates"] - last["updates"],
-            learner_busy_s=max(0.0, now["learner_busy"] - last["learner_busy"]),
-            gen_paused_s=now["gen_paused"] - last["gen_paused"], gen_fit=self.generator.costs.fit(),
+            live_envs=self.generator.live, gen_fit=self.generator.costs.fit(),
             placement=None if placement is None else np.asarray(placement),
             system=self.system.sample() if self.system is not None else {},
             # under virtual time (no system sampler) CPU time says nothing about the simulated run
-            loop_busy=(now["loop_cpu"] - last["loop_cpu"]) / max(now["t"] - last["t"], 1e-9)
-            if self.system is not None else float("nan"),
+            loop_busy=d["loop_cpu"] / max(d["t"], 1e-9) if self.system is not None else float("nan"),
         )
         self.epoch += 1
         return profile
