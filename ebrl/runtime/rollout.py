@@ -116,15 +116,12 @@ class RolloutQueue:
     def _clear_inflight(self, ids: Any) -> bool:
         """Clear the in-flight marks of ``ids``; wake the learner if it waits for one of them."""
         limit = self._stale_limit
-        if limit is None:  # the learner waits for no step
-            self.inflight[ids] = -1
-            return False
-        was = self.inflight[ids]
+        was = None if limit is None else self.inflight[ids]  # None: the learner waits for no step
         self.inflight[ids] = -1
-        if bool(((was >= 0) & (was <= limit)).any()):
-            self._wake()
-            return True
-        return False
+        if was is None or not ((was >= 0) & (was <= limit)).any():
+            return False
+        self._wake()
+        return True
 
     def _wake(self) -> None:
         self.stats.learner_wakeups += 1
@@ -241,9 +238,6 @@ class RolloutQueue:
 
     # ---------------------------------------------------------------- learner side
 
-    def _stale_inflight(self, limit: int) -> bool:
-        return bool(((self.inflight >= 0) & (self.inflight <= limit)).any())
-
     def due(self) -> bool:
         """An update is due: ``S`` segments closed, every env parked on a full queue, the end,
         or a stop (the learner then ends without waiting for more)."""
@@ -262,20 +256,17 @@ class RolloutQueue:
             await self._changed.wait()
 
     async def take(self, update: int, joint: bool = False) -> list[int] | None:
-        """Slots for update ``update`` (see module docstring), sorted by env and age; ``None`` once
-        finished and empty, or on a stop while the update waits for steps in flight. Give them
-        back with :meth:`release` after :func:`~ebrl.runtime.collate.collate`.
-
-        ``joint``: an update of a data-parallel job, which another rank may have asked for
-        (:mod:`ebrl.distributed`): no wait for this queue to fall due, and the list may be
-        empty; otherwise the same rule (closed segments, and open ones only where the lag
-        bound cuts them), so a rank's segments are never cut shorter than on one process."""
+        """Slots for update ``update`` (see module docstring), sorted by env and age, to
+        :meth:`release` once collated; ``None`` once finished and empty, or on a stop while the
+        update waits for steps in flight. ``joint``: a data-parallel update another rank may have
+        asked for: no wait for this queue to fall due, and the list may be empty (the same lag rule
+        otherwise, so a rank's segments are never cut shorter than on one process)."""
         if not joint:
             await self.wait_due()
         limit = update - self.max_lag  # transitions of versions <= limit are due now
         self._stale_limit = limit
         try:
-            while not self.finished and self._stale_inflight(limit):
+            while not self.finished and ((self.inflight >= 0) & (self.inflight <= limit)).any():
                 if self.state.stopping and not joint:  # a stop: those steps may never come back (a hung env)
                     return None
                 self._changed.clear()

@@ -46,14 +46,10 @@ ON_TRIAL = ("backend", "placement", "workers", "offload", "max_wait_s", "batch_t
 
 
 def decide(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> list[Decision]:
-    """Every rule's decision for this epoch (``memory`` is updated in place).
-
-    Each change of a knob in ``ON_TRIAL`` is then measured: on the first window that ran with
-    it entirely in force, if env steps/s fell below ``REVERT_BELOW`` of the window that led to
-    it, the change is undone (a decision of its own, with the two rates as its reason) and the
-    knob is left alone for ``FROZEN_EPOCHS``. The rules' models (balanced workers, fuller
-    batches) are guesses about this machine; the throughput is the measurement.
-    """
+    """Every rule's decision for this epoch (``memory`` is updated in place). A change of a knob in
+    ``ON_TRIAL`` is undone when the first window that ran entirely with it falls below
+    ``REVERT_BELOW`` of the env steps/s before it: the rules' models are guesses about this
+    machine, the throughput is the measurement."""
     stalled = profile.total_steps < MIN_STEPS_PER_UNIT * limits.num_units
     # a window that barely ran (an update held every env) says nothing about a change's rate: judge a later one
     out = [] if stalled else [d for d in (_judge(profile, knob, memory) for knob in list(memory.trials)) if d is not None]

@@ -67,7 +67,8 @@ class ResourceManager:
             self._record(d)
         self.memory = Memory()
         self._retire_to: int | None = None  # workers to keep once the envs moving off the rest have moved
-        self._grow_to: int | None = None  # workers to start (forks run off the loop, in run())
+        # workers to start (forks run off the loop, in run()), then the placement to move to (None: by cost)
+        self._grow_to: tuple[int, tuple[int, ...] | None] | None = None
         self.limits = Limits(num_units=cfg.num_envs // cfg.sim.vector_size, num_envs=cfg.num_envs,
                              cpus=len(self._cores) if self._cores else cpus,
                              # an offload decided at the start (a device policy's: rules_start) holds
@@ -80,7 +81,6 @@ class ResourceManager:
         self._resizable = pool.resizable and (pool.backend is SimBackend.THREAD or self.mixed)
         # envs move between workers only one by one (vector envs stay where they are built)
         self._movable = self.elastic is not None and cfg.sim.vector_size == 1
-        self._then_place: tuple[int, ...] | None = None  # a placement waiting for workers to start
         self.knobs = self._current()
         # knob -> setter: the controller's decisions act through these alone
         self._actuators = {"lanes": lambda n: self.pool.resize(int(n)), "placement": self._move_to,
@@ -131,11 +131,10 @@ class ResourceManager:
     async def _grow(self) -> None:
         """Start the workers a ``workers`` or ``backend`` decision asked for, then move envs
         onto them (by cost, or where the ``backend`` decision placed them)."""
-        n, self._grow_to = self._grow_to, None
+        (n, placement), self._grow_to = self._grow_to, None
         await self.elastic.grow(n)
-        if self._then_place is not None:
-            self._move_to(self._then_place)
-            self._then_place = None
+        if placement is not None:
+            self._move_to(placement)
         else:
             self._place_on(n)
 
@@ -151,13 +150,12 @@ class ResourceManager:
         if not self.cfg.resources.adapt:
             return []
         moving = self.driver.moves.pending  # a placement read now would be stale
-        if self._retire_to is not None and not moving and self._retire():
+        retired = self._retire_to is not None and not moving and self._retire()
+        if retired:
             # the knobs read above still count the retired workers: a decision from them could
             # place envs on a worker that is gone. The window ran on the old pool: decide next epoch
             self.knobs = self._current()
-            postpone_trials(self.memory, profile.epoch)
-            return []
-        if moving or self._grow_to is not None:  # a change under way: nothing else changes
+        if retired or moving or self._grow_to is not None:  # a change under way: nothing else changes
             postpone_trials(self.memory, profile.epoch)
             return []
         decisions = decide(profile, self.knobs, self.limits, self.memory)
@@ -229,14 +227,14 @@ class ResourceManager:
         if local > self.pool.lanes and "lanes" not in self.limits.fixed:
             self.pool.resize(local)  # only envs whose steps wait go to the lanes: a lane each
         if need > self.elastic.workers:
-            self._grow_to, self._then_place = need, tuple(placement)
+            self._grow_to = (need, tuple(placement))
         else:
             self._move_to(placement)
 
     def _set_workers(self, n: int) -> None:
         n = int(n)
         if n > self._workers:
-            self._grow_to = n
+            self._grow_to = (n, None)
         else:
             self._place_on(n)
             self._retire_to = n
