@@ -42,7 +42,8 @@ from ebrl.runtime.sim import LOCAL
 REVERT_BELOW = 0.95  # a change whose next full window runs below this fraction of the one before is undone
 FROZEN_EPOCHS = 10  # and its knob is left alone this long
 # lanes grow on a direct signal (lane waits), not on trial
-ON_TRIAL = ("backend", "placement", "workers", "offload", "max_wait_s", "batch_target", "gen_sms", "learner_threads", "affinity")
+ON_TRIAL = ("backend", "placement", "workers", "offload", "max_wait_s", "batch_target", "gen_sms", "learner_threads",
+            "affinity")
 
 
 def decide(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> list[Decision]:
@@ -119,8 +120,8 @@ def postpone_trials(memory: Memory, epoch: int) -> None:
         trial.judge_at = max(trial.judge_at, epoch + 2)
 
 
-RULES = (lanes_rule, backend_rule, workers_rule, placement_rule, offload_rule, generation_rule, batch_target_rule, sm_split_rule,
-         threads_rule, affinity_rule)
+RULES = (lanes_rule, backend_rule, workers_rule, placement_rule, offload_rule, generation_rule, batch_target_rule,
+         sm_split_rule, threads_rule, affinity_rule)
 # the rules that judge a window in which few env steps ran (an update held every env): they read
 # the learner's and the device's time, not the envs' steps
 STALL_RULES = (threads_rule, sm_split_rule)

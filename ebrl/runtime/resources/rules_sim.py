@@ -17,6 +17,8 @@ WAITS_BELOW_SATURATED = 0.2  # so on saturated cores only a step under this shar
 PROCESS_STEP_CPU_S = 50e-6  # a lane step computing less than this is too cheap to be worth a worker's round trip
 LANE_BUSY_ABOVE = 0.25  # a lane step computing this share of its wall time (its GIL waits included) computes
 GIL_LOAD_ABOVE = 0.25  # and the lanes' steps must compute this many cores' worth for a move to matter
+
+
 def lanes_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> Decision | None:
     """More lanes while envs wait for one (Little's law), fewer after two idle windows (docs/resources.md)."""
     lanes = knobs.lanes

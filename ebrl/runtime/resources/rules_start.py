@@ -66,7 +66,8 @@ def learner_start(device: str | None, cpus: int, processes: bool = True) -> Deci
         return Decision(START, "learner", "auto", "process",
                         f"training runs on the CPU and there are {cpus} cores: off the event loop's GIL")
     why = (("one core" if cpus < 2 else "the platform starts no processes (virtual time)") if device == "cpu"
-           else "the policy has no parameters" if device is None else f"training runs on {device}, on a stream of its own")
+           else "the policy has no parameters" if device is None
+           else f"training runs on {device}, on a stream of its own")
     return Decision(START, "learner", "auto", "thread", why)
 
 
