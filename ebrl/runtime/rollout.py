@@ -106,9 +106,7 @@ class RolloutQueue:
         fresh = self.open_slot[ids] < 0
         if self.lockstep:
             return fresh & (self.closed_per_env[ids] > 0)
-        if len(self.closed) < self.capacity:
-            return np.zeros(len(ids), bool)
-        return fresh
+        return fresh if len(self.closed) >= self.capacity else np.zeros(len(ids), bool)
 
     def mark_inflight(self, ids: np.ndarray, version: int) -> None:
         self.inflight[ids] = version

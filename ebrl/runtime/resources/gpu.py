@@ -227,9 +227,7 @@ class GpuStreams:
         return self._switch(split)
 
     def _enter(self, stream: Any):
-        if stream is None:
-            return contextlib.nullcontext()
-        return self._torch.cuda.stream(stream)
+        return contextlib.nullcontext() if stream is None else self._torch.cuda.stream(stream)
 
     def generation(self):
         """Context manager: the calling thread's CUDA work goes to the generation stream."""

@@ -49,13 +49,11 @@ def lanes_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memo
     return None
 
 
-def lpt_placement(costs: np.ndarray, workers: int, current: np.ndarray | None = None) -> np.ndarray:
-    """Longest processing time first: each env, costliest first, onto the least-loaded worker.
-    With ``current``, the new bins are renamed to keep as many envs where they are as possible."""
+def lpt_placement(costs: np.ndarray, workers: int, current: np.ndarray) -> np.ndarray:
+    """Longest processing time first: each env, costliest first, onto the least-loaded worker; the
+    new bins are then renamed to keep as many envs where they are (``current``) as possible."""
     out = np.zeros(len(costs), np.int64)
     _onto_least_loaded(np.argsort(-costs, kind="stable").tolist(), costs, np.zeros(workers), out)
-    if current is None:
-        return out
     # rename bins greedily by overlap with the current workers (W is small)
     overlap = np.zeros((workers, workers), np.int64)
     np.add.at(overlap, (out, current), 1)
