@@ -24,8 +24,7 @@ import torch
 
 from ebrl.algos.minibatch import MinibatchAlgo
 from ebrl.algos.needs import resolve_run_config
-from ebrl.config import (DEFAULT_MAX_WAIT_S, ConfigError, LearnerMode, Offload, RunConfig, SegmentCut, SimBackend,
-                         StreamMode)
+from ebrl.config import DEFAULT_MAX_WAIT_S, ConfigError, LearnerMode, Offload, RunConfig, SegmentCut, SimBackend
 from ebrl.distributed import DataParallel, combine_results, rank_config, reseed_sampling, weight_hash
 from ebrl.envs.chunks import chunked_env_fn
 from ebrl.evaluation import evaluate_periodically
@@ -37,9 +36,8 @@ from ebrl.runtime.env_facts import EnvFacts
 from ebrl.runtime.errors import raise_first
 from ebrl.runtime.fields import transition_fields
 from ebrl.runtime.generation import Generator
-from ebrl.runtime.learner import Checkpointing, InProcess, InThread, Learner
-from ebrl.runtime.learner_process import LearnerProcess
-from ebrl.runtime.platform import Device, Executor, Platform, policy_device
+from ebrl.runtime.learner import Checkpointing, InProcess, InThread, Learner, MetricRows, NonFiniteGuard
+from ebrl.runtime.platform import Device, Platform, Threads, policy_device
 from ebrl.runtime.probe import EnvProbe, StepProfile
 from ebrl.runtime.resources.knobs import Decision
 from ebrl.runtime.resources.manager import ResourceManager
@@ -179,7 +177,6 @@ class Parts:
     metrics: MetricsLog
     mode: LearnerMode
     streams: Any  # GpuStreams, emulated streams, or None
-    learner_threads: int | None
     device: Device
     timeline: "Timeline | None" = None
     manager: ResourceManager | None = None
@@ -200,11 +197,12 @@ class Parts:
                                  lanes=chosen.get("lanes"), movable=movable,
                                  spaces=(facts.observation_space, facts.action_space),
                                  build_timeout_s=cfg.faults.build_timeout_s)
-        lockstep, lag = is_lockstep(cfg.schedule), effective_lag(cfg)
-        rollout = RolloutQueue(cfg.num_envs, cfg.segment_len, cfg.segments_per_batch, lag, stats,
-                               transition_fields(facts.observation_space, facts.action_space), lockstep,
-                               state, cut_at_episode_end=cfg.segment_cut is SegmentCut.EPISODE)
-        streams = _streams(device, cfg.resources.gpu_streams) if mode is LearnerMode.THREAD else None
+        rollout = RolloutQueue(cfg.num_envs, cfg.segment_len, cfg.segments_per_batch, effective_lag(cfg), stats,
+                               transition_fields(facts.observation_space, facts.action_space),
+                               is_lockstep(cfg.schedule), state, cut_at_episode_end=cfg.segment_cut is SegmentCut.EPISODE)
+        streams = device.streams(cfg.resources.gpu_streams) if mode is LearnerMode.THREAD else None
+        if streams is not None:
+            log.info("gpu_streams", **streams.describe())
         acting = acting_copy(trainer.policy)  # shares a frozen backbone where the policy has one
         if dp is not None:  # the ranks' weights are one, their exploration noise is not
             reseed_sampling(acting, cfg.seed)
@@ -213,34 +211,31 @@ class Parts:
                               offload=Offload(chosen.get("offload", cfg.generation.offload)),
                               on_batch=rollout.mark_inflight, timeline=timeline, streams=streams,
                               stage=platform.executor.stage("generator", trainer.policy))
-        hooks = []
-        if cfg.log_dir is not None:  # periodic checkpoints if asked for; always one if the learner process dies
-            hooks.append(Checkpointing(Path(cfg.log_dir) / "checkpoint.pt", _or(cfg.checkpoint_every_s, math.inf),
-                                       type(trainer.policy).__name__, trainer.env_steps_done))
         # log_dir None: rows stay in memory (RunResult.history), nothing is written
         metrics = MetricsLog(cfg.log_dir, wandb={"project": cfg.wandb_project, "config": cfg.to_dict()}
                              if cfg.wandb else None)
+        hooks = [NonFiniteGuard(cfg.faults.nonfinite), MetricRows(metrics)]
+        if cfg.log_dir is not None:  # periodic checkpoints if asked for; always one if the learner process dies
+            hooks.append(Checkpointing(Path(cfg.log_dir) / "checkpoint.pt", _or(cfg.checkpoint_every_s, math.inf),
+                                       type(trainer.policy).__name__, trainer.env_steps_done))
         stage = platform.executor.stage("learner", trainer.algo)
         worker = InThread(trainer.policy, trainer.algo, streams=streams, dp=dp,
                           timeout_s=cfg.faults.update_timeout_s, clock=stage.now)
-        learner = Learner(trainer.policy, trainer.algo, rollout, generator, stats, state, stage=stage, worker=worker,
-                          pause_generation=lockstep or lag == 0, metrics=metrics, nonfinite=cfg.faults.nonfinite,
-                          hooks=hooks, dp=dp, timeline=timeline)
+        learner = Learner(worker, rollout, generator, stats, state, stage=stage, hooks=hooks, dp=dp, timeline=timeline)
         driver = Driver(cfg, pool, generator, rollout, stats, state, timeline)
-        return cls(cfg, stats, state, pool, rollout, generator, learner, driver, metrics, mode, streams,
-                   learner_threads=cfg.resources.learner_threads or cfg.torch_threads, device=device, timeline=timeline,
-                   old_threads=torch.get_num_threads())
+        return cls(cfg, stats, state, pool, rollout, generator, learner, driver, metrics, mode, streams, device,
+                   timeline=timeline, old_threads=torch.get_num_threads())
 
     async def start(self, trainer: "Trainer", platform: Platform, start: list[Decision]) -> None:
         """The learner process (if any), the sim pool, the metric files and the controller."""
-        cfg = self.cfg
+        cfg, threads = self.cfg, self.cfg.resources.learner_threads or self.cfg.torch_threads
         if cfg.torch_threads is not None:
             torch.set_num_threads(cfg.torch_threads)
         if self.mode is LearnerMode.PROCESS:
             def start_learner() -> None:  # set by the thread: a cancel while it forks still closes it
-                self.learner.worker = InProcess(LearnerProcess(
-                    trainer.policy, trainer.algo, self.learner_threads, cfg.sim.start_method,
-                    start_timeout_s=cfg.faults.build_timeout_s, update_timeout_s=cfg.faults.update_timeout_s))
+                self.learner.worker = InProcess(trainer.policy, trainer.algo, threads, cfg.sim.start_method,
+                                                start_timeout_s=cfg.faults.build_timeout_s,
+                                                update_timeout_s=cfg.faults.update_timeout_s)
 
             # forking copies this process's page tables (~8 ms with torch loaded): off the loop
             await in_thread(start_learner, name="ebrl-learner-start")
@@ -252,7 +247,7 @@ class Parts:
         profiler = LiveProfiler(self.pool, self.driver, self.generator, self.learner, asyncio.get_running_loop().time,
                                 system=platform.sampler(nvml))
         self.manager = ResourceManager(cfg, profiler, self.pool, self.driver, self.generator, platform.executor.cpus(),
-                                       self.streams, self.learner, learner_threads=self.learner_threads, start=start)
+                                       self.streams, self.learner, learner_threads=threads, start=start)
 
     def close(self) -> None:
         """Every thread, process and file of the run, whatever state it is in."""
@@ -266,19 +261,11 @@ class Parts:
             torch.set_num_threads(self.old_threads)
 
 
-def _streams(device: Device, mode: StreamMode):
-    """Generation and training streams on ``device`` in ``mode`` (None on the CPU), logged."""
-    streams = device.streams(mode)
-    if streams is not None:
-        log.info("gpu_streams", **streams.describe())
-    return streams
-
-
 def _or(value, default):
     return default if value is None else value
 
 
-def start_decisions(cfg: RunConfig, step: StepProfile | None, device: Device, executor: Executor) -> list[Decision]:
+def start_decisions(cfg: RunConfig, step: StepProfile | None, device: Device, executor: Threads) -> list[Decision]:
     """The controller's decisions before the first epoch (:mod:`~ebrl.runtime.resources.rules_start`):
     AUTO's backend and lanes from the probe's ``step``, AUTO's learner mode, and where a device
     policy's calls run, for the cores and processes the platform's ``executor`` offers."""
