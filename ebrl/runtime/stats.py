@@ -78,6 +78,8 @@ def hist_mean(hist: dict[int, int]) -> float:
     """The mean of a histogram (value -> count), 0.0 if it is empty."""
     n = sum(hist.values())
     return sum(k * v for k, v in hist.items()) / n if n else 0.0
+
+
 @dataclass
 class RunResult:
     """What a finished run reports. ``env_steps_per_s`` counts simulated steps over wall time."""
