@@ -66,7 +66,7 @@ class InThread:
     def __init__(self, policy, algo, *, streams: GpuStreams | None = None, dp: DataParallel | None = None,
                  timeout_s: float | None = None, clock=None):
         self.policy, self.algo, self.streams, self.dp = policy, algo, streams, dp
-        self.timeout_s = timeout_s  # faults.update_timeout_s, put on by the learner: the run ends, the thread finishes
+        self.timeout_s = timeout_s  # faults.update_timeout_s, which the learner applies (a thread cannot be killed)
         self.clock = clock  # what the publication snapshot is timed on (the stage's)
         self.event = None  # the CUDA event recorded after the latest update's weight snapshot
 
