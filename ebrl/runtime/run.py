@@ -267,7 +267,7 @@ def start_decisions(cfg: RunConfig, step: StepProfile | None, device: Device, ex
 async def _watch_stop(stop: asyncio.Event, state: RunState) -> None:
     await stop.wait()
     log.info("stop_requested")
-    state.stop()  # a learner waiting for data wakes (the rollout watches the state), and ends after the update in flight
+    state.stop()  # a learner waiting for data wakes (the rollout watches the state) and ends after its update
 
 
 async def _report(progress: Progress, stats: RunStats, learner: Learner, every_s: float) -> None:
