@@ -117,7 +117,7 @@ def test_nested_scopes_stop_the_helpers_with_the_last():
         from ebrl.runtime import children
         with children.helpers_scope():
             with children.helpers_scope():
-                p = children.fork_server().Process(target=int)
+                p = children.child_context("forkserver")[0].Process(target=int)
                 p.start(); p.join(30)
             inner = children._helpers_running()[0]
         print(inner, children._helpers_running()[0])
@@ -156,8 +156,8 @@ def handler_main(conn):
     serve(conn, Handler())
 
 
-def start(name="ebrl-test-child"):
-    return Child.start(name, handler_main, ctx=FORK)
+def start(name="ebrl-test-child", start_timeout_s=30):
+    return Child.start(name, handler_main, ctx=FORK, start_timeout_s=start_timeout_s)
 
 
 def gone(child) -> bool:
@@ -173,7 +173,6 @@ def no_children():
 async def test_a_request_past_its_deadline_kills_the_child_and_raises(no_children):
     child = start()
     try:
-        await child.ready(30)
         assert await child.ask("echo", {"a": 1}, timeout_s=30) == {"a": 1}
         t0 = time.monotonic()
         with pytest.raises(TimeoutError):
@@ -189,7 +188,7 @@ def test_a_deadline_is_read_from_the_running_loops_clock(no_children):
     """On a virtual-time loop, whose clock jumps to the next timer when nothing is ready, an hour's
     deadline passes at once in wall time: the deadline is the loop's, not the wall clock's."""
     async def ask():
-        child = start()
+        child = start(start_timeout_s=None)
         try:
             assert await child.ask("echo", 1) == 1  # no deadline: the loop waits on the pipe itself
             t0, v0 = time.monotonic(), asyncio.get_running_loop().time()
@@ -222,7 +221,6 @@ async def test_a_child_that_dies_mid_request_is_named_with_its_exit_reason(no_ch
 def test_blocking_requests_have_the_same_deadline_failure_and_death(no_children):
     child = start()
     try:
-        child.ready_blocking(30)
         assert child.ask_blocking("echo", 5, timeout_s=30) == 5
         with pytest.raises(ChildFailed, match="ValueError: bad input") as err:
             child.ask_blocking("fail", timeout_s=30)
@@ -238,8 +236,7 @@ def test_blocking_requests_have_the_same_deadline_failure_and_death(no_children)
 
 def test_reaping_ends_idle_and_hung_children_alike_and_leaves_none(no_children):
     idle, hung = start("ebrl-test-idle"), start("ebrl-test-hung")
-    idle.ready_blocking(30)
-    hung.ready_blocking(30)
+    assert idle.ask_blocking("echo", 0) == hung.ask_blocking("echo", 0) == 0  # both serving
     hung.send_bytes(__import__("pickle").dumps(("sleep", (60,))))  # in a call: it never reads QUIT
     t0 = time.monotonic()
     Child.reap_all([idle, hung], wait_s=0.5)
@@ -259,20 +256,22 @@ async def test_a_start_cancelled_off_the_loop_still_reaps_its_child(no_children)
 
 async def test_a_thread_child_answers_alike_and_is_left_when_it_hangs():
     GATE.clear()
-    child = Child.thread("ebrl-test-thread", handler_main)
+    parent, conn = multiprocessing.Pipe()
+    thread = threading.Thread(target=handler_main, args=(conn,), name="ebrl-test-thread", daemon=True)
+    thread.start()
+    child = Child("ebrl-test-thread", thread, parent, start_timeout_s=30)  # a thread standing in for a child
     try:
-        await child.ready(30)
         assert await child.ask("echo", [1, 2], timeout_s=30) == [1, 2]
         with pytest.raises(ChildFailed, match="ValueError"):
             await child.ask("fail", timeout_s=30)
         with pytest.raises(TimeoutError):
             await child.ask("hang", timeout_s=0.1)
-        assert child.process.thread.is_alive()  # never joined: a thread cannot be killed
+        assert thread.is_alive()  # never joined: a thread cannot be killed
         child.reap(0.0)
     finally:
         GATE.set()
-    child.process.thread.join(30)  # its hang returned, its reply found the pipe closed
-    assert not child.process.thread.is_alive()
+    thread.join(30)  # its hang returned, its reply found the pipe closed
+    assert not thread.is_alive()
 
 
 def test_frames_are_whole_across_reads():

@@ -1,38 +1,15 @@
-"""Child processes started fork-safely, and the parent's one handle on each (:class:`Child`): the
-AUTO probe, the sim workers and the learner process.
+"""The one handle on a child process (:class:`Child`), for the AUTO probe, the sim workers and the
+learner process, and the rule that starts each fork-safely (:func:`child_context`).
 
-Forking copies the parent's memory but only the forking thread. A graphics or GPU driver keeps
-state and threads of its own (Mesa's EGL and its llvmpipe rendering threads under MuJoCo and
-robosuite, SAPIEN's Vulkan, CUDA): in a child forked after it was loaded, building a renderer
-waits on a futex that no thread of the child will ever release. So children are forked only
-while the parent is clean, and otherwise come from a fork server: a fresh interpreter with
-ebrl's child code and torch imported, which forks each child from its own clean state.
-
-- ``sim.start_method=None`` (the default), on Linux: ``fork`` while :func:`fork_hazard` finds no
-  graphics or GPU driver mapped in this process (fast: a child in milliseconds, which the
-  start-up targets need), else ``forkserver`` (the first child of a run waits ~1-4 s for the
-  server; later ones take milliseconds). Elsewhere: ``spawn``.
-- ``fork``, ``forkserver``, ``spawn``: as set (a warning names the hazard if ``fork`` is set
-  while one is present).
-
-A child that does not come from a fork gets its arguments pickled: functions, lambdas and
-classes defined in a script are sent by value (:func:`portable`, through cloudpickle), so the
-child need not import the user's ``__main__`` module again, and does not (:func:`start`): a
-script's top-level code runs once, in the script's own process.
-
-The helper processes multiprocessing starts on demand, the fork server and the resource tracker
-(which unlinks shared memory left by a crashed process), are stopped when the last
-:func:`helpers_scope` that saw them start ends. ``run()`` holds one, and so does every owner of
-children (the probe, the sim workers, the learner process) for its own life, so that no process
-outlives ``run()``, nor a pool or probe built outside it.
-
-A :class:`Child` is started by this rule, holds a :func:`helpers_scope` for its life, and is
-the one place where a child's life is handled: frames on its pipe (multiprocessing's framing),
-read on the event loop with ``add_reader`` or from a thread; requests with a deadline on the
-running loop's clock (``asyncio.timeout``), the child killed past it; its death told with its
-exit code or signal; kill and reap. The probe and the learner process ask pickled requests that
-:func:`serve` answers in the child; the sim workers keep binary frames of their own for the
-step's hot path, on the same pipe, life cycle and reader.
+A fork copies only the forking thread, and a graphics or GPU driver keeps threads of its own
+(Mesa's llvmpipe under MuJoCo, SAPIEN's Vulkan, CUDA): a child forked after one was loaded may
+wait for ever on a lock that no thread of it holds. So with ``sim.start_method=None``, on Linux,
+children are forked while :func:`fork_hazard` finds no driver loaded (milliseconds, which the
+start-up targets need), else they come from a fork server (a fresh interpreter with ebrl's child
+code imported; the first child waits ~1-4 s); elsewhere they are spawned. A child that is not
+forked gets what it runs by value (:func:`portable`) and does not run the user's ``__main__``
+again (:func:`start`). The fork server and the resource tracker end with the last
+:func:`helpers_scope` that saw them start: ``run()`` holds one, and so does every :class:`Child`.
 
     >>> ctx, why = child_context("spawn")
     >>> ctx.get_start_method(), why
@@ -78,9 +55,8 @@ STOP_WAIT_S = 5.0  # for a helper to exit once told; then it is killed
 
 
 def fork_hazard() -> str | None:
-    """The first graphics or GPU driver library mapped in this process (why a fork could hang a
-    child that builds a simulator), or None. Read from ``/proc/self/maps``: a library stays
-    mapped once loaded, so a process that rendered once stays unsafe to fork."""
+    """The first graphics or GPU driver library mapped in this process, or None. A library stays
+    mapped once loaded (``/proc/self/maps``): a process that rendered once stays unsafe to fork."""
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
@@ -94,26 +70,21 @@ def fork_hazard() -> str | None:
 
 def child_context(start_method: str | None) -> tuple[BaseContext, str]:
     """The multiprocessing context for a child, and why it was chosen (see the module docstring)."""
+    hazard = fork_hazard() if start_method in (None, "fork") else None
     if start_method is not None:
-        if start_method == "fork" and (hazard := fork_hazard()) is not None:
+        method, why = start_method, "sim.start_method"
+        if hazard is not None and start_method == "fork":
             log.warning("fork_with_driver_loaded", library=hazard,
                         hint="sim.start_method='fork' was set; a child that renders may hang. Leave it unset "
                              "to use a fork server in this case")
-        return mp.get_context(start_method), "sim.start_method"
-    if not sys.platform.startswith("linux"):
-        return mp.get_context("spawn"), "not Linux"
-    hazard = fork_hazard()
-    if hazard is None:
-        return mp.get_context("fork"), "clean parent"
-    return fork_server(), f"{hazard} is loaded in this process"
-
-
-def fork_server() -> BaseContext:
-    """The ``forkserver`` context, its server preloading ebrl's child code (started by the first
-    child; the :func:`helpers_scope` open then stops it again)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
+    elif not sys.platform.startswith("linux"):
+        method, why = "spawn", "not Linux"
+    else:
+        method, why = ("fork", "clean parent") if hazard is None else ("forkserver", f"{hazard} is loaded in this process")
+    ctx = mp.get_context(method)
+    if method == "forkserver":  # its server, started by the first child, imports ebrl's child code once
+        ctx.set_forkserver_preload(PRELOAD)
+    return ctx, why
 
 
 def _helpers_running() -> tuple[bool, bool]:
@@ -160,8 +131,8 @@ def _stop_forkserver() -> None:
 
 
 def _stop_resource_tracker() -> None:
-    """The resource tracker ends at end-of-file on its pipe, which every child forked meanwhile
-    also holds: one still alive would keep it waiting, so it gets a deadline too."""
+    """The tracker ends at end-of-file on its pipe, which every child forked meanwhile also holds:
+    one still alive would keep it waiting, so it gets a deadline too."""
     tracker = resource_tracker._resource_tracker  # noqa: SLF001
     with tracker._lock:  # noqa: SLF001
         if tracker._pid is None:  # noqa: SLF001
@@ -184,12 +155,10 @@ def _reap(pid: int, what: str) -> None:
 
 
 def start(proc: BaseProcess, ctx: BaseContext) -> None:
-    """``proc.start()`` (``proc`` made by ``ctx``); a child that is not forked does not run the
-    caller's ``__main__`` again. Multiprocessing would re-import it in the child (a script's
-    top-level code, building envs or rendering, run once more in every worker); the child needs
-    none of it, since :func:`portable` sends what it runs by value. Multiprocessing skips that
-    import for a main module named ``*.__main__``, so the main module is given such a name for
-    the time of the start."""
+    """``proc.start()`` (``proc`` made by ``ctx``) without running the caller's ``__main__`` again
+    in a child that is not forked (a script's top-level code, building envs, in every worker).
+    Multiprocessing skips that import for a main module named ``*.__main__``: the main module is
+    given such a name for the time of the start."""
     main = sys.modules.get("__main__")
     if ctx.get_start_method() == "fork" or main is None:
         proc.start()
@@ -203,9 +172,8 @@ def start(proc: BaseProcess, ctx: BaseContext) -> None:
 
 
 def send_by_value(module: ModuleType) -> None:
-    """Have what ``module`` defines travel to children by value: for a module loaded from a file
-    by path (``ebrl train --import x.py``, a benchmark suite), which a child that is not forked
-    could not import by its name."""
+    """Have what ``module`` defines travel to children by value: a module loaded from a file by path
+    (``ebrl train --import x.py``, a benchmark suite) cannot be imported by its name in a child."""
     import cloudpickle
 
     cloudpickle.register_pickle_by_value(module)
@@ -229,8 +197,7 @@ class _ByValue:
         return cloudpickle.loads, (cloudpickle.dumps(self.obj),)
 
 
-# the frames of a child's life, beside whatever else its pipe carries (pickled requests and
-# replies, or a sim worker's step frames): READY is a child's first frame, QUIT asks it to end
+# a child's first frame, and the parent's request to end, beside what else its pipe carries
 READY, QUIT = b"R", b"Q"
 READ_BYTES = 1 << 20  # the most one read of a child's pipe takes (more waits for the next)
 REAP_S = 1.0  # how long a child whose pipe closed is given to exit, to learn its exit code
@@ -253,97 +220,77 @@ class ChildFailed(RuntimeError):
 
 
 class Child:
-    """A child (a process, or a thread standing in for one: :meth:`thread`) and the parent's end
-    of its pipe. Frames: :meth:`send_bytes`, :meth:`frames` (the loop's reader, :meth:`watch`);
-    requests: :meth:`ask` on the loop, :meth:`ask_blocking` from a thread, answered by
-    :func:`serve`; its end: :meth:`kill`, :meth:`exit_reason`, :meth:`reap`.
+    """A child process (or a thread standing in for one, which has no pid and cannot be killed: it
+    is left) and the parent's end of its pipe, on which the child's end closes when it ends:
+    frames (:meth:`send_bytes`, :meth:`frames`, :meth:`watch`), requests that :func:`serve`
+    answers (:meth:`ask` on the loop, :meth:`ask_blocking` from a thread), its end (:meth:`kill`,
+    :meth:`exit_reason`, :meth:`reap`).
 
         >>> class Twice:
         ...     def twice(self, x):
         ...         return 2 * x
-        >>> child = Child.thread("ebrl-doc-child", serve, Twice())  # Child.start(..., ctx=...): a process
-        >>> child.ask_blocking("twice", 21, timeout_s=5.0)
+        >>> child = Child.start("ebrl-doc-child", serve, Twice(), ctx=child_context(None)[0])
+        >>> child.ask_blocking("twice", 21, timeout_s=60.0)
         42
-        >>> child.reap(1.0)
+        >>> child.reap(5.0)
     """
 
-    def __init__(self, name: str, process, conn, helpers: contextlib.ExitStack | None = None):
+    def __init__(self, name: str, process, conn, helpers: contextlib.ExitStack | None = None,
+                 start_timeout_s: float | None = None):
         self.name, self.process, self.conn = name, process, conn
+        self.start_timeout_s = start_timeout_s  # for its READY, before the first request
         self.heard = False  # it has sent something (its READY first): it started
         self.killed = False  # by this process (a deadline, a hung call): its death is on the way
         self.started_at = time.perf_counter()
         self._inbox = b""  # the start of a frame not yet whole
         self._replies: deque[bytes] = deque()  # whole frames read, not yet taken by ask
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop watching the pipe
-        self._helpers = helpers or contextlib.ExitStack()
+        self._helpers = helpers or contextlib.ExitStack()  # closed when it is reaped
 
     @classmethod
-    def start(cls, name: str, target, *args, ctx: BaseContext) -> Child:
+    def start(cls, name: str, target, *args, ctx: BaseContext, start_timeout_s: float | None = None) -> Child:
         """Start ``target(conn, *args)`` in a child process of ``ctx`` (:func:`child_context`),
         ignoring stop signals and exiting with its parent (:func:`ignore_stop_signals`). Blocking:
         a fork copies this process's page tables (milliseconds with torch loaded)."""
-        helpers = contextlib.ExitStack()
-        helpers.enter_context(helpers_scope())  # a fork server it needs ends with it
-        try:
+        with contextlib.ExitStack() as undo:  # what a start that fails leaves behind
+            undo.enter_context(helpers_scope())  # a fork server it needs ends with it
             parent, child = ctx.Pipe(duplex=True)
-            try:
+            undo.callback(parent.close)
+            with child:  # the child's end is the child's alone
                 proc = ctx.Process(target=_child_main, name=name, daemon=True,
                                    args=(child, target, *(portable(a, ctx) for a in args)))
                 start(proc, ctx)
-            except BaseException:
-                parent.close()
-                raise
-            finally:
-                child.close()
-        except BaseException:
-            helpers.close()
-            raise
-        return cls(name, proc, parent, helpers)
+            return cls(name, proc, parent, undo.pop_all(), start_timeout_s)
 
     @classmethod
-    async def start_off_loop(cls, name: str, target, *args, ctx: BaseContext) -> Child:
-        """:meth:`start` in a thread, off the loop. A caller cancelled meanwhile leaves no child:
-        the one started is reaped (by the thread, where it ends after the caller gave up)."""
-        lock, started, gave_up = threading.Lock(), [], threading.Event()
+    async def start_off_loop(cls, name: str, target, *args, ctx: BaseContext,
+                             start_timeout_s: float | None = None) -> Child:
+        """:meth:`start` in a thread, off the loop; a caller cancelled meanwhile leaves no child
+        (the start is bounded work, which :func:`~ebrl.runtime.threads.in_thread` awaits to its end)."""
+        started: list[Child] = []
 
         def begin() -> Child:
-            child = cls.start(name, target, *args, ctx=ctx)
-            with lock:
-                if not gave_up.is_set():
-                    started.append(child)
-                    return child
-            child.reap()
-            return child
+            started.append(cls.start(name, target, *args, ctx=ctx, start_timeout_s=start_timeout_s))
+            return started[0]
 
         try:
             return await in_thread(begin, name=f"{name}-start")
         except BaseException:
-            with lock:
-                gave_up.set()
             for child in started:
                 child.reap()
             raise
 
-    @classmethod
-    def thread(cls, name: str, target, *args) -> Child:
-        """``target(conn, *args)`` in a daemon thread of this process, on a pipe like a child's."""
-        parent, child = mp.Pipe(duplex=True)
-        thread = _Thread(name, target, child, args)
-        thread.start()
-        return cls(name, thread, parent)
-
     @property
     def pid(self) -> int | None:
-        return self.process.pid
+        return getattr(self.process, "pid", None)
 
     def send_bytes(self, raw: bytes) -> None:
         self.conn.send_bytes(raw)
 
     def frames(self) -> list[bytes] | None:
-        """Every whole frame the pipe holds now, in one read; None if it closed (the child died).
-        The framing is multiprocessing's (a 4-byte big-endian signed length, -1 for an 8-byte
-        one), as the child's ``send_bytes`` writes it; ``Connection.recv_bytes`` costs two reads
-        and a BytesIO a frame. A frame not yet whole waits for the next read."""
+        """Every whole frame the pipe holds now, in one read (``recv_bytes`` costs two reads and a
+        BytesIO a frame); None if it closed: the child died. The framing is multiprocessing's (a
+        4-byte big-endian signed length, -1 for an 8-byte one); a frame not yet whole waits."""
         try:
             data = os.read(self.conn.fileno(), READ_BYTES)
         except OSError:
@@ -384,24 +331,19 @@ class Child:
             with contextlib.suppress(Exception):  # a closed pipe or loop: nothing is watched
                 loop.remove_reader(self.conn.fileno())
 
-    async def ready(self, timeout_s: float | None) -> None:
-        """Wait for its READY (on the loop; killed past ``timeout_s``: ``TimeoutError``)."""
-        await self._until(lambda: self.heard, timeout_s)
-
-    def ready_blocking(self, timeout_s: float | None) -> None:
-        """:meth:`ready`, from a thread that waits in the pipe."""
-        self._until_blocking(lambda: self.heard, timeout_s)
-
     async def ask(self, op: str, *args, timeout_s: float | None = None) -> Any:
-        """``handler.op(*args)`` in the child (:func:`serve`), awaited on the running loop under
-        ``timeout_s`` of its clock; past it, the child is killed and ``TimeoutError`` raised.
-        Raises :class:`ChildFailed` (the call raised there) or :class:`ChildDied`."""
+        """``handler.op(*args)`` in the child (:func:`serve`), once it is serving (its READY under
+        ``start_timeout_s``), under ``timeout_s`` of the running loop's clock; past a deadline the
+        child is killed and ``TimeoutError`` raised (``heard`` tells which). Raises
+        :class:`ChildFailed` (the call raised there) or :class:`ChildDied`."""
+        await self._until(lambda: self.heard, self.start_timeout_s)
         self._send(op, args)
         await self._until(lambda: self._replies, timeout_s)
         return self._reply(op)
 
     def ask_blocking(self, op: str, *args, timeout_s: float | None = None) -> Any:
         """:meth:`ask`, from a thread that waits in the pipe (without the GIL)."""
+        self._until_blocking(lambda: self.heard, self.start_timeout_s)
         self._send(op, args)
         self._until_blocking(lambda: self._replies, timeout_s)
         return self._reply(op)
@@ -450,13 +392,16 @@ class Child:
         self._replies.extend(f for f in frames if f != READY)
 
     def kill(self) -> None:
-        """SIGKILL it (a thread cannot be killed: it is left to return by itself)."""
+        """SIGKILL it; a thread is left to return by itself, never waited for."""
+        if self.pid is not None:
+            self.process.kill()
+        elif not self.killed and self.process.is_alive():
+            leave(self.process)
         self.killed = True
-        self.process.kill()
 
     def exit_reason(self) -> str:
         """How it ended (its pipe closed): ``"exit code N"`` or ``"killed by SIGNAL"``."""
-        if isinstance(self.process, _Thread):
+        if self.pid is None:
             return "the thread returned"
         self.process.join(REAP_S)
         code = self.process.exitcode
@@ -480,10 +425,11 @@ class Child:
             child.quit()
         deadline = time.monotonic() + wait_s
         for child in children:
-            child.process.join(max(0.0, deadline - time.monotonic()))
+            child.process.join(0.0 if child.killed else max(0.0, deadline - time.monotonic()))
             if child.process.is_alive():
                 child.kill()
-                child.process.join()
+                if child.pid is not None:  # a thread is left
+                    child.process.join()
             child.conn.close()
             child._helpers.close()
 
@@ -496,38 +442,6 @@ def _wake(fut: asyncio.Future) -> None:
 def _child_main(conn, target, *args) -> None:
     ignore_stop_signals()  # the parent decides when we stop
     target(conn, *args)
-
-
-class _Thread:
-    """A thread standing in for a child process (what :class:`Child` uses of one). It cannot be
-    killed: killed, it is left to return by itself and never waited for."""
-
-    pid = exitcode = None
-
-    def __init__(self, name: str, target, conn, args: tuple):
-        self.thread = threading.Thread(target=self._main, args=(target, conn, args), name=name, daemon=True)
-        self.left = False
-
-    @staticmethod
-    def _main(target, conn, args: tuple) -> None:
-        try:
-            target(conn, *args)
-        finally:
-            conn.close()  # the parent sees it end
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def is_alive(self) -> bool:
-        return self.thread.is_alive()
-
-    def join(self, timeout: float | None = None) -> None:
-        self.thread.join(0.0 if self.left else timeout)
-
-    def kill(self) -> None:
-        if not self.left and self.thread.is_alive():
-            self.left = True
-            leave(self.thread)
 
 
 def serve(conn, handler) -> None:

@@ -1,11 +1,8 @@
-"""Blocking work kept off the caller's event loop, in a private thread made for the call.
-
-``run()`` shares the caller's loop, so anything that blocks for milliseconds (building envs,
-forking processes, joining them) runs here instead. The thread is joined when its work returns.
-Work that may hang (``may_hang``: a user's env constructor) returns at once when the awaiting
-task is cancelled, or past ``timeout_s``: a thread still inside it (a constructor hung in C
-code) cannot be stopped, so it is never joined on the loop; it is a daemon, and logged. Work
-that may hang for good belongs in a child process, which can be killed (:mod:`ebrl.runtime.children`).
+"""Blocking work kept off the caller's event loop (:func:`in_thread`: ``run()`` shares the
+caller's loop), and the thread and process plumbing the runtime shares (usable cores, a child's
+stop signals). A thread inside a call that hangs (an env constructor hung in C code) cannot be
+stopped: it is never joined on the loop, and logged; work that may hang for good belongs in a
+child process, which can be killed (:mod:`ebrl.runtime.children`).
 
     >>> import asyncio, threading
     >>> asyncio.run(in_thread(lambda: threading.current_thread().name, name="ebrl-doc"))
@@ -35,11 +32,10 @@ log = get_logger("ebrl.threads")
 
 async def in_thread(fn: Callable[..., T], *args: Any, name: str = "ebrl-offloop", may_hang: bool = False,
                     timeout_s: float | None = None) -> T:
-    """``fn(*args)`` in a private daemon thread. Bounded work (a fork, a join: ``may_hang``
-    False) is awaited to its end even when the caller is cancelled, so what it started is there
-    to close. Work that may hang (a user's env constructor: ``may_hang``) is given up on at once
-    when the caller is cancelled, or with ``TimeoutError`` past ``timeout_s``: see the module
-    docstring."""
+    """``fn(*args)`` in a private daemon thread, joined once it returns. Bounded work (a fork, a
+    join) is awaited to its end however often the caller is cancelled, so what it started is
+    there to close; work that ``may_hang`` (a user's env constructor) is given up on at once when
+    the caller is cancelled, or with ``TimeoutError`` past ``timeout_s``, and its thread left."""
     loop = asyncio.get_running_loop()
     done = loop.create_future()
 
@@ -59,7 +55,7 @@ async def in_thread(fn: Callable[..., T], *args: Any, name: str = "ebrl-offloop"
         async with asyncio.timeout(timeout_s if may_hang else None):
             return await asyncio.shield(done)
     except asyncio.CancelledError:
-        if not may_hang and not done.done():  # milliseconds more: then the caller's cleanup sees it all
+        while not may_hang and not done.done():  # milliseconds more: then the caller's cleanup sees it all
             with contextlib.suppress(BaseException):
                 await asyncio.shield(done)
         raise
@@ -88,8 +84,7 @@ def settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
 
 
 def forget(fut: asyncio.Future) -> None:
-    """A done callback for a future whose outcome no longer matters: its exception is retrieved,
-    so asyncio does not log it as never retrieved."""
+    """A done callback for a future whose outcome no longer matters: asyncio logs no exception of it."""
     if not fut.cancelled():
         fut.exception()
 
@@ -109,37 +104,38 @@ def usable_cpus() -> int:
 
 
 def ignore_stop_signals() -> None:
-    """In a child process (sim worker, learner, probe): Ctrl-C and SIGTERM are the parent's to
-    act on. A terminal's Ctrl-C, or a scheduler's SIGTERM (Slurm, Kubernetes, ``timeout``),
-    reaches the whole process group; the parent stops the run cleanly and ends its children.
-
-    The child also exits within a second of its parent's death (a SIGKILL, an OOM kill): its
-    pipe alone would not tell it, since forked siblings hold copies of the parent's ends."""
+    """In a child process: Ctrl-C and SIGTERM, which a terminal or a scheduler (Slurm, Kubernetes,
+    ``timeout``) sends the whole process group, are the parent's to act on (it ends its children
+    cleanly); and the child exits within a second of its parent's death (a SIGKILL, an OOM kill),
+    which its pipe alone would not tell it, since forked siblings hold copies of the parent's ends."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    known = multiprocessing.parent_process()
-    if known is not None and known.pid is not None and known.pid != os.getppid():
+    # read once: read again after the parent died, it would name init, whose death we would wait for
+    known, parent = multiprocessing.parent_process(), os.getppid()
+    if known is not None and known.pid is not None and known.pid != parent:
         # started by a fork server (our OS parent is the server), or forked from a parent that is
         # already dead: the pipe multiprocessing keeps to the parent closes when it dies
-        def watch() -> None:
-            known.join()
-            os._exit(1)
-
-        threading.Thread(target=watch, name="ebrl-parent-watch", daemon=True).start()
-        return
-    # forked: the parent's pid as recorded before the fork (a parent killed before this line runs
-    # has already handed us to init: getppid() would then name init and we would wait for ever)
-    exit_with_parent(known.pid if known is not None and known.pid is not None else os.getppid())
+        _exit_after(known.join)
+    else:
+        exit_with_parent(parent)
 
 
 def exit_with_parent(parent: int) -> None:
-    """Exit (``os._exit(1)``) within about half a second once process ``parent`` is no longer
-    this one's parent: it died, and no one will read our results or stop us. A daemon thread
-    watches; a data-parallel rank watches its launcher this way."""
+    """Exit within about half a second once process ``parent`` is no longer this one's parent: it
+    died, and no one will read our results or stop us (a data-parallel rank watches its launcher)."""
 
-    def watch() -> None:
+    def gone() -> None:
         while os.getppid() == parent:
             time.sleep(0.5)
+
+    _exit_after(gone)
+
+
+def _exit_after(wait: Callable[[], Any]) -> None:
+    """``os._exit(1)`` once ``wait()`` returns, in a daemon thread."""
+
+    def watch() -> None:
+        wait()
         os._exit(1)
 
     threading.Thread(target=watch, name="ebrl-parent-watch", daemon=True).start()
