@@ -34,7 +34,7 @@ SCRIPT = textwrap.dedent("""\
 
     import ebrl
     from ebrl.config import FaultConfig, SimConfig
-    from ebrl.runtime import children
+    from ebrl.runtime import threads
     from ebrl.runtime.learner_process import LearnerProcess
     from ebrl.runtime.probe import EnvProbe
     from ebrl.runtime.sim import SimPool
@@ -46,10 +46,10 @@ SCRIPT = textwrap.dedent("""\
             kids += [int(k) for k in tasks.read_text().split()]
         live = [k for k in kids if Path(f"/proc/{k}/stat").exists()
                 and Path(f"/proc/{k}/stat").read_text().rpartition(")")[2].split()[0] not in "ZX"]
-        return {"helpers": children._helpers_running(), "children": live, "server_seen": seen[-1]}
+        return {"helpers": threads._helpers_running(), "children": live, "server_seen": seen[-1]}
 
     seen = [False]
-    real = children._helpers_running
+    real = threads._helpers_running
     def spy():  # whether the fork server ran at some point of the owner's life
         running = real()
         seen[-1] = seen[-1] or running[0]
@@ -114,13 +114,13 @@ def test_an_owner_of_children_stops_the_helpers_it_started(after_each_owner, own
 
 def test_nested_scopes_stop_the_helpers_with_the_last():
     script = textwrap.dedent("""\
-        from ebrl.runtime import children
+        from ebrl.runtime import children, threads
         with children.helpers_scope():
             with children.helpers_scope():
                 p = children.child_context("forkserver")[0].Process(target=int)
                 p.start(); p.join(30)
-            inner = children._helpers_running()[0]
-        print(inner, children._helpers_running()[0])
+            inner = threads._helpers_running()[0]
+        print(inner, threads._helpers_running()[0])
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -8,8 +8,8 @@ children are forked while :func:`fork_hazard` finds no driver loaded (millisecon
 start-up targets need), else they come from a fork server (a fresh interpreter with ebrl's child
 code imported; the first child waits ~1-4 s); elsewhere they are spawned. A child that is not
 forked gets what it runs by value (:func:`portable`) and does not run the user's ``__main__``
-again (:func:`start`). The fork server and the resource tracker end with the last
-:func:`helpers_scope` that saw them start: ``run()`` holds one, and so does every :class:`Child`.
+again (:func:`start`). The fork server (and the resource tracker) end with the last
+:func:`~ebrl.runtime.threads.helpers_scope` that saw them start; every :class:`Child` holds one.
 
     >>> ctx, why = child_context("spawn")
     >>> ctx.get_start_method(), why
@@ -25,19 +25,16 @@ import os
 import pickle
 import signal
 import sys
-import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Iterator
 from importlib.machinery import ModuleSpec
-from multiprocessing import forkserver, resource_tracker, util
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from types import ModuleType
 from typing import Any
 
-from ebrl.runtime.threads import ignore_stop_signals, in_thread, leave
+from ebrl.runtime.threads import helpers_scope, ignore_stop_signals, in_thread, leave
 from ebrl.telemetry.logging import get_logger
 
 log = get_logger("ebrl.children")
@@ -48,24 +45,16 @@ DRIVER_LIBRARIES = ("libEGL", "libGLX", "libGL.so", "libOSMesa", "libgallium", "
 # what the fork server imports once, so that its children start in milliseconds
 PRELOAD = ["ebrl.runtime.probe", "ebrl.runtime.sim.worker", "ebrl.runtime.learner_process"]
 
-_scopes = 0  # helpers_scope()s open now
-_scopes_lock = threading.Lock()
-_running_before: tuple[bool, bool] = (True, True)  # fork server, resource tracker: running when the first opened
-STOP_WAIT_S = 5.0  # for a helper to exit once told; then it is killed
-
 
 def fork_hazard() -> str | None:
     """The first graphics or GPU driver library mapped in this process, or None. A library stays
     mapped once loaded (``/proc/self/maps``): a process that rendered once stays unsafe to fork."""
     try:
         with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.rsplit(" ", 1)[-1]
-                if any(lib in path for lib in DRIVER_LIBRARIES):
-                    return path.strip().rsplit("/", 1)[-1]
+            paths = [line.rsplit(" ", 1)[-1].strip() for line in maps]
     except OSError:  # no /proc (macOS): fork is not chosen there anyway
         return None
-    return None
+    return next((path.rsplit("/", 1)[-1] for path in paths if any(lib in path for lib in DRIVER_LIBRARIES)), None)
 
 
 def child_context(start_method: str | None) -> tuple[BaseContext, str]:
@@ -87,78 +76,10 @@ def child_context(start_method: str | None) -> tuple[BaseContext, str]:
     return ctx, why
 
 
-def _helpers_running() -> tuple[bool, bool]:
-    return (forkserver._forkserver._forkserver_pid is not None,  # noqa: SLF001 (no public probe)
-            resource_tracker._resource_tracker._pid is not None)  # noqa: SLF001
-
-
-@contextlib.contextmanager
-def helpers_scope() -> Iterator[None]:
-    """Around a run, or the life of an owner of children: the fork server and the resource
-    tracker, where they started inside, are stopped when the last open scope ends (every child
-    reaped by then). Nested and concurrent scopes (a learner process starts in a thread) share them."""
-    global _scopes, _running_before
-    with _scopes_lock:
-        if not _scopes:
-            _running_before = _helpers_running()
-        _scopes += 1
-    try:
-        yield
-    finally:
-        with _scopes_lock:
-            _scopes -= 1
-            if not _scopes:
-                server_before, tracker_before = _running_before
-                if not server_before:
-                    _stop_forkserver()
-                if not tracker_before:
-                    _stop_resource_tracker()
-
-
-def _stop_forkserver() -> None:
-    """The stdlib's ``_stop``, with a deadline: close the server's alive pipe, wait, kill."""
-    server = forkserver._forkserver  # noqa: SLF001
-    with server._lock:  # noqa: SLF001
-        if server._forkserver_pid is None:  # noqa: SLF001
-            return
-        os.close(server._forkserver_alive_fd)  # noqa: SLF001
-        _reap(server._forkserver_pid, "fork server")  # noqa: SLF001
-        address = server._forkserver_address  # noqa: SLF001
-        if address and not util.is_abstract_socket_namespace(address):
-            with contextlib.suppress(OSError):
-                os.unlink(address)
-        server._forkserver_alive_fd = server._forkserver_pid = server._forkserver_address = None  # noqa: SLF001
-
-
-def _stop_resource_tracker() -> None:
-    """The tracker ends at end-of-file on its pipe, which every child forked meanwhile also holds:
-    one still alive would keep it waiting, so it gets a deadline too."""
-    tracker = resource_tracker._resource_tracker  # noqa: SLF001
-    with tracker._lock:  # noqa: SLF001
-        if tracker._pid is None:  # noqa: SLF001
-            return
-        os.close(tracker._fd)  # noqa: SLF001
-        _reap(tracker._pid, "resource tracker")  # noqa: SLF001
-        tracker._fd = tracker._pid = None  # noqa: SLF001
-
-
-def _reap(pid: int, what: str) -> None:
-    deadline = time.monotonic() + STOP_WAIT_S
-    with contextlib.suppress(ChildProcessError):
-        while os.waitpid(pid, os.WNOHANG) == (0, 0):
-            if time.monotonic() > deadline:
-                log.warning("helper_process_killed", what=what, pid=pid, wait_s=STOP_WAIT_S)
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)  # killed: it is gone at once
-                return
-            time.sleep(0.01)
-
-
 def start(proc: BaseProcess, ctx: BaseContext) -> None:
-    """``proc.start()`` (``proc`` made by ``ctx``) without running the caller's ``__main__`` again
-    in a child that is not forked (a script's top-level code, building envs, in every worker).
-    Multiprocessing skips that import for a main module named ``*.__main__``: the main module is
-    given such a name for the time of the start."""
+    """``proc.start()`` (``proc`` made by ``ctx``), never running a script's top-level code again in
+    a child that is not forked: multiprocessing skips importing a main module named ``*.__main__``,
+    so the main module is given such a name for the time of the start."""
     main = sys.modules.get("__main__")
     if ctx.get_start_method() == "fork" or main is None:
         proc.start()
@@ -220,11 +141,9 @@ class ChildFailed(RuntimeError):
 
 
 class Child:
-    """A child process (or a thread standing in for one, which has no pid and cannot be killed: it
-    is left) and the parent's end of its pipe, on which the child's end closes when it ends:
-    frames (:meth:`send_bytes`, :meth:`frames`, :meth:`watch`), requests that :func:`serve`
-    answers (:meth:`ask` on the loop, :meth:`ask_blocking` from a thread), its end (:meth:`kill`,
-    :meth:`exit_reason`, :meth:`reap`).
+    """A child process (or a thread standing in for one: no pid, never killed but left) and the
+    parent's end of its pipe: frames (:meth:`frames`, :meth:`watch`), requests that :func:`serve`
+    answers (:meth:`ask` on the loop, :meth:`ask_blocking` from a thread), and its end.
 
         >>> class Twice:
         ...     def twice(self, x):
@@ -249,9 +168,8 @@ class Child:
 
     @classmethod
     def start(cls, name: str, target, *args, ctx: BaseContext, start_timeout_s: float | None = None) -> Child:
-        """Start ``target(conn, *args)`` in a child process of ``ctx`` (:func:`child_context`),
-        ignoring stop signals and exiting with its parent (:func:`ignore_stop_signals`). Blocking:
-        a fork copies this process's page tables (milliseconds with torch loaded)."""
+        """``target(conn, *args)`` in a child process of ``ctx`` (:func:`child_context`) that exits with
+        its parent (:func:`ignore_stop_signals`). Blocking: a fork copies this process's page tables."""
         with contextlib.ExitStack() as undo:  # what a start that fails leaves behind
             undo.enter_context(helpers_scope())  # a fork server it needs ends with it
             parent, child = ctx.Pipe(duplex=True)
@@ -265,8 +183,7 @@ class Child:
     @classmethod
     async def start_off_loop(cls, name: str, target, *args, ctx: BaseContext,
                              start_timeout_s: float | None = None) -> Child:
-        """:meth:`start` in a thread, off the loop; a caller cancelled meanwhile leaves no child
-        (the start is bounded work, which :func:`~ebrl.runtime.threads.in_thread` awaits to its end)."""
+        """:meth:`start` in a thread, off the loop; a caller cancelled meanwhile leaves no child."""
         started: list[Child] = []
 
         def begin() -> Child:
@@ -316,7 +233,7 @@ class Child:
         return frames
 
     def watch(self, loop: asyncio.AbstractEventLoop, callback, *args) -> None:
-        """Call ``callback(*args)`` on ``loop`` whenever the pipe is readable."""
+        """``callback(*args)`` on ``loop`` whenever the pipe is readable."""
         fd = self.conn.fileno()
         loop.add_reader(fd, callback, *args)
         self._loop = loop
@@ -332,10 +249,9 @@ class Child:
                 loop.remove_reader(self.conn.fileno())
 
     async def ask(self, op: str, *args, timeout_s: float | None = None) -> Any:
-        """``handler.op(*args)`` in the child (:func:`serve`), once it is serving (its READY under
-        ``start_timeout_s``), under ``timeout_s`` of the running loop's clock; past a deadline the
-        child is killed and ``TimeoutError`` raised (``heard`` tells which). Raises
-        :class:`ChildFailed` (the call raised there) or :class:`ChildDied`."""
+        """``handler.op(*args)`` in the child (:func:`serve`) under ``timeout_s``, once it is serving
+        (under ``start_timeout_s``), on the running loop's clock: past either the child is killed
+        and ``TimeoutError`` raised (``heard`` tells which). Else :class:`ChildFailed` or :class:`ChildDied`."""
         await self._until(lambda: self.heard, self.start_timeout_s)
         self._send(op, args)
         await self._until(lambda: self._replies, timeout_s)
@@ -413,13 +329,12 @@ class Child:
             self.conn.send_bytes(QUIT)
 
     def reap(self, wait_s: float = 0.0) -> None:
-        """:meth:`quit`, ``wait_s`` for it to exit, then kill it; joined, its pipe closed."""
+        """:meth:`quit`, ``wait_s`` for it to exit, then kill it; joined, its pipe and scope closed."""
         Child.reap_all([self], wait_s)
 
     @staticmethod
     def reap_all(children: list[Child], wait_s: float) -> None:
-        """:meth:`reap` for each of ``children``, ``wait_s`` in all (one hung in a call never
-        reads QUIT). Blocking: milliseconds for children that exit or are killed."""
+        """:meth:`reap` for each of ``children``, ``wait_s`` in all (one hung in a call never reads QUIT)."""
         for child in children:
             child.unwatch()
             child.quit()
@@ -445,9 +360,8 @@ def _child_main(conn, target, *args) -> None:
 
 
 def serve(conn, handler) -> None:
-    """A child's side of :meth:`Child.ask`: READY, then each request ``(op, args)`` answered with
-    ``handler.op(*args)``, or what it raised, until QUIT or the parent's end closes; then
-    ``handler.close()``, where it has one."""
+    """A child's side of :meth:`Child.ask`: READY, then ``handler.op(*args)`` (or what it raised) for
+    each request until QUIT or the parent's end closes; then ``handler.close()``, where it has one."""
     try:
         conn.send_bytes(READY)
         while (raw := conn.recv_bytes()) != QUIT:

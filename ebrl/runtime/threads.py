@@ -1,8 +1,14 @@
 """Blocking work kept off the caller's event loop (:func:`in_thread`: ``run()`` shares the
-caller's loop), and the thread and process plumbing the runtime shares (usable cores, a child's
-stop signals). A thread inside a call that hangs (an env constructor hung in C code) cannot be
-stopped: it is never joined on the loop, and logged; work that may hang for good belongs in a
-child process, which can be killed (:mod:`ebrl.runtime.children`).
+caller's loop), and the thread and process plumbing the runtime shares: usable cores, a child's
+stop signals, and the life of the helper processes multiprocessing starts on demand (the fork
+server, and the resource tracker that unlinks shared memory a crashed process left), stopped
+when the last :func:`helpers_scope` that saw them start ends (``run()``, the sim workers' shared
+memory and every :class:`~ebrl.runtime.children.Child` hold one), so that no process outlives
+``run()``, nor a pool or probe built outside it.
+
+A thread inside a call that hangs (an env constructor hung in C code) cannot be stopped: it is
+never joined on the loop, and logged; work that may hang for good belongs in a child process,
+which can be killed (:mod:`ebrl.runtime.children`).
 
     >>> import asyncio, threading
     >>> asyncio.run(in_thread(lambda: threading.current_thread().name, name="ebrl-doc"))
@@ -18,7 +24,8 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from multiprocessing import forkserver, resource_tracker, util
 from typing import Any, TypeVar
 
 from ebrl.telemetry.logging import get_logger
@@ -28,6 +35,10 @@ T = TypeVar("T")
 # evaluation) before it leaves or kills it: with every piece closed in turn, a stop ends within 5 s
 CLOSE_WAIT_S = 1.0
 log = get_logger("ebrl.threads")
+_scopes = 0  # helpers_scope()s open now
+_scopes_lock = threading.Lock()
+_running_before: tuple[bool, bool] = (True, True)  # fork server, resource tracker: running when the first opened
+STOP_WAIT_S = 5.0  # for a helper to exit once told; then it is killed
 
 
 async def in_thread(fn: Callable[..., T], *args: Any, name: str = "ebrl-offloop", may_hang: bool = False,
@@ -139,3 +150,60 @@ def _exit_after(wait: Callable[[], Any]) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="ebrl-parent-watch", daemon=True).start()
+
+
+def _helpers_running() -> tuple[bool, bool]:
+    return (forkserver._forkserver._forkserver_pid is not None,  # noqa: SLF001 (no public probe)
+            resource_tracker._resource_tracker._pid is not None)  # noqa: SLF001
+
+
+@contextlib.contextmanager
+def helpers_scope() -> Iterator[None]:
+    """Around a run, or the life of an owner of children: the fork server and the resource
+    tracker, where they started inside, are stopped when the last open scope ends (every child
+    reaped by then). Nested and concurrent scopes (a learner process starts in a thread) share them."""
+    global _scopes, _running_before
+    with _scopes_lock:
+        if not _scopes:
+            _running_before = _helpers_running()
+        _scopes += 1
+    try:
+        yield
+    finally:
+        with _scopes_lock:
+            _scopes -= 1
+            if not _scopes:
+                _stop_helpers(*_running_before)
+
+
+def _stop_helpers(server_before: bool, tracker_before: bool) -> None:
+    """The stdlib's ``_stop`` of the fork server and the resource tracker that were not running
+    before, with a deadline: close the helper's alive pipe, wait, kill. Every child forked
+    meanwhile also holds that pipe: one still alive would keep the helper waiting."""
+    server, tracker = forkserver._forkserver, resource_tracker._resource_tracker  # noqa: SLF001
+    with server._lock:  # noqa: SLF001
+        if not server_before and server._forkserver_pid is not None:  # noqa: SLF001
+            os.close(server._forkserver_alive_fd)  # noqa: SLF001
+            _reap(server._forkserver_pid, "fork server")  # noqa: SLF001
+            address = server._forkserver_address  # noqa: SLF001
+            if address and not util.is_abstract_socket_namespace(address):
+                with contextlib.suppress(OSError):
+                    os.unlink(address)
+            server._forkserver_alive_fd = server._forkserver_pid = server._forkserver_address = None  # noqa: SLF001
+    with tracker._lock:  # noqa: SLF001
+        if not tracker_before and tracker._pid is not None:  # noqa: SLF001
+            os.close(tracker._fd)  # noqa: SLF001
+            _reap(tracker._pid, "resource tracker")  # noqa: SLF001
+            tracker._fd = tracker._pid = None  # noqa: SLF001
+
+
+def _reap(pid: int, what: str) -> None:
+    deadline = time.monotonic() + STOP_WAIT_S
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                log.warning("helper_process_killed", what=what, pid=pid, wait_s=STOP_WAIT_S)
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)  # killed: it is gone at once
+                return
+            time.sleep(0.01)
