@@ -117,7 +117,7 @@ def test_nested_scopes_stop_the_helpers_with_the_last():
         from ebrl.runtime import children, threads
         with children.helpers_scope():
             with children.helpers_scope():
-                p = children.child_context("forkserver")[0].Process(target=int)
+                p = children.fork_server().Process(target=int)
                 p.start(); p.join(30)
             inner = threads._helpers_running()[0]
         print(inner, threads._helpers_running()[0])

@@ -59,21 +59,25 @@ def fork_hazard() -> str | None:
 
 def child_context(start_method: str | None) -> tuple[BaseContext, str]:
     """The multiprocessing context for a child, and why it was chosen (see the module docstring)."""
-    hazard = fork_hazard() if start_method in (None, "fork") else None
     if start_method is not None:
-        method, why = start_method, "sim.start_method"
-        if hazard is not None and start_method == "fork":
+        if start_method == "fork" and (hazard := fork_hazard()) is not None:
             log.warning("fork_with_driver_loaded", library=hazard,
                         hint="sim.start_method='fork' was set; a child that renders may hang. Leave it unset "
                              "to use a fork server in this case")
-    elif not sys.platform.startswith("linux"):
-        method, why = "spawn", "not Linux"
-    else:
-        method, why = ("fork", "clean parent") if hazard is None else ("forkserver", f"{hazard} is loaded in this process")
-    ctx = mp.get_context(method)
-    if method == "forkserver":  # its server, started by the first child, imports ebrl's child code once
-        ctx.set_forkserver_preload(PRELOAD)
-    return ctx, why
+        return mp.get_context(start_method), "sim.start_method"
+    if not sys.platform.startswith("linux"):
+        return mp.get_context("spawn"), "not Linux"
+    hazard = fork_hazard()
+    if hazard is None:
+        return mp.get_context("fork"), "clean parent"
+    return fork_server(), f"{hazard} is loaded in this process"
+
+
+def fork_server() -> BaseContext:
+    """The ``forkserver`` context, its server (started by the first child) preloading ebrl's child code."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 def start(proc: BaseProcess, ctx: BaseContext) -> None:

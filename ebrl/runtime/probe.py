@@ -132,7 +132,7 @@ class EnvProbe:
         self.metered = metered  # inline: the platform's clocks for env 0's steps (virtual time: declared costs)
         self.measure = sim.backend is SimBackend.AUTO and sim.vector_size == 1
         self.placement = "inline"  # or "process", "thread": where env 0 is (see __aenter__)
-        self.child: Child | None = None
+        self.child: Child | None = None  # a process or thread: its handle
         self.env0: Env0 | None = None  # inline: env 0 here
 
     def _child_start(self) -> BaseContext | None:
@@ -184,7 +184,7 @@ class EnvProbe:
         return step
 
     async def _round(self, n: int, per_request: int) -> tuple[float, float]:
-        """Wall and CPU seconds per step of ``n`` steps, ``per_request`` in each request."""
+        """Wall and CPU seconds per step of ``n`` steps (``STEPS`` at most), ``per_request`` in each request."""
         wall = cpu = 0.0
         for start in range(0, n, per_request):
             w, c = await self._ask("steps", start, min(per_request, n - start))
@@ -213,11 +213,9 @@ class EnvProbe:
                                                f"{where}")) from None
 
     async def __aexit__(self, *exc) -> None:
-        if self.child is None:
-            if self.env0 is not None:
-                self.env0.close()
-            return
-        if exc[0] is None:  # it is ending by itself: reaped off the loop
+        if self.env0 is not None:
+            self.env0.close()
+        elif exc[0] is None:  # it is ending by itself: reaped off the loop
             await in_thread(self.child.reap, _REAP_S, name="ebrl-sim-probe-reap")
         else:  # a failure or a cancel: killed at once (a killed process is reaped in milliseconds)
             self.child.reap()

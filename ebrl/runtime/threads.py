@@ -1,14 +1,9 @@
 """Blocking work kept off the caller's event loop (:func:`in_thread`: ``run()`` shares the
 caller's loop), and the thread and process plumbing the runtime shares: usable cores, a child's
-stop signals, and the life of the helper processes multiprocessing starts on demand (the fork
-server, and the resource tracker that unlinks shared memory a crashed process left), stopped
-when the last :func:`helpers_scope` that saw them start ends (``run()``, the sim workers' shared
-memory and every :class:`~ebrl.runtime.children.Child` hold one), so that no process outlives
-``run()``, nor a pool or probe built outside it.
-
-A thread inside a call that hangs (an env constructor hung in C code) cannot be stopped: it is
-never joined on the loop, and logged; work that may hang for good belongs in a child process,
-which can be killed (:mod:`ebrl.runtime.children`).
+stop signals, and the life of the helper processes multiprocessing starts on demand
+(:func:`helpers_scope`). A thread inside a call that hangs (an env constructor hung in C code)
+cannot be stopped: it is never joined on the loop, and logged; work that may hang for good
+belongs in a child process, which can be killed (:mod:`ebrl.runtime.children`).
 
     >>> import asyncio, threading
     >>> asyncio.run(in_thread(lambda: threading.current_thread().name, name="ebrl-doc"))
@@ -159,9 +154,11 @@ def _helpers_running() -> tuple[bool, bool]:
 
 @contextlib.contextmanager
 def helpers_scope() -> Iterator[None]:
-    """Around a run, or the life of an owner of children: the fork server and the resource
-    tracker, where they started inside, are stopped when the last open scope ends (every child
-    reaped by then). Nested and concurrent scopes (a learner process starts in a thread) share them."""
+    """Around a run, the sim workers' shared memory, or a :class:`~ebrl.runtime.children.Child`'s
+    life: the fork server and the resource tracker (which unlinks shared memory a crashed process
+    left), where they started inside, are stopped when the last open scope ends, so that no process
+    outlives ``run()``, nor a pool or probe built outside it. Nested and concurrent scopes (a
+    learner process starts in a thread) share them."""
     global _scopes, _running_before
     with _scopes_lock:
         if not _scopes:

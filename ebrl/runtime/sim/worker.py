@@ -120,13 +120,8 @@ def _step_message(conn, envs, rows: StepRows, cost: list, ids: list[int], hold_s
 def _serve(envs: dict[int, gym.Env], env_fn: EnvFn, requests: list[tuple[str, int, Any]], rows: StepRows,
            cost: list) -> list:
     """Answer pickled requests ``(op, env_id, arg)`` in order, one reply ``(env_id, ok, payload)``
-    each; a failure's payload is its description, or ``(op, description)`` naming the part of
-    the request that failed (``adopt``: ``env_fn`` or ``reset``).
-
-    ``reset`` (arg: seed) -> (obs, info); ``rebuild`` (also an env's first build) -> None; ``adopt``
-    (arg: seed) builds the env and resets it -> (obs, info), keeping nothing if either fails;
-    ``drop`` closes the env and forgets it -> None.
-    """
+    each (a failure's payload: its description). ``reset`` (arg: seed) -> (obs, info); ``rebuild``
+    (also an env's first build) -> None; ``adopt`` (:func:`_adopt`); ``drop`` closes the env -> None."""
     replies = []
     for op, i, arg in requests:
         rows.started[i] = time.perf_counter()  # the parent's reset timeout counts from here
@@ -156,7 +151,8 @@ def _serve(envs: dict[int, gym.Env], env_fn: EnvFn, requests: list[tuple[str, in
 
 
 def _adopt(envs: dict[int, gym.Env], env_fn: EnvFn, i: int, seed: Any, rows: StepRows, cost: list) -> tuple:
-    """The reply to ``adopt``: the env built and reset here, or the part that failed and why."""
+    """The reply to ``adopt`` (arg: seed): the env built and reset here -> (obs, info), or, keeping
+    nothing, ``(op, description)`` naming the part that failed (``env_fn`` or ``reset``)."""
     stale = envs.pop(i, None)  # a copy left by a cancelled migration: the parent's placement decides
     if stale is not None:
         close_quietly(stale)
@@ -178,8 +174,8 @@ def _adopt(envs: dict[int, gym.Env], env_fn: EnvFn, i: int, seed: Any, rows: Ste
 class WorkerLink:
     """Worker ``index``: its child process, and its queues."""
 
-    def __init__(self, index: int, child: Child, loop: asyncio.AbstractEventLoop | None):
-        self.index, self.child, self.loop = index, child, loop
+    def __init__(self, index: int, child: Child):
+        self.index, self.child = index, child
         self.steps: list[np.ndarray] = []  # ids whose actions are written, not yet sent
         self.requests: list[tuple[str, int, Any]] = []  # pickled requests, not yet sent
         self.waiting: deque[tuple[int, str, asyncio.Future]] = deque()  # sent requests, in order
@@ -189,7 +185,7 @@ class WorkerLink:
         """Queue request ``op`` (sent, pickled, by the next :meth:`flush`); the future gets its reply."""
         if self.dead is not None:
             raise RuntimeError(f"env {env_id}: {self.dead}")
-        fut = self.loop.create_future()
+        fut = asyncio.get_running_loop().create_future()
         self.requests.append((op, env_id, arg))
         self.waiting.append((env_id, op, fut))
         return fut

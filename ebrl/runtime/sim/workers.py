@@ -19,12 +19,12 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from ebrl.runtime.children import READY, Child, child_context, helpers_scope
+from ebrl.runtime.children import READY, Child, child_context
 from ebrl.runtime.errors import EnvStepError, Fault, TimedOut, WorkerDied
 from ebrl.runtime.sim.block import Outbox, StepRows, release_shared, shm_alloc
 from ebrl.runtime.sim.stepping import EnvFn
 from ebrl.runtime.sim.worker import ERRORS, PICKLED, WorkerLink, worker_main
-from ebrl.runtime.threads import forget, in_thread
+from ebrl.runtime.threads import forget, helpers_scope, in_thread
 from ebrl.spaces import index
 from ebrl.telemetry.logging import get_logger
 
@@ -69,8 +69,7 @@ class WorkerHost:
     placement = property(lambda self: self._placement.copy())  # env -> worker (a copy; NOWHERE: not hosted here)
 
     def _worker(self, w: int) -> tuple:
-        """Worker ``w``'s name, main and arguments for :class:`~ebrl.runtime.children.Child`: it hosts
-        no env yet, and maps the shared memory at once."""
+        """Worker ``w``'s name, main and arguments (it hosts no env yet, and maps the shared memory at once)."""
         attach = ([b.name for b in self._blocks], *self.spaces)
         return f"ebrl-sim-worker-{w}", worker_main, self.env_fn, self.num_envs, self.reply_hold_s, attach
 
@@ -244,8 +243,7 @@ class WorkerHost:
 
     def _respawn(self, dead: WorkerLink) -> None:
         # forked on the loop (a few ms): a fault's path, not a step's
-        new = WorkerLink(dead.index, Child.start(*self._worker(dead.index), ctx=child_context(self.start_method)[0]),
-                         self._loop)
+        new = WorkerLink(dead.index, Child.start(*self._worker(dead.index), ctx=child_context(self.start_method)[0]))
         self._workers[dead.index] = new
         new.child.watch(self._loop, self._on_readable, new)
         self._retired.append(dead)  # joined at close
@@ -253,8 +251,7 @@ class WorkerHost:
         log.warning("sim_worker_respawned", worker=dead.index, reason=dead.dead)
 
     def abandon_late(self, limit_s: float) -> list[int]:
-        """SIGKILL each worker whose running step started over ``limit_s`` ago (respawned; see
-        :meth:`_fail_worker`)."""
+        """SIGKILL each worker whose running step started over ``limit_s`` ago (respawned: :meth:`_fail_worker`)."""
         if self.rows is None:
             return []
         # one read of the shared row, which the workers write meanwhile (read twice, a step ending
@@ -268,8 +265,8 @@ class WorkerHost:
         return [env_id for env_id in np.flatnonzero(over & ~stale).tolist() if self._kill_for(env_id)]
 
     def _kill_for(self, env_id: int) -> bool:
-        """SIGKILL env ``env_id``'s worker for its hung call: its pipe closes, and
-        :meth:`_on_readable` sees it die. False if it is dead or dying already."""
+        """SIGKILL env ``env_id``'s worker for its hung call (:meth:`_on_readable` sees it die); False
+        if it is dead or dying already."""
         worker = self._workers[self._placement[env_id]]
         if worker.dead is not None or worker.child.killed:
             return False
@@ -378,7 +375,7 @@ class WorkerHost:
         self._check_open()
         for w in range(self._num_workers, int(n)):
             child = await Child.start_off_loop(*self._worker(w), ctx=child_context(self.start_method)[0])
-            worker = WorkerLink(w, child, self._loop)
+            worker = WorkerLink(w, child)
             if self._closed:  # closed while it forked: close() has joined the others
                 WorkerLink.stop([worker])
                 return
