@@ -141,10 +141,9 @@ class VirtualHost(InlineHost):
         for unit in self._units(ids):
             self._spawn(self._virtual_step(unit))
 
-    def _step(self, unit: int, queued_s: float = 0.0, account: bool = True) -> float:
+    def _step(self, unit: int, queued_s: float = 0.0) -> float:
         declared = self._commit(unit)
-        if account:  # the declared cost, all of it waiting: a virtual run's CPU time means nothing
-            self._add_cost(unit, declared, 0.0, queued_s)
+        self._add_cost(unit, declared, 0.0, queued_s)  # all of it waiting: a virtual run's CPU time means nothing
         return declared
 
     async def _virtual_step(self, unit: int) -> None:

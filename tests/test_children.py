@@ -34,7 +34,7 @@ SCRIPT = textwrap.dedent("""\
 
     import ebrl
     from ebrl.config import FaultConfig, SimConfig
-    from ebrl.runtime import children
+    from ebrl.runtime import threads
     from ebrl.runtime.learner_process import LearnerProcess
     from ebrl.runtime.probe import EnvProbe
     from ebrl.runtime.sim import SimPool
@@ -46,10 +46,10 @@ SCRIPT = textwrap.dedent("""\
             kids += [int(k) for k in tasks.read_text().split()]
         live = [k for k in kids if Path(f"/proc/{k}/stat").exists()
                 and Path(f"/proc/{k}/stat").read_text().rpartition(")")[2].split()[0] not in "ZX"]
-        return {"helpers": children._helpers_running(), "children": live, "server_seen": seen[-1]}
+        return {"helpers": threads._helpers_running(), "children": live, "server_seen": seen[-1]}
 
     seen = [False]
-    real = children._helpers_running
+    real = threads._helpers_running
     def spy():  # whether the fork server ran at some point of the owner's life
         running = real()
         seen[-1] = seen[-1] or running[0]
@@ -114,13 +114,13 @@ def test_an_owner_of_children_stops_the_helpers_it_started(after_each_owner, own
 
 def test_nested_scopes_stop_the_helpers_with_the_last():
     script = textwrap.dedent("""\
-        from ebrl.runtime import children
+        from ebrl.runtime import children, threads
         with children.helpers_scope():
             with children.helpers_scope():
                 p = children.fork_server().Process(target=int)
                 p.start(); p.join(30)
-            inner = children._helpers_running()[0]
-        print(inner, children._helpers_running()[0])
+            inner = threads._helpers_running()[0]
+        print(inner, threads._helpers_running()[0])
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -156,8 +156,8 @@ def handler_main(conn):
     serve(conn, Handler())
 
 
-def start(name="ebrl-test-child"):
-    return Child.start(name, handler_main, ctx=FORK)
+def start(name="ebrl-test-child", start_timeout_s=30):
+    return Child.start(name, handler_main, ctx=FORK, start_timeout_s=start_timeout_s)
 
 
 def gone(child) -> bool:
@@ -173,7 +173,6 @@ def no_children():
 async def test_a_request_past_its_deadline_kills_the_child_and_raises(no_children):
     child = start()
     try:
-        await child.ready(30)
         assert await child.ask("echo", {"a": 1}, timeout_s=30) == {"a": 1}
         t0 = time.monotonic()
         with pytest.raises(TimeoutError):
@@ -189,7 +188,7 @@ def test_a_deadline_is_read_from_the_running_loops_clock(no_children):
     """On a virtual-time loop, whose clock jumps to the next timer when nothing is ready, an hour's
     deadline passes at once in wall time: the deadline is the loop's, not the wall clock's."""
     async def ask():
-        child = start()
+        child = start(start_timeout_s=None)
         try:
             assert await child.ask("echo", 1) == 1  # no deadline: the loop waits on the pipe itself
             t0, v0 = time.monotonic(), asyncio.get_running_loop().time()
@@ -222,7 +221,6 @@ async def test_a_child_that_dies_mid_request_is_named_with_its_exit_reason(no_ch
 def test_blocking_requests_have_the_same_deadline_failure_and_death(no_children):
     child = start()
     try:
-        child.ready_blocking(30)
         assert child.ask_blocking("echo", 5, timeout_s=30) == 5
         with pytest.raises(ChildFailed, match="ValueError: bad input") as err:
             child.ask_blocking("fail", timeout_s=30)
@@ -238,8 +236,7 @@ def test_blocking_requests_have_the_same_deadline_failure_and_death(no_children)
 
 def test_reaping_ends_idle_and_hung_children_alike_and_leaves_none(no_children):
     idle, hung = start("ebrl-test-idle"), start("ebrl-test-hung")
-    idle.ready_blocking(30)
-    hung.ready_blocking(30)
+    assert idle.ask_blocking("echo", 0) == hung.ask_blocking("echo", 0) == 0  # both serving
     hung.send_bytes(__import__("pickle").dumps(("sleep", (60,))))  # in a call: it never reads QUIT
     t0 = time.monotonic()
     Child.reap_all([idle, hung], wait_s=0.5)
@@ -259,20 +256,22 @@ async def test_a_start_cancelled_off_the_loop_still_reaps_its_child(no_children)
 
 async def test_a_thread_child_answers_alike_and_is_left_when_it_hangs():
     GATE.clear()
-    child = Child.thread("ebrl-test-thread", handler_main)
+    parent, conn = multiprocessing.Pipe()
+    thread = threading.Thread(target=handler_main, args=(conn,), name="ebrl-test-thread", daemon=True)
+    thread.start()
+    child = Child("ebrl-test-thread", thread, parent, start_timeout_s=30)  # a thread standing in for a child
     try:
-        await child.ready(30)
         assert await child.ask("echo", [1, 2], timeout_s=30) == [1, 2]
         with pytest.raises(ChildFailed, match="ValueError"):
             await child.ask("fail", timeout_s=30)
         with pytest.raises(TimeoutError):
             await child.ask("hang", timeout_s=0.1)
-        assert child.process.thread.is_alive()  # never joined: a thread cannot be killed
+        assert thread.is_alive()  # never joined: a thread cannot be killed
         child.reap(0.0)
     finally:
         GATE.set()
-    child.process.thread.join(30)  # its hang returned, its reply found the pipe closed
-    assert not child.process.thread.is_alive()
+    thread.join(30)  # its hang returned, its reply found the pipe closed
+    assert not thread.is_alive()
 
 
 def test_frames_are_whole_across_reads():

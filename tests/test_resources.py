@@ -578,7 +578,7 @@ def test_the_generator_counts_the_cpu_time_of_its_calls_inline_and_in_its_thread
             await act(gen, 0, np.zeros(3, np.float32))
             modes.append(gen.offload_mode)
         server.cancel()
-        return gen.cpu_s, modes
+        return gen.stage.cpu_s, modes
 
     for offload in (Offload.INLINE, Offload.THREAD):
         cpu, modes = asyncio.run(go(offload))

@@ -1,38 +1,15 @@
-"""Child processes started fork-safely, and the parent's one handle on each (:class:`Child`): the
-AUTO probe, the sim workers and the learner process.
+"""The one handle on a child process (:class:`Child`), for the AUTO probe, the sim workers and the
+learner process, and the rule that starts each fork-safely (:func:`child_context`).
 
-Forking copies the parent's memory but only the forking thread. A graphics or GPU driver keeps
-state and threads of its own (Mesa's EGL and its llvmpipe rendering threads under MuJoCo and
-robosuite, SAPIEN's Vulkan, CUDA): in a child forked after it was loaded, building a renderer
-waits on a futex that no thread of the child will ever release. So children are forked only
-while the parent is clean, and otherwise come from a fork server: a fresh interpreter with
-ebrl's child code and torch imported, which forks each child from its own clean state.
-
-- ``sim.start_method=None`` (the default), on Linux: ``fork`` while :func:`fork_hazard` finds no
-  graphics or GPU driver mapped in this process (fast: a child in milliseconds, which the
-  start-up targets need), else ``forkserver`` (the first child of a run waits ~1-4 s for the
-  server; later ones take milliseconds). Elsewhere: ``spawn``.
-- ``fork``, ``forkserver``, ``spawn``: as set (a warning names the hazard if ``fork`` is set
-  while one is present).
-
-A child that does not come from a fork gets its arguments pickled: functions, lambdas and
-classes defined in a script are sent by value (:func:`portable`, through cloudpickle), so the
-child need not import the user's ``__main__`` module again, and does not (:func:`start`): a
-script's top-level code runs once, in the script's own process.
-
-The helper processes multiprocessing starts on demand, the fork server and the resource tracker
-(which unlinks shared memory left by a crashed process), are stopped when the last
-:func:`helpers_scope` that saw them start ends. ``run()`` holds one, and so does every owner of
-children (the probe, the sim workers, the learner process) for its own life, so that no process
-outlives ``run()``, nor a pool or probe built outside it.
-
-A :class:`Child` is started by this rule, holds a :func:`helpers_scope` for its life, and is
-the one place where a child's life is handled: frames on its pipe (multiprocessing's framing),
-read on the event loop with ``add_reader`` or from a thread; requests with a deadline on the
-running loop's clock (``asyncio.timeout``), the child killed past it; its death told with its
-exit code or signal; kill and reap. The probe and the learner process ask pickled requests that
-:func:`serve` answers in the child; the sim workers keep binary frames of their own for the
-step's hot path, on the same pipe, life cycle and reader.
+A fork copies only the forking thread, and a graphics or GPU driver keeps threads of its own
+(Mesa's llvmpipe under MuJoCo, SAPIEN's Vulkan, CUDA): a child forked after one was loaded may
+wait for ever on a lock that no thread of it holds. So with ``sim.start_method=None``, on Linux,
+children are forked while :func:`fork_hazard` finds no driver loaded (milliseconds, which the
+start-up targets need), else they come from a fork server (a fresh interpreter with ebrl's child
+code imported; the first child waits ~1-4 s); elsewhere they are spawned. A child that is not
+forked gets what it runs by value (:func:`portable`) and does not run the user's ``__main__``
+again (:func:`start`). The fork server (and the resource tracker) end with the last
+:func:`~ebrl.runtime.threads.helpers_scope` that saw them start; every :class:`Child` holds one.
 
     >>> ctx, why = child_context("spawn")
     >>> ctx.get_start_method(), why
@@ -48,19 +25,16 @@ import os
 import pickle
 import signal
 import sys
-import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Iterator
 from importlib.machinery import ModuleSpec
-from multiprocessing import forkserver, resource_tracker, util
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from types import ModuleType
 from typing import Any
 
-from ebrl.runtime.threads import ignore_stop_signals, in_thread, leave
+from ebrl.runtime.threads import helpers_scope, ignore_stop_signals, in_thread, leave
 from ebrl.telemetry.logging import get_logger
 
 log = get_logger("ebrl.children")
@@ -71,25 +45,16 @@ DRIVER_LIBRARIES = ("libEGL", "libGLX", "libGL.so", "libOSMesa", "libgallium", "
 # what the fork server imports once, so that its children start in milliseconds
 PRELOAD = ["ebrl.runtime.probe", "ebrl.runtime.sim.worker", "ebrl.runtime.learner_process"]
 
-_scopes = 0  # helpers_scope()s open now
-_scopes_lock = threading.Lock()
-_running_before: tuple[bool, bool] = (True, True)  # fork server, resource tracker: running when the first opened
-STOP_WAIT_S = 5.0  # for a helper to exit once told; then it is killed
-
 
 def fork_hazard() -> str | None:
-    """The first graphics or GPU driver library mapped in this process (why a fork could hang a
-    child that builds a simulator), or None. Read from ``/proc/self/maps``: a library stays
-    mapped once loaded, so a process that rendered once stays unsafe to fork."""
+    """The first graphics or GPU driver library mapped in this process, or None. A library stays
+    mapped once loaded (``/proc/self/maps``): a process that rendered once stays unsafe to fork."""
     try:
         with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.rsplit(" ", 1)[-1]
-                if any(lib in path for lib in DRIVER_LIBRARIES):
-                    return path.strip().rsplit("/", 1)[-1]
+            paths = [line.rsplit(" ", 1)[-1].strip() for line in maps]
     except OSError:  # no /proc (macOS): fork is not chosen there anyway
         return None
-    return None
+    return next((path.rsplit("/", 1)[-1] for path in paths if any(lib in path for lib in DRIVER_LIBRARIES)), None)
 
 
 def child_context(start_method: str | None) -> tuple[BaseContext, str]:
@@ -109,87 +74,16 @@ def child_context(start_method: str | None) -> tuple[BaseContext, str]:
 
 
 def fork_server() -> BaseContext:
-    """The ``forkserver`` context, its server preloading ebrl's child code (started by the first
-    child; the :func:`helpers_scope` open then stops it again)."""
+    """The ``forkserver`` context, its server (started by the first child) preloading ebrl's child code."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
-def _helpers_running() -> tuple[bool, bool]:
-    return (forkserver._forkserver._forkserver_pid is not None,  # noqa: SLF001 (no public probe)
-            resource_tracker._resource_tracker._pid is not None)  # noqa: SLF001
-
-
-@contextlib.contextmanager
-def helpers_scope() -> Iterator[None]:
-    """Around a run, or the life of an owner of children: the fork server and the resource
-    tracker, where they started inside, are stopped when the last open scope ends (every child
-    reaped by then). Nested and concurrent scopes (a learner process starts in a thread) share them."""
-    global _scopes, _running_before
-    with _scopes_lock:
-        if not _scopes:
-            _running_before = _helpers_running()
-        _scopes += 1
-    try:
-        yield
-    finally:
-        with _scopes_lock:
-            _scopes -= 1
-            if not _scopes:
-                server_before, tracker_before = _running_before
-                if not server_before:
-                    _stop_forkserver()
-                if not tracker_before:
-                    _stop_resource_tracker()
-
-
-def _stop_forkserver() -> None:
-    """The stdlib's ``_stop``, with a deadline: close the server's alive pipe, wait, kill."""
-    server = forkserver._forkserver  # noqa: SLF001
-    with server._lock:  # noqa: SLF001
-        if server._forkserver_pid is None:  # noqa: SLF001
-            return
-        os.close(server._forkserver_alive_fd)  # noqa: SLF001
-        _reap(server._forkserver_pid, "fork server")  # noqa: SLF001
-        address = server._forkserver_address  # noqa: SLF001
-        if address and not util.is_abstract_socket_namespace(address):
-            with contextlib.suppress(OSError):
-                os.unlink(address)
-        server._forkserver_alive_fd = server._forkserver_pid = server._forkserver_address = None  # noqa: SLF001
-
-
-def _stop_resource_tracker() -> None:
-    """The resource tracker ends at end-of-file on its pipe, which every child forked meanwhile
-    also holds: one still alive would keep it waiting, so it gets a deadline too."""
-    tracker = resource_tracker._resource_tracker  # noqa: SLF001
-    with tracker._lock:  # noqa: SLF001
-        if tracker._pid is None:  # noqa: SLF001
-            return
-        os.close(tracker._fd)  # noqa: SLF001
-        _reap(tracker._pid, "resource tracker")  # noqa: SLF001
-        tracker._fd = tracker._pid = None  # noqa: SLF001
-
-
-def _reap(pid: int, what: str) -> None:
-    deadline = time.monotonic() + STOP_WAIT_S
-    with contextlib.suppress(ChildProcessError):
-        while os.waitpid(pid, os.WNOHANG) == (0, 0):
-            if time.monotonic() > deadline:
-                log.warning("helper_process_killed", what=what, pid=pid, wait_s=STOP_WAIT_S)
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)  # killed: it is gone at once
-                return
-            time.sleep(0.01)
-
-
 def start(proc: BaseProcess, ctx: BaseContext) -> None:
-    """``proc.start()`` (``proc`` made by ``ctx``); a child that is not forked does not run the
-    caller's ``__main__`` again. Multiprocessing would re-import it in the child (a script's
-    top-level code, building envs or rendering, run once more in every worker); the child needs
-    none of it, since :func:`portable` sends what it runs by value. Multiprocessing skips that
-    import for a main module named ``*.__main__``, so the main module is given such a name for
-    the time of the start."""
+    """``proc.start()`` (``proc`` made by ``ctx``), never running a script's top-level code again in
+    a child that is not forked: multiprocessing skips importing a main module named ``*.__main__``,
+    so the main module is given such a name for the time of the start."""
     main = sys.modules.get("__main__")
     if ctx.get_start_method() == "fork" or main is None:
         proc.start()
@@ -203,9 +97,8 @@ def start(proc: BaseProcess, ctx: BaseContext) -> None:
 
 
 def send_by_value(module: ModuleType) -> None:
-    """Have what ``module`` defines travel to children by value: for a module loaded from a file
-    by path (``ebrl train --import x.py``, a benchmark suite), which a child that is not forked
-    could not import by its name."""
+    """Have what ``module`` defines travel to children by value: a module loaded from a file by path
+    (``ebrl train --import x.py``, a benchmark suite) cannot be imported by its name in a child."""
     import cloudpickle
 
     cloudpickle.register_pickle_by_value(module)
@@ -229,8 +122,7 @@ class _ByValue:
         return cloudpickle.loads, (cloudpickle.dumps(self.obj),)
 
 
-# the frames of a child's life, beside whatever else its pipe carries (pickled requests and
-# replies, or a sim worker's step frames): READY is a child's first frame, QUIT asks it to end
+# a child's first frame, and the parent's request to end, beside what else its pipe carries
 READY, QUIT = b"R", b"Q"
 READ_BYTES = 1 << 20  # the most one read of a child's pipe takes (more waits for the next)
 REAP_S = 1.0  # how long a child whose pipe closed is given to exit, to learn its exit code
@@ -253,97 +145,73 @@ class ChildFailed(RuntimeError):
 
 
 class Child:
-    """A child (a process, or a thread standing in for one: :meth:`thread`) and the parent's end
-    of its pipe. Frames: :meth:`send_bytes`, :meth:`frames` (the loop's reader, :meth:`watch`);
-    requests: :meth:`ask` on the loop, :meth:`ask_blocking` from a thread, answered by
-    :func:`serve`; its end: :meth:`kill`, :meth:`exit_reason`, :meth:`reap`.
+    """A child process (or a thread standing in for one: no pid, never killed but left) and the
+    parent's end of its pipe: frames (:meth:`frames`, :meth:`watch`), requests that :func:`serve`
+    answers (:meth:`ask` on the loop, :meth:`ask_blocking` from a thread), and its end.
 
         >>> class Twice:
         ...     def twice(self, x):
         ...         return 2 * x
-        >>> child = Child.thread("ebrl-doc-child", serve, Twice())  # Child.start(..., ctx=...): a process
-        >>> child.ask_blocking("twice", 21, timeout_s=5.0)
+        >>> child = Child.start("ebrl-doc-child", serve, Twice(), ctx=child_context(None)[0])
+        >>> child.ask_blocking("twice", 21, timeout_s=60.0)
         42
-        >>> child.reap(1.0)
+        >>> child.reap(5.0)
     """
 
-    def __init__(self, name: str, process, conn, helpers: contextlib.ExitStack | None = None):
+    def __init__(self, name: str, process, conn, helpers: contextlib.ExitStack | None = None,
+                 start_timeout_s: float | None = None):
         self.name, self.process, self.conn = name, process, conn
+        self.start_timeout_s = start_timeout_s  # for its READY, before the first request
         self.heard = False  # it has sent something (its READY first): it started
         self.killed = False  # by this process (a deadline, a hung call): its death is on the way
         self.started_at = time.perf_counter()
         self._inbox = b""  # the start of a frame not yet whole
         self._replies: deque[bytes] = deque()  # whole frames read, not yet taken by ask
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop watching the pipe
-        self._helpers = helpers or contextlib.ExitStack()
+        self._helpers = helpers or contextlib.ExitStack()  # closed when it is reaped
 
     @classmethod
-    def start(cls, name: str, target, *args, ctx: BaseContext) -> Child:
-        """Start ``target(conn, *args)`` in a child process of ``ctx`` (:func:`child_context`),
-        ignoring stop signals and exiting with its parent (:func:`ignore_stop_signals`). Blocking:
-        a fork copies this process's page tables (milliseconds with torch loaded)."""
-        helpers = contextlib.ExitStack()
-        helpers.enter_context(helpers_scope())  # a fork server it needs ends with it
-        try:
+    def start(cls, name: str, target, *args, ctx: BaseContext, start_timeout_s: float | None = None) -> Child:
+        """``target(conn, *args)`` in a child process of ``ctx`` (:func:`child_context`) that exits with
+        its parent (:func:`ignore_stop_signals`). Blocking: a fork copies this process's page tables."""
+        with contextlib.ExitStack() as undo:  # what a start that fails leaves behind
+            undo.enter_context(helpers_scope())  # a fork server it needs ends with it
             parent, child = ctx.Pipe(duplex=True)
-            try:
+            undo.callback(parent.close)
+            with child:  # the child's end is the child's alone
                 proc = ctx.Process(target=_child_main, name=name, daemon=True,
                                    args=(child, target, *(portable(a, ctx) for a in args)))
                 start(proc, ctx)
-            except BaseException:
-                parent.close()
-                raise
-            finally:
-                child.close()
-        except BaseException:
-            helpers.close()
-            raise
-        return cls(name, proc, parent, helpers)
+            return cls(name, proc, parent, undo.pop_all(), start_timeout_s)
 
     @classmethod
-    async def start_off_loop(cls, name: str, target, *args, ctx: BaseContext) -> Child:
-        """:meth:`start` in a thread, off the loop. A caller cancelled meanwhile leaves no child:
-        the one started is reaped (by the thread, where it ends after the caller gave up)."""
-        lock, started, gave_up = threading.Lock(), [], threading.Event()
+    async def start_off_loop(cls, name: str, target, *args, ctx: BaseContext,
+                             start_timeout_s: float | None = None) -> Child:
+        """:meth:`start` in a thread, off the loop; a caller cancelled meanwhile leaves no child."""
+        started: list[Child] = []
 
         def begin() -> Child:
-            child = cls.start(name, target, *args, ctx=ctx)
-            with lock:
-                if not gave_up.is_set():
-                    started.append(child)
-                    return child
-            child.reap()
-            return child
+            started.append(cls.start(name, target, *args, ctx=ctx, start_timeout_s=start_timeout_s))
+            return started[0]
 
         try:
             return await in_thread(begin, name=f"{name}-start")
         except BaseException:
-            with lock:
-                gave_up.set()
             for child in started:
                 child.reap()
             raise
 
-    @classmethod
-    def thread(cls, name: str, target, *args) -> Child:
-        """``target(conn, *args)`` in a daemon thread of this process, on a pipe like a child's."""
-        parent, child = mp.Pipe(duplex=True)
-        thread = _Thread(name, target, child, args)
-        thread.start()
-        return cls(name, thread, parent)
-
     @property
     def pid(self) -> int | None:
-        return self.process.pid
+        return getattr(self.process, "pid", None)
 
     def send_bytes(self, raw: bytes) -> None:
         self.conn.send_bytes(raw)
 
     def frames(self) -> list[bytes] | None:
-        """Every whole frame the pipe holds now, in one read; None if it closed (the child died).
-        The framing is multiprocessing's (a 4-byte big-endian signed length, -1 for an 8-byte
-        one), as the child's ``send_bytes`` writes it; ``Connection.recv_bytes`` costs two reads
-        and a BytesIO a frame. A frame not yet whole waits for the next read."""
+        """Every whole frame the pipe holds now, in one read (``recv_bytes`` costs two reads and a
+        BytesIO a frame); None if it closed: the child died. The framing is multiprocessing's (a
+        4-byte big-endian signed length, -1 for an 8-byte one); a frame not yet whole waits."""
         try:
             data = os.read(self.conn.fileno(), READ_BYTES)
         except OSError:
@@ -369,7 +237,7 @@ class Child:
         return frames
 
     def watch(self, loop: asyncio.AbstractEventLoop, callback, *args) -> None:
-        """Call ``callback(*args)`` on ``loop`` whenever the pipe is readable."""
+        """``callback(*args)`` on ``loop`` whenever the pipe is readable."""
         fd = self.conn.fileno()
         loop.add_reader(fd, callback, *args)
         self._loop = loop
@@ -384,24 +252,18 @@ class Child:
             with contextlib.suppress(Exception):  # a closed pipe or loop: nothing is watched
                 loop.remove_reader(self.conn.fileno())
 
-    async def ready(self, timeout_s: float | None) -> None:
-        """Wait for its READY (on the loop; killed past ``timeout_s``: ``TimeoutError``)."""
-        await self._until(lambda: self.heard, timeout_s)
-
-    def ready_blocking(self, timeout_s: float | None) -> None:
-        """:meth:`ready`, from a thread that waits in the pipe."""
-        self._until_blocking(lambda: self.heard, timeout_s)
-
     async def ask(self, op: str, *args, timeout_s: float | None = None) -> Any:
-        """``handler.op(*args)`` in the child (:func:`serve`), awaited on the running loop under
-        ``timeout_s`` of its clock; past it, the child is killed and ``TimeoutError`` raised.
-        Raises :class:`ChildFailed` (the call raised there) or :class:`ChildDied`."""
+        """``handler.op(*args)`` in the child (:func:`serve`) under ``timeout_s``, once it is serving
+        (under ``start_timeout_s``), on the running loop's clock: past either the child is killed
+        and ``TimeoutError`` raised (``heard`` tells which). Else :class:`ChildFailed` or :class:`ChildDied`."""
+        await self._until(lambda: self.heard, self.start_timeout_s)
         self._send(op, args)
         await self._until(lambda: self._replies, timeout_s)
         return self._reply(op)
 
     def ask_blocking(self, op: str, *args, timeout_s: float | None = None) -> Any:
         """:meth:`ask`, from a thread that waits in the pipe (without the GIL)."""
+        self._until_blocking(lambda: self.heard, self.start_timeout_s)
         self._send(op, args)
         self._until_blocking(lambda: self._replies, timeout_s)
         return self._reply(op)
@@ -450,13 +312,16 @@ class Child:
         self._replies.extend(f for f in frames if f != READY)
 
     def kill(self) -> None:
-        """SIGKILL it (a thread cannot be killed: it is left to return by itself)."""
+        """SIGKILL it; a thread is left to return by itself, never waited for."""
+        if self.pid is not None:
+            self.process.kill()
+        elif not self.killed and self.process.is_alive():
+            leave(self.process)
         self.killed = True
-        self.process.kill()
 
     def exit_reason(self) -> str:
         """How it ended (its pipe closed): ``"exit code N"`` or ``"killed by SIGNAL"``."""
-        if isinstance(self.process, _Thread):
+        if self.pid is None:
             return "the thread returned"
         self.process.join(REAP_S)
         code = self.process.exitcode
@@ -468,22 +333,22 @@ class Child:
             self.conn.send_bytes(QUIT)
 
     def reap(self, wait_s: float = 0.0) -> None:
-        """:meth:`quit`, ``wait_s`` for it to exit, then kill it; joined, its pipe closed."""
+        """:meth:`quit`, ``wait_s`` for it to exit, then kill it; joined, its pipe and scope closed."""
         Child.reap_all([self], wait_s)
 
     @staticmethod
     def reap_all(children: list[Child], wait_s: float) -> None:
-        """:meth:`reap` for each of ``children``, ``wait_s`` in all (one hung in a call never
-        reads QUIT). Blocking: milliseconds for children that exit or are killed."""
+        """:meth:`reap` for each of ``children``, ``wait_s`` in all (one hung in a call never reads QUIT)."""
         for child in children:
             child.unwatch()
             child.quit()
         deadline = time.monotonic() + wait_s
         for child in children:
-            child.process.join(max(0.0, deadline - time.monotonic()))
+            child.process.join(0.0 if child.killed else max(0.0, deadline - time.monotonic()))
             if child.process.is_alive():
                 child.kill()
-                child.process.join()
+                if child.pid is not None:  # a thread is left
+                    child.process.join()
             child.conn.close()
             child._helpers.close()
 
@@ -498,42 +363,9 @@ def _child_main(conn, target, *args) -> None:
     target(conn, *args)
 
 
-class _Thread:
-    """A thread standing in for a child process (what :class:`Child` uses of one). It cannot be
-    killed: killed, it is left to return by itself and never waited for."""
-
-    pid = exitcode = None
-
-    def __init__(self, name: str, target, conn, args: tuple):
-        self.thread = threading.Thread(target=self._main, args=(target, conn, args), name=name, daemon=True)
-        self.left = False
-
-    @staticmethod
-    def _main(target, conn, args: tuple) -> None:
-        try:
-            target(conn, *args)
-        finally:
-            conn.close()  # the parent sees it end
-
-    def start(self) -> None:
-        self.thread.start()
-
-    def is_alive(self) -> bool:
-        return self.thread.is_alive()
-
-    def join(self, timeout: float | None = None) -> None:
-        self.thread.join(0.0 if self.left else timeout)
-
-    def kill(self) -> None:
-        if not self.left and self.thread.is_alive():
-            self.left = True
-            leave(self.thread)
-
-
 def serve(conn, handler) -> None:
-    """A child's side of :meth:`Child.ask`: READY, then each request ``(op, args)`` answered with
-    ``handler.op(*args)``, or what it raised, until QUIT or the parent's end closes; then
-    ``handler.close()``, where it has one."""
+    """A child's side of :meth:`Child.ask`: READY, then ``handler.op(*args)`` (or what it raised) for
+    each request until QUIT or the parent's end closes; then ``handler.close()``, where it has one."""
     try:
         conn.send_bytes(READY)
         while (raw := conn.recv_bytes()) != QUIT:

@@ -1,9 +1,5 @@
 """The runtime's exceptions, and one error out of ``run()``: a TaskGroup's failures become the first of them.
 
-Raised by the runtime: :class:`EnvStepError` (an env's ``step``, ``reset`` or constructor
-raised), :class:`NonFiniteError` (NaN or inf from an env), :class:`TooManyEnvFailures` (more than
-``faults.max_env_failures``), :class:`LearnerError` (``algo.update`` raised in the learner process).
-
 A TaskGroup raises a :class:`BaseExceptionGroup` of every task's failure (and nests them, a
 TaskGroup inside a task of another). ``run()`` raises one exception instead: the first failure
 that is not a cancellation (``KeyboardInterrupt`` and ``SystemExit`` before any other), with
@@ -100,12 +96,11 @@ def first_error(group: BaseExceptionGroup) -> BaseException:
         return every[0]
     errors.sort(key=lambda e: isinstance(e, Exception))  # stable: KeyboardInterrupt, SystemExit first
     first = errors[0]
-    seen_ids, seen = {id(first)}, {(type(first), str(first))}
+    seen = {(type(first), str(first))}
     for e in errors[1:]:
         key = (type(e), str(e))
-        if id(e) in seen_ids or key in seen:
-            continue  # the same failure, raised again by another task
-        seen_ids.add(id(e))
+        if key in seen:
+            continue  # the same failure (or the same object), raised again by another task
         seen.add(key)
         note = NOTE + "".join(traceback.format_exception_only(type(e), e)).strip()
         if note not in getattr(first, "__notes__", ()):

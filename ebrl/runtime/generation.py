@@ -1,27 +1,13 @@
 """Generator: the inference server that turns many action requests into few policy calls.
 
 A request is a block of envs (the envs whose steps just finished, or a vector env's rows), with
-their observations as one array tree, and a callback that receives the actions. A batch runs as
-soon as one of three things holds:
-
-1. ``batch_target`` rows are waiting;
-2. every live env is waiting (nobody else can arrive, so waiting longer only idles);
-3. the oldest request has waited its fill wait. With ``batch_target`` at or above the live
-   envs (the default), that is as long as one batch takes (a running average), never longer
-   than ``max_wait_s``: waiting longer than a batch costs would delay the waiting envs more
-   than a second, smaller batch would. With a target below them, the batch fills to it: the
-   wait is the time ``batch_target`` rows take to arrive at the measured request rate, at
-   least ``max_wait_s`` and at most ``FILL_WAIT_MAX_S``. On saturated cores a second call
-   costs the simulators CPU, so the controller sets such a target
-   (:func:`~ebrl.runtime.resources.rules_stages.batch_target_rule`).
-
-One batch runs at a time, on the event loop or off it in the generator's
-:class:`~ebrl.runtime.stage.Stage` thread (so simulation results keep flowing while the policy
-runs); under ``Offload.AUTO`` the controller picks from the first measured call
-(:mod:`~ebrl.runtime.resources.rules_start`), and may move the calls later. New weights are
-swapped in between batches, never during one, and every action is tagged with the version of
-the weights that produced it. No future or task per request:
-the batch calls each request's callback with its rows of the result.
+their observations as one array tree, and a callback that receives the actions (no future or
+task per request). A batch runs when ``batch_target`` rows wait, when every live env waits, or
+when the oldest request has waited its fill wait (:meth:`Generator.fill_wait`; docs/batching.md
+says why each). One batch runs at a time, on the event loop or in the generator's
+:class:`~ebrl.runtime.stage.Stage` thread (``offload``; under ``Offload.AUTO`` the controller
+picks from the first measured call). New weights are swapped in between batches, never during
+one, and every action is tagged with the version of the weights that produced it.
 
     >>> import asyncio, numpy as np
     >>> from ebrl.runtime.generation import Generator
@@ -57,8 +43,8 @@ from ebrl.runtime.state import RunState
 from ebrl.spaces import concat
 
 if TYPE_CHECKING:
-    from ebrl.telemetry.timeline import Timeline
     from ebrl.runtime.resources.gpu import GpuStreams
+    from ebrl.telemetry.timeline import Timeline
 
 FILL_WAIT_MAX_S = 0.05  # a batch filling to its target never waits longer (an env may be resetting)
 
@@ -122,26 +108,24 @@ class Generator:
         self.max_wait_s = max_wait_s
         self.offload = offload
         self.version = 0
-        self._state = state  # where the count of live envs comes from; else ``live`` below
-        self._live = live
-        if state is not None:
-            state.watch(self.poke)  # fewer live envs: the ones waiting may now be everyone
+        # where the count of live envs comes from (without a run's: ``live`` envs, all of them live)
+        self._state = state if state is not None else RunState(budget=0, active=live)
+        self._state.watch(self.poke)  # fewer live envs: the ones waiting may now be everyone
         self.batch_sizes: Counter = Counter()
         self.costs = BatchCosts()  # seconds per call against batch size: the controller's batch target
         self.max_request_wait_s = 0.0
         self.request_wait_s = 0.0  # summed over rows: how long each waited for its batch to start
         self.capped_batches = 0  # batches started because the wait reached max_wait_s (not full, not all waiting)
-        # where policy calls run and what they cost (busy and CPU seconds: wall over CPU says how
-        # long calls wait for the GIL)
-        self.stage = stage or Stage("generator")  # where its calls run (the platform's: ebrl.runtime.platform)
+        # where its calls run (the platform's: ebrl.runtime.platform) and what they cost (busy and
+        # CPU seconds: wall over CPU says how long calls wait for the GIL)
+        self.stage = stage or Stage("generator")
         self._on_batch = on_batch  # (env ids, version) as a batch forms: the rollout marks them in flight
         self._timeline = timeline  # records lane "generator", "batch" (arg: batch size) per policy call
         self._pending: list[tuple[np.ndarray, Any, OnActions, float]] = []  # (ids, obs rows, callback, time)
         self._pending_rows = 0
         self._wake = asyncio.Event()
-        self._paused = False
         self.paused_s = 0.0  # loop time spent paused (lockstep schedules: while the learner trains)
-        self._paused_at = 0.0
+        self._paused_at: float | None = None  # loop time the pause in progress began; None: not paused
         self._unpaused = asyncio.Event()
         self._unpaused.set()
         self._idle = asyncio.Event()  # no batch is running
@@ -161,16 +145,12 @@ class Generator:
     def busy_s(self) -> float:
         return self.stage.busy_s
 
-    @property
-    def cpu_s(self) -> float:
-        return self.stage.cpu_s
-
     def counters(self, now: float) -> dict[str, float]:
         """Its counters as they stand at loop time ``now`` (running totals: a profile window is
         the difference of two snapshots)."""
         sizes = self.batch_sizes
         return {"gen_batches": sum(sizes.values()), "gen_rows": sum(k * v for k, v in sizes.items()),
-                "gen_busy": self.busy_s, "gen_cpu": self.cpu_s, "gen_wait": self.request_wait_s,
+                "gen_busy": self.busy_s, "gen_cpu": self.stage.cpu_s, "gen_wait": self.request_wait_s,
                 "gen_capped": self.capped_batches, "gen_paused": self.paused_until_now(now)}
 
     def actuators(self) -> dict[str, Callable[[Any], None]]:
@@ -185,7 +165,7 @@ class Generator:
     @property
     def live(self) -> int:
         """Envs that may still send a request."""
-        return self._state.live if self._state is not None else self._live
+        return self._state.live
 
     # ---------------------------------------------------------------- requests
 
@@ -215,21 +195,20 @@ class Generator:
 
     async def pause(self) -> None:
         """Stop forming batches (after the running one finishes); used while an update must not overlap generation."""
-        if not self._paused:
+        if self._paused_at is None:
             self._paused_at = asyncio.get_running_loop().time()
-        self._paused = True
         self._unpaused.clear()
         await self._idle.wait()
 
     def resume(self) -> None:
-        if self._paused:
+        if self._paused_at is not None:
             self.paused_s += asyncio.get_running_loop().time() - self._paused_at
-        self._paused = False
+        self._paused_at = None
         self._unpaused.set()
 
     def paused_until_now(self, now: float) -> float:
         """``paused_s`` with a pause in progress counted up to loop time ``now``."""
-        return self.paused_s + (now - self._paused_at if self._paused else 0.0)
+        return self.paused_s + (now - self._paused_at if self._paused_at is not None else 0.0)
 
     # ---------------------------------------------------------------- the server
 
@@ -254,8 +233,7 @@ class Generator:
                     except TimeoutError:
                         self.capped_batches += capped
                         break
-                if self._paused:
-                    await self._unpaused.wait()
+                await self._unpaused.wait()  # returns at once unless paused
                 await self._run_batch(loop)
         finally:
             self.stage.close()
@@ -338,11 +316,7 @@ class Generator:
             return self.policy.act(obs)
 
     def _use_thread(self) -> bool:
-        if self.offload is Offload.THREAD:
-            return True
-        if self.offload is Offload.INLINE:
-            return False
         # AUTO until the controller resolves it: the first call pays the policy's lazy set-up
         # (tens of ms for a torch policy), off the loop and not measured; the next runs inline
-        warm, self._warmed = self._warmed, True
-        return not warm
+        mode, self._warmed = self.offload_mode, True
+        return mode is Offload.THREAD

@@ -7,25 +7,21 @@ them, publishes the new weights to the Generator, and runs its hooks.
         hooks accept it?  (NaN rollback)  -> publish the weights
         hooks after it    (metric rows, checkpoints)
 
-Where the update runs is the worker's business (:class:`InThread`, :class:`InProcess`):
-
-- the learner stage's thread itself: right for a GPU, where torch ops are asynchronous launches,
-  and for a data-parallel rank, whose gradients meet in the optimiser step;
-- a child process (:class:`~ebrl.runtime.learner_process.LearnerProcess`) the stage's thread
-  waits on: right on a CPU host, where a learner thread and the event loop convoy on the GIL.
-
-Weights are published as a snapshot taken right after the update, so the generator never
-sees a half-written tensor.
+The worker runs updates in the learner stage's thread (:class:`InThread`: right for a GPU, where
+torch ops are asynchronous launches, and for a data-parallel rank, whose gradients meet in the
+optimiser step) or in a child process that thread waits on (:class:`InProcess`: right on a CPU
+host, where a learner thread and the event loop convoy on the GIL). Weights are published as a
+snapshot taken right after the update, so the generator never sees a half-written tensor.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 # torch.optim imports torch._dynamo (about 1.2 s on the reference machine) the first time an
@@ -45,7 +41,7 @@ from ebrl.runtime.learner_process import LearnerProcess, nonfinite_weights, rest
 from ebrl.runtime.rollout import RolloutQueue
 from ebrl.runtime.stage import Stage
 from ebrl.runtime.state import RunState
-from ebrl.runtime.stats import RunStats
+from ebrl.runtime.stats import RunStats, mean
 from ebrl.runtime.threads import CLOSE_WAIT_S, in_thread
 from ebrl.telemetry.logging import get_logger
 from ebrl.telemetry.metrics import MetricsLog
@@ -59,45 +55,24 @@ log = get_logger("ebrl.learner")
 JOINT_POLL_S = 0.005  # how often a rank waiting for its queue looks for another rank's request
 
 
-# ------------------------------------------------------------------ where updates run
-
-
-class UpdateWorker(Protocol):
-    """Runs updates on the training copies of the policy and algorithm. Its methods block: the
-    learner calls them from its stage's thread."""
-
-    pid: int | None  # the process updates run in (None: this one)
-    timeout_s: float | None  # the deadline the learner puts on an update (None: the worker keeps its own)
-
-    def update(self, batch: Batch, threads: int | None) -> tuple[dict, dict, np.ndarray]: ...
-
-    def restore(self, published: dict) -> None: ...
-
-    def algo_state(self) -> dict | None: ...
-
-    def kill(self) -> None:
-        """End an update in flight (a stop that cannot wait for it)."""
-
-    def close(self, policy, algo) -> None:
-        """Hand the trained state to the caller's ``policy`` and ``algo``."""
-
-
 class InThread:
-    """Updates on the caller's own policy and algorithm, in the learner stage's thread: on a
-    GPU's training stream (``streams``), and, for a rank of a data-parallel job (``dp``), with
-    its statistics and gradients joint across ranks."""
+    """An update worker (its methods block: the learner calls them from its stage's thread) that
+    trains the caller's own ``policy`` and ``algo`` in that thread: on a GPU's training stream
+    (``streams``), and for a rank of a data-parallel job (``dp``), with its statistics and
+    gradients joint across ranks."""
 
-    pid = None
+    pid = None  # the process updates run in (None: this one)
 
     def __init__(self, policy, algo, *, streams: GpuStreams | None = None, dp: DataParallel | None = None,
                  timeout_s: float | None = None, clock=None):
         self.policy, self.algo, self.streams, self.dp = policy, algo, streams, dp
-        self.timeout_s = timeout_s  # faults.update_timeout_s: the thread cannot be killed, the run ends
+        self.timeout_s = timeout_s  # faults.update_timeout_s, which the learner applies (a thread cannot be killed)
         self.clock = clock  # what the publication snapshot is timed on (the stage's)
         self.event = None  # the CUDA event recorded after the latest update's weight snapshot
 
     def update(self, batch: Batch, threads: int | None) -> tuple[dict, dict, np.ndarray]:
-        with self.dp.active() if self.dp is not None else contextlib.nullcontext():
+        """The metrics, the published state and each transition's policy lag."""
+        with self.dp.active() if self.dp is not None else nullcontext():
             if self.streams is None:
                 return update_once(self.policy, self.algo, batch, clock=self.clock)
             with self.streams.training():  # the stream is per thread: entered in the learner's thread
@@ -112,43 +87,29 @@ class InThread:
         return algo_state(self.algo)
 
     def kill(self) -> None:
-        pass  # a thread cannot be stopped: it is left to finish
+        """End an update in flight (a stop that cannot wait for it): a thread is left to finish."""
 
-    def close(self, policy, algo) -> None:
-        pass  # it trained the caller's own copies
+    def close(self) -> None:
+        """Leave the trained state in the caller's ``policy`` and ``algo`` (here: it trained them)."""
 
 
-class InProcess:
+class InProcess(LearnerProcess):
     """Updates in a :class:`~ebrl.runtime.learner_process.LearnerProcess`, which applies
-    ``faults.update_timeout_s`` itself (killing the process)."""
+    ``faults.update_timeout_s`` itself (killing the process, which ends the stage thread's wait)."""
 
     timeout_s = None
+    event = None
 
-    def __init__(self, process: LearnerProcess):
-        self.process = process
-        self.event = None
+    def __init__(self, policy, algo, *args, **kwargs):
+        super().__init__(policy, algo, *args, **kwargs)
+        self.policy, self.algo = policy, algo
 
     @property
     def pid(self) -> int | None:
-        return self.process.child.pid
+        return self.child.pid
 
-    def update(self, batch: Batch, threads: int | None) -> tuple[dict, dict, np.ndarray]:
-        return self.process.update(batch, threads)
-
-    def restore(self, published: dict) -> None:
-        self.process.restore(published)
-
-    def algo_state(self) -> dict | None:
-        return self.process.algo_state()
-
-    def kill(self) -> None:
-        self.process.kill()  # the stage thread's wait on it ends with it
-
-    def close(self, policy, algo) -> None:
-        self.process.close(policy, algo)
-
-
-# ------------------------------------------------------------------ hooks
+    def close(self) -> None:
+        super().close(self.policy, self.algo)
 
 
 @dataclass
@@ -220,16 +181,13 @@ class MetricRows(Hook):
         self._last = (elapsed, st.simulated, rows, batches)
         interval = elapsed - last_t
         row = {"update": learner.version, "env_steps": st.simulated, "trained": st.trained, "time": elapsed,
-               "mean_return": st.mean_return,
-               "success_once": (sum(st.success_once) / len(st.success_once)) if st.success_once else None,
-               "success_at_end": (sum(st.success_at_end) / len(st.success_at_end)) if st.success_at_end else None,
-               "episodes": st.episodes,
-               "episode_length": (sum(st.lengths) / len(st.lengths)) if st.lengths else math.nan,
+               "mean_return": st.mean_return, "success_once": mean(st.success_once, None),
+               "success_at_end": mean(st.success_at_end, None), "episodes": st.episodes,
+               "episode_length": mean(st.lengths),
                "env_steps_per_s": (st.simulated - last_steps) / interval if interval > 0 else math.nan,
                "env_steps_per_s_overall": st.simulated / elapsed if elapsed > 0 else math.nan,
                "update_s": update.seconds,
-               "lag_mean": float(lags.mean()) if lags.size else 0.0,
-               "lag_max": int(lags.max()) if lags.size else 0,
+               "lag_mean": float(lags.mean()) if lags.size else 0.0, "lag_max": int(lags.max()) if lags.size else 0,
                "gen_batch_mean": (rows - last_rows) / (batches - last_batches) if batches > last_batches else math.nan,
                "dropped": sum(st.dropped.values()), "env_failures": st.env_failures}
         if learner.job:  # data-parallel: the job's env steps (every rank's, at this update's start)
@@ -240,9 +198,8 @@ class MetricRows(Hook):
 
 @dataclass
 class Checkpointing(Hook):
-    """Checkpoints every ``every_s`` (``RunConfig.checkpoint_every_s``), and one of the last
-    published weights when an update fails; ``base_env_steps``: those of the runs this one
-    continues."""
+    """Checkpoints every ``every_s`` (``RunConfig.checkpoint_every_s``), and one of the last published
+    weights when an update fails; ``base_env_steps``: those of the runs this one continues."""
 
     path: Path
     every_s: float
@@ -250,11 +207,8 @@ class Checkpointing(Hook):
     base_env_steps: int = 0
     last: float = field(default=-math.inf)
 
-    def due(self, now: float) -> bool:
-        return math.isfinite(self.every_s) and now - self.last >= self.every_s
-
     async def after(self, learner: Learner, update: Update) -> None:
-        if self.due(asyncio.get_running_loop().time()):
+        if math.isfinite(self.every_s) and asyncio.get_running_loop().time() - self.last >= self.every_s:
             await self.write(learner, update.state)
 
     async def failed(self, learner: Learner) -> None:
@@ -270,44 +224,31 @@ class Checkpointing(Hook):
                 "updates": learner.version, "periodic": True}
 
         def work() -> None:
-            state = None
-            if algo:
-                try:
-                    state = learner.worker.algo_state()
-                except LearnerError:  # the learner process died while asked: its weights are still here
-                    write_checkpoint(self.path, policy_state, None, self.policy_class, **meta)
-                    raise
+            try:
+                state = learner.worker.algo_state() if algo else None
+            except LearnerError:  # the learner process died while asked: its weights are still here
+                write_checkpoint(self.path, policy_state, None, self.policy_class, **meta)
+                raise
             write_checkpoint(self.path, policy_state, state, self.policy_class, **meta)
 
         await learner.stage.aside(work)
         log.info("checkpoint", path=str(self.path), **meta)
 
 
-# ------------------------------------------------------------------ the loop
-
-
 class Learner:
-    """The learner's loop (see the module docstring). ``stage``: where its calls run (the
-    platform's); ``worker``: where updates run (default :class:`InThread` on ``policy`` and
-    ``algo``); ``pause_generation``: lag 0 and lockstep schedules, no overlap of rollout and
-    training; ``dp``: a rank of a data-parallel job (:mod:`ebrl.distributed`); ``hooks`` run
-    after the :class:`NonFiniteGuard` and :class:`MetricRows` it always has."""
+    """The learner's loop (see the module docstring). ``worker`` holds the caller's policy and
+    algorithm; ``stage`` is where its calls run (the platform's); ``hooks`` are called in order
+    around each update; ``dp``: a rank of a data-parallel job (:mod:`ebrl.distributed`)."""
 
-    def __init__(self, policy, algo, rollout: RolloutQueue, generator: Generator, stats: RunStats,
-                 state: RunState, *, pause_generation: bool, stage: Stage | None = None,
-                 worker: UpdateWorker | None = None, metrics: MetricsLog | None = None,
-                 nonfinite: NonFinite = NonFinite.RAISE, hooks: list[Hook] = (), dp: DataParallel | None = None,
+    def __init__(self, worker: InThread | InProcess, rollout: RolloutQueue, generator: Generator, stats: RunStats,
+                 state: RunState, *, stage: Stage, hooks: list[Hook], dp: DataParallel | None = None,
                  timeline: Timeline | None = None):
-        self.policy, self.algo = policy, algo
+        self.worker, self.stage, self.hooks, self.dp = worker, stage, hooks, dp
         self.rollout, self.generator, self.stats, self.state = rollout, generator, stats, state
-        self.pause_generation = pause_generation
-        self.stage = stage or Stage("learner")  # busy seconds, the call in progress
-        self.worker: UpdateWorker = worker or InThread(policy, algo, clock=self.stage.now)
-        self.metrics = metrics if metrics is not None else MetricsLog()
-        self.hooks: list[Hook] = [NonFiniteGuard(nonfinite), MetricRows(self.metrics), *hooks]
-        self.dp = dp
+        # lag 0 and lockstep schedules: no overlap of rollout and training
+        self.pause_generation = rollout.lockstep or rollout.max_lag == 0
         self._timeline = timeline  # records lane "learner", "update" (arg: steps trained) per update
-        self._published = snapshot(published_state(policy))  # what an update that went NaN is undone to
+        self._published = snapshot(published_state(worker.policy))  # what an update that went NaN is undone to
         self.threads: int | None = None  # torch threads for a learner process (the controller's), None: as started
         self.version = 0
         self.untrained_in_hand = 0  # taken for an update that has not finished
@@ -319,19 +260,14 @@ class Learner:
         """The latest published weights (what the generator acts with; only what trains under LoRA)."""
         return self._published
 
-    @property
-    def busy_s(self) -> float:
-        """Seconds in updates."""
-        return self.stage.busy_s
-
     def counters(self, now: float) -> dict[str, float]:
         """Its counters at loop time ``now`` (the update in progress counted up to ``now``)."""
         return {"updates": self.stats.updates, "learner_busy": self.stage.busy_until_now(now)}
 
     @property
     def history(self) -> list[dict[str, Any]]:
-        """One row per update so far (``RunResult.history``)."""
-        return self.metrics.rows
+        """One row per update so far (``RunResult.history``): its :class:`MetricRows` hook's."""
+        return next((h.metrics.rows for h in self.hooks if isinstance(h, MetricRows)), [])
 
     async def run(self) -> None:
         """Wait until an update is due, take its segments, train; until the run stops."""
@@ -380,15 +316,14 @@ class Learner:
 
         limit = self.worker.timeout_s
         try:
-            try:
-                async with asyncio.timeout(limit):
-                    metrics, state, lags = await self.stage.call(work, thread=True, size=n)
-            except TimeoutError:
-                raise LearnerError(f"an update ran past faults.update_timeout_s={limit:g} s; the learner's "
-                                   "thread is left to finish it") from None
-        except LearnerError:
+            async with asyncio.timeout(limit):
+                metrics, state, lags = await self.stage.call(work, thread=True, size=n)
+        except (LearnerError, TimeoutError) as exc:
             for hook in self.hooks:
                 await hook.failed(self)
+            if isinstance(exc, TimeoutError):
+                raise LearnerError(f"an update ran past faults.update_timeout_s={limit:g} s; the learner's "
+                                   "thread is left to finish it") from None
             raise
         finally:
             give_back()
@@ -401,25 +336,14 @@ class Learner:
         if accepted:
             self._published = state
             self.version += 1
-            self.generator.publish(state, self.version, getattr(self.worker, "event", None))
-            self.stats.published_bytes += int(metrics.get("publish_bytes", 0))
-            self.stats.publish_snapshot_s += metrics.get("publish_s", 0.0)
+            self.generator.publish(state, self.version, self.worker.event)
+            self.stats.updated(n, lags, metrics, done.ended)
         if self.pause_generation:
             self.generator.resume()
         self.untrained_in_hand = 0
-        if not accepted:
-            return
-        st = self.stats
-        st.trained += n
-        st.updates += 1
-        if st.updates == 1:  # RunResult.first_update_s and the steady-state rate after it
-            st.first_update_at, st.steps_at_first_update = done.ended, st.simulated
-        values, counts = np.unique(lags, return_counts=True)
-        for v, c in zip(values.tolist(), counts.tolist()):
-            st.lag[v] += c
-        st.last_metrics = metrics
-        for hook in self.hooks:
-            await hook.after(self, done)
+        if accepted:
+            for hook in self.hooks:
+                await hook.after(self, done)
 
     def close(self) -> None:
         """Join the learner's thread (after the update in flight, ``CLOSE_WAIT_S`` at most: then
@@ -431,10 +355,8 @@ class Learner:
             self.worker.kill()
             for t in running:
                 t.join(1.0)
-        worker, self.worker = self.worker, _Closed()
-        worker.close(self.policy, self.algo)
-
-    # ---------------------------------------------------------------- a data-parallel rank
+        worker, self.worker = self.worker, InThread(None, None)  # closing again does nothing
+        worker.close()
 
     async def _first_step(self) -> None:
         """A rank joins updates once it has a step to store."""
@@ -473,10 +395,3 @@ class Learner:
         if not rollout.steps_per_env.any():  # a rank must have stored a step to bring its (empty) batch
             raise RuntimeError(f"rank {dp.rank} ended before recording any step: it cannot take part in updates")
         return True
-
-
-class _Closed(InThread):
-    """The worker after :meth:`Learner.close`: closing again does nothing."""
-
-    def __init__(self):
-        super().__init__(None, None)

@@ -1,11 +1,7 @@
 """The learner's unit of work (:func:`update_once`), and the child process that runs it on a
-CPU host (:class:`LearnerProcess`).
-
-On a CPU host a learner thread and the event loop convoy on the GIL: every small torch op,
-BLAS call or pipe write releases it and waits for the other thread's next op to get it back.
-The process holds the policy's and algorithm's training copies; the learner's stage thread
-sends it a batch and waits in the pipe without the GIL. Measured on 2 cores with HalfCheetah
-and PPO: see the README's design section.
+CPU host (:class:`LearnerProcess`), where a learner thread and the event loop would convoy on the
+GIL (each small torch op releases it and waits to get it back): the learner's stage thread sends
+the process a batch and waits in the pipe without the GIL (measured: the README's design section).
 """
 
 from __future__ import annotations
@@ -87,18 +83,16 @@ def _learner_main(conn, policy, algo, torch_threads: int | None) -> None:
 
 
 class LearnerProcess:
-    """The policy's and algorithm's training copies, in a child process started fork-safely
-    (:class:`~ebrl.runtime.children.Child`). Its start-up (until it says it is ready) has
-    ``start_timeout_s``; each update has ``update_timeout_s`` (``faults.update_timeout_s``, None:
-    none). Past either, the process is killed and the update fails with a :class:`LearnerError`.
-    Every call blocks: the learner's thread waits in the pipe without the GIL."""
+    """The policy's and algorithm's training copies in a child process (:class:`~ebrl.runtime.children.Child`).
+    Its start-up has ``start_timeout_s``, each update ``update_timeout_s`` (None: none); past
+    either, the process is killed and the call fails with a :class:`LearnerError`. Every call
+    blocks: the learner's thread waits in the pipe without the GIL."""
 
     def __init__(self, policy, algo, torch_threads: int | None, start_method: str | None = None,
                  start_timeout_s: float | None = None, update_timeout_s: float | None = None):
-        self.start_timeout_s, self.update_timeout_s = start_timeout_s, update_timeout_s
-        self.ready = False
+        self.update_timeout_s = update_timeout_s
         self.child = Child.start("ebrl-learner-process", _learner_main, policy, algo, torch_threads,
-                                 ctx=child_context(start_method)[0])
+                                 ctx=child_context(start_method)[0], start_timeout_s=start_timeout_s)
 
     def update(self, batch: Batch, threads: int | None = None):
         """``threads``: torch's intra-op threads in the learner process from this update on."""
@@ -117,15 +111,11 @@ class LearnerProcess:
         self.child.kill()
 
     def _ask(self, op: str, *args, timeout_s: float | None = None):
-        """``op`` in the process, once it has started (under ``start_timeout_s``, once)."""
-        what, limit, setting = "start-up", self.start_timeout_s, "build_timeout_s"
         try:
-            if not self.ready:
-                self.child.ready_blocking(limit)
-                self.ready = True
-            what, limit, setting = op, timeout_s, "update_timeout_s"
             return self.child.ask_blocking(op, *args, timeout_s=timeout_s)
         except TimeoutError:
+            what, limit, setting = ((op, timeout_s, "update_timeout_s") if self.child.heard
+                                    else ("start-up", self.child.start_timeout_s, "build_timeout_s"))
             raise LearnerError(f"the learner process's {what} ran past faults.{setting}={limit:g} s; "
                                "the process was killed") from None
         except ChildDied as exc:
@@ -139,7 +129,7 @@ class LearnerProcess:
         (waiting ``ANSWER_WAIT_S`` at most for its answer: a hung or dead learner is killed). One
         never asked anything trained nothing: it is killed at once, started up or not."""
         try:
-            if self.ready:
+            if self.child.heard:
                 policy_state, algo_state = self.child.ask_blocking("final", timeout_s=ANSWER_WAIT_S)
                 policy.load_state_dict(policy_state)
                 if algo_state is not None:
@@ -149,4 +139,4 @@ class LearnerProcess:
         except (ChildDied, ChildFailed, OSError) as exc:
             log.warning("learner_process_lost", error=str(exc))  # the run's own error says more
         finally:
-            self.child.reap(5.0 if self.ready else 0.0)
+            self.child.reap(5.0 if self.child.heard else 0.0)

@@ -1,20 +1,12 @@
 """What ``run()`` builds the runtime on: the parts that tests and emulation replace.
 
-``run()`` never asks what kind of machine it is on; it asks its :class:`Platform`:
-
-- **where blocking calls run** (:class:`Threads`): each stage's calls (the generator's policy
-  calls, the learner's updates) in a :class:`~ebrl.runtime.stage.Stage`, and one-off calls (an
-  env's build, an evaluation episode) off the loop under a deadline; how many cores there are,
-  and whether child processes may be started;
-- **the sim pool** (:class:`~ebrl.runtime.sim.pool.SimPool` by default);
-- **the device** a policy runs on (:func:`device_of`: a CUDA device, an emulated one the policy
-  carries, or none for the CPU) and its streams;
-- **the system sampler** (cores and GPUs, :class:`~ebrl.telemetry.system.SystemSampler`).
-
-The event loop is the clock: every deadline and every cost is read from ``loop.time()``.
-:func:`ebrl.testing.virtual_platform` swaps in a virtual-time one, which runs every call inline
-and charges its declared cost on the loop's virtual clock; :func:`ebrl.testing.run_virtual`
-runs on it. Both go through the same probe, start rules, controller and evaluation code.
+``run()`` never asks what kind of machine it is on; it asks its :class:`Platform` where blocking
+calls run (:class:`Threads`: each stage's in a :class:`~ebrl.runtime.stage.Stage`, one-off calls
+off the loop under a deadline, the cores, whether child processes may start), for the sim pool,
+for the device a policy runs on (:func:`device_of`) and for the system sampler. The event loop is
+the clock: every deadline and cost is read from ``loop.time()``. :func:`ebrl.testing.virtual_platform`
+swaps in virtual time's parts, which run every call inline and charge its declared cost on the
+loop's virtual clock, through the same probe, start rules, controller and evaluation code.
 
     >>> platform = Platform()
     >>> platform.executor.processes, platform.executor.cpus() >= 1
@@ -37,52 +29,36 @@ from ebrl.runtime.threads import in_thread, usable_cpus
 T = TypeVar("T")
 
 
-class Executor(Protocol):
-    """Where the runtime's blocking calls run."""
-
-    processes: bool  # whether child processes may be started (sim workers, the learner process)
-    threads: bool  # whether calls may run in threads (else inline on the loop)
-
-    def cpus(self) -> int: ...
-
-    def stage(self, name: str, owner: Any) -> Stage:
-        """The stage running ``owner``'s calls (a policy's, an algorithm's)."""
-
-    async def call(self, fn: Callable[..., T], *args: Any, name: str, may_hang: bool = False,
-                   timeout_s: float | None = None) -> T:
-        """``fn(*args)`` off the loop (:func:`~ebrl.runtime.threads.in_thread`'s contract)."""
-
-    def metered(self, env) -> tuple[Any, tuple[Callable[[], float], Callable[[], float]]]:
-        """``env`` as the start-up probe steps it, and the wall and CPU clocks it times a step on."""
-
-
 class Threads:
-    """Real hardware: each stage's calls in a thread of its own, one-off calls in a private thread,
-    the cores this process may use."""
+    """The executor of real hardware, and the interface of every executor: each stage's calls in a
+    thread of its own, one-off calls in a private thread, the cores this process may use."""
 
-    processes = True
-    threads = True
+    processes = True  # whether child processes may be started (sim workers, the learner process)
+    threads = True  # whether calls may run in threads (else inline on the loop)
 
     def cpus(self) -> int:
         return usable_cpus()
 
     def stage(self, name: str, owner: Any) -> Stage:
+        """The stage running ``owner``'s calls (a policy's, an algorithm's)."""
         return Stage(name)
 
     async def call(self, fn: Callable[..., T], *args: Any, name: str, may_hang: bool = False,
                    timeout_s: float | None = None) -> T:
+        """``fn(*args)`` off the loop (:func:`~ebrl.runtime.threads.in_thread`'s contract)."""
         return await in_thread(fn, *args, name=name, may_hang=may_hang, timeout_s=timeout_s)
 
     def metered(self, env) -> tuple[Any, tuple[Callable[[], float], Callable[[], float]]]:
+        """``env`` as the start-up probe steps it, and the wall and CPU clocks it times a step on."""
         from ebrl.runtime.probe import STEP_CLOCKS
 
         return env, STEP_CLOCKS
 
 
 class Device(Protocol):
-    """A device a policy runs on, as the runtime sees it."""
+    """A device a policy runs on, as the runtime sees it (:class:`TorchDevice`, an emulated one)."""
 
-    name: str  # "cuda", "the emulated device pi0-h200": what the start rules and errors name
+    name: str | None  # "cuda", "the emulated device pi0-h200": what the start rules and errors name
     in_process_only: bool  # whether training must stay in this process (beside generation)
 
     def streams(self, mode: StreamMode):
@@ -93,34 +69,22 @@ class Device(Protocol):
 
 
 @dataclass(frozen=True)
-class CudaDevice:
-    """A policy on a CUDA device."""
+class TorchDevice:
+    """A policy's torch device: CUDA, the CPU, or none (a policy without parameters)."""
 
-    device: torch.device
-    in_process_only: bool = False
+    device: torch.device | None
+    in_process_only = False
 
     @property
-    def name(self) -> str:
-        return self.device.type
+    def name(self) -> str | None:
+        return None if self.device is None else self.device.type
 
     def streams(self, mode: StreamMode):
+        if self.name != "cuda":
+            return None
         from ebrl.runtime.resources.gpu import GpuStreams
 
         return GpuStreams.create(device=self.device, max_mode=mode)
-
-    def nvml(self) -> Any:
-        return None
-
-
-@dataclass(frozen=True)
-class CpuDevice:
-    """A policy on the CPU (or without parameters: ``name`` None)."""
-
-    name: str | None = "cpu"
-    in_process_only: bool = False
-
-    def streams(self, mode: StreamMode):
-        return None
 
     def nvml(self) -> Any:
         return None
@@ -135,14 +99,9 @@ def policy_device(policy) -> torch.device | None:
 
 def device_of(policy) -> Device:
     """The device ``policy`` runs on: the one it carries (``policy.runtime_device``: an emulated
-    device, :mod:`ebrl.emulated`), else its parameters' (CUDA or the CPU)."""
+    device, :mod:`ebrl.emulated`), else its parameters'."""
     carried = getattr(policy, "runtime_device", None)
-    if carried is not None:
-        return carried
-    device = policy_device(policy)
-    if device is None:
-        return CpuDevice(None)
-    return CudaDevice(device) if device.type == "cuda" else CpuDevice(device.type)
+    return carried if carried is not None else TorchDevice(policy_device(policy))
 
 
 def system_sampler(nvml: Any):
@@ -162,7 +121,7 @@ def _sim_pool(*args, **kwargs):
 class Platform:
     """The parts ``run()`` assembles the runtime from (see the module docstring)."""
 
-    executor: Executor = field(default_factory=Threads)
+    executor: Threads = field(default_factory=Threads)  # or any object with its interface
     sim_pool: Callable[..., Any] = _sim_pool  # SimPool's signature
     device: Callable[[Any], Device] = device_of
     sampler: Callable[[Any], Any] = system_sampler  # nvml -> a SystemSampler, or None for none

@@ -1,28 +1,19 @@
-"""The start-up probe: env 0 built, its facts read, and under ``sim.backend="auto"`` its step
-timed, each request under a deadline.
+"""The start-up probe: env 0 built and its facts read (``run()`` checks the policy against its
+spaces and time limit before anything starts), and under ``sim.backend="auto"`` its step timed
+(AUTO chooses the backend from it). The requests are :class:`Env0`'s methods: ``build``, under
+AUTO ``reset``, and ``facts``, each under ``faults.build_timeout_s``; then under AUTO ``steps``,
+each under ``faults.step_timeout_s`` (the warm-up's steps one by one, then rounds of about
+``PROBE_ROUND_S``).
 
-``run()`` needs env 0's spaces and time limit before it starts anything (the policy is checked
-against them), and AUTO needs a measured step to choose the backend. Both come from one env,
-asked in requests (:class:`Env0`'s methods):
-
-1. ``build`` ``env_fn(0)``, then under AUTO ``reset`` it, and read its ``facts``
-   (:class:`~ebrl.runtime.env_facts.EnvFacts`), each under ``faults.build_timeout_s``; the
-   parent checks the trainer against them, so a policy that does not fit the env fails before
-   any env is stepped;
-2. under AUTO, time its ``steps`` (each request under ``faults.step_timeout_s``: the warm-up's
-   steps one by one, then rounds in requests of about ``PROBE_ROUND_S`` of steps).
-
-Where envs may live in child processes (``auto``, ``process``, ``mixed``), the probe runs in a
-child forked from this still clean process (:class:`~ebrl.runtime.children.Child`): a build
-that holds the GIL does not stall the caller's loop, the child's CPU clock is the probe's own,
-and no renderer's driver is loaded here before the workers fork. Elsewhere (``inline``,
-``thread``, a vector env: the envs live here anyway), and where this process is no longer clean
-to fork (a fork server's child would not see what this process set up: a registered env, a
-patched module), it runs in a thread of this process. ``where="inline"`` runs the requests on
-the caller's thread instead, with no deadline (under virtual time, where no thread may run). A
-request past its deadline ends ``run()`` with one :class:`~ebrl.runtime.errors.EnvStepError`
-naming env 0, the request's phase and the setting; the child is killed and reaped whatever
-happens, cancellation included (a thread stuck in the env is left to it, never joined on the loop).
+Where envs may live in child processes (``auto``, ``process``, ``mixed``), env 0 lives in a child
+forked from this still clean process (:class:`~ebrl.runtime.children.Child`): a build holding the
+GIL does not stall the caller's loop, the child's CPU clock is the probe's own, and no renderer's
+driver is loaded here before the workers fork. Elsewhere (the envs live here anyway), and where
+this process is no longer clean to fork (a fork server's child would not see a registered env or
+a patched module), it lives in a thread of this process; ``where="inline"``, on the caller's
+thread, with no deadline (virtual time). A request past its deadline fails as env 0's
+:class:`~ebrl.runtime.errors.EnvStepError`; the child is killed and reaped whatever happens (a
+thread stuck in the env is left to it, never joined on the loop).
 
     >>> import asyncio
     >>> from ebrl.config import FaultConfig, SimConfig
@@ -38,6 +29,8 @@ happens, cancellation included (a thread stuck in the env is left to it, never j
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.context import BaseContext
@@ -61,9 +54,9 @@ STEPS, ROUNDS, WARM_UP = 100, 3, 10  # steps a round at most, rounds timed, warm
 # replace them with clocks their env drives, so the measured step is exactly the declared one)
 STEP_CLOCKS = (time.perf_counter, time.process_time)
 # each request: the phase an error names, the deadline's setting, and what ran past it
-_REQUESTS = {"start": ("env_fn", "build_timeout_s", "start-up"), "build": ("env_fn", "build_timeout_s", "build"),
-             "reset": ("reset", "build_timeout_s", "reset"), "facts": ("env_fn", "build_timeout_s", "build"),
-             "steps": ("step", "step_timeout_s", "step"), "releases_gil": ("step", "step_timeout_s", "step")}
+_REQUESTS = {"build": ("env_fn", "build_timeout_s", "build"), "reset": ("reset", "build_timeout_s", "reset"),
+             "facts": ("env_fn", "build_timeout_s", "build"), "steps": ("step", "step_timeout_s", "step"),
+             "releases_gil": ("step", "step_timeout_s", "step")}
 _REAP_S = 1.0  # how long a finished child is given to exit before it is killed
 
 
@@ -126,12 +119,12 @@ class Env0:
 
 
 def _serve_env0(conn, env_fn: EnvFn) -> None:
-    serve(conn, Env0(env_fn))
+    with conn:  # closed when it returns: a thread's end shows as a child's
+        serve(conn, Env0(env_fn))
 
 
 class EnvProbe:
-    """Env 0 in a child process, a thread of this one, or (``where="inline"``) on the caller's
-    thread (see the module docstring); an async context manager."""
+    """Env 0 in a child process, a thread, or on the caller's thread (see the module docstring)."""
 
     def __init__(self, env_fn: EnvFn, sim: SimConfig, faults: FaultConfig, where: Literal["auto", "inline"] = "auto",
                  metered=None):
@@ -139,15 +132,11 @@ class EnvProbe:
         self.metered = metered  # inline: the platform's clocks for env 0's steps (virtual time: declared costs)
         self.measure = sim.backend is SimBackend.AUTO and sim.vector_size == 1
         self.placement = "inline"  # or "process", "thread": where env 0 is (see __aenter__)
-        self.child: Child | None = None
+        self.child: Child | None = None  # a process or thread: its handle
         self.env0: Env0 | None = None  # inline: env 0 here
 
     def _child_start(self) -> BaseContext | None:
-        """The context to start the probe's child with, or None for a thread: a child where envs
-        may live in children (``auto``, ``process``, ``mixed``) and one can start clean (fork
-        from a clean process, or a start method the user set); else a thread, where the envs
-        live here anyway or a fork server's child would not see this process's state (an env
-        registered, a module patched) that a fork would carry."""
+        """The context to start the probe's child with, or None for a thread (see the module docstring)."""
         if self.sim.vector_size > 1 or self.sim.backend in (SimBackend.INLINE, SimBackend.THREAD):
             return None
         ctx, why = child_context(self.sim.start_method)
@@ -161,27 +150,28 @@ class EnvProbe:
             self.env0 = Env0(self.env_fn, self.metered)
         elif (ctx := self._child_start()) is not None:
             self.placement = "process"  # started off the loop: a fork copies this process's page tables
-            self.child = await Child.start_off_loop("ebrl-sim-probe", _serve_env0, self.env_fn, ctx=ctx)
+            self.child = await Child.start_off_loop("ebrl-sim-probe", _serve_env0, self.env_fn, ctx=ctx,
+                                                    start_timeout_s=self.faults.build_timeout_s)
         else:
             self.placement = "thread"
-            self.child = Child.thread("ebrl-sim-probe", _serve_env0, self.env_fn)
+            parent, conn = mp.Pipe()
+            thread = threading.Thread(target=_serve_env0, args=(conn, self.env_fn), name="ebrl-sim-probe", daemon=True)
+            thread.start()
+            self.child = Child("ebrl-sim-probe", thread, parent)
         return self
 
     async def facts(self) -> EnvFacts:
         """Env 0's facts: built (and under AUTO reset), never stepped."""
-        if self.child is not None:
-            await self._ask("start")
         await self._ask("build")
         if self.measure:
             await self._ask("reset")
         return await self._ask("facts")
 
     async def step_profile(self) -> StepProfile | None:
-        """Under AUTO for plain envs, env 0's measured step (after :meth:`facts`); else None. The
-        round with the least wall time of ``ROUNDS``, after a warm-up (first calls pay for caches
-        and lazy imports); a round is ``STEPS`` steps, fewer for a slow env (about
-        ``PROBE_ROUND_S`` a round, ``WARM_UP`` steps at least): the controller refines the choice
-        from live numbers, so the probe only has to tell a step that computes from one that waits."""
+        """Under AUTO for plain envs, env 0's measured step (after :meth:`facts`); else None: the
+        fastest of ``ROUNDS`` rounds after a warm-up (first calls pay for caches and lazy imports).
+        The controller refines the choice from live numbers: the probe only has to tell a step
+        that computes from one that waits."""
         if not self.measure:
             return None
         first, _ = await self._round(WARM_UP, 1)
@@ -194,7 +184,7 @@ class EnvProbe:
         return step
 
     async def _round(self, n: int, per_request: int) -> tuple[float, float]:
-        """Wall and CPU seconds per step of ``n`` steps, ``per_request`` in each request."""
+        """Wall and CPU seconds per step of ``n`` steps (``STEPS`` at most), ``per_request`` in each request."""
         wall = cpu = 0.0
         for start in range(0, n, per_request):
             w, c = await self._ask("steps", start, min(per_request, n - start))
@@ -211,24 +201,21 @@ class EnvProbe:
                 raise EnvStepError(0, op, describe(exc)) from exc
         limit = getattr(self.faults, setting)
         try:
-            if request == "start":
-                return await self.child.ready(limit)
             return await self.child.ask(request, *args, timeout_s=limit)
         except ChildFailed as exc:
             raise EnvStepError(0, op, exc.summary) from None
         except ChildDied as exc:
             raise EnvStepError(0, op, f"the sim probe's {self.placement} died ({exc.how})") from None
         except TimeoutError:
+            what = what if self.child.heard else "start-up"
             where = "its process was killed" if self.placement == "process" else "its thread was left"
             raise EnvStepError(0, op, TimedOut(f"its {what} in the sim probe ran past faults.{setting}={limit:g} s; "
                                                f"{where}")) from None
 
     async def __aexit__(self, *exc) -> None:
-        if self.child is None:
-            if self.env0 is not None:
-                self.env0.close()
-            return
-        if exc[0] is None:  # it is ending by itself: reaped off the loop
+        if self.env0 is not None:
+            self.env0.close()
+        elif exc[0] is None:  # it is ending by itself: reaped off the loop
             await in_thread(self.child.reap, _REAP_S, name="ebrl-sim-probe-reap")
         else:  # a failure or a cancel: killed at once (a killed process is reaped in milliseconds)
             self.child.reap()

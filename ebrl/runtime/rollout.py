@@ -1,43 +1,21 @@
 """Rollout storage: segments of ``T`` steps in preallocated ``[slots, T]`` arrays, and the rules
-that bound policy lag.
+that bound policy lag (docs/policy-lag.md).
 
 Batch-first, as in rsl_rl: each field of the transition (:mod:`ebrl.runtime.fields`) is one
-array (one per observation leaf) ``[M, T, ...]`` of ``M`` segment slots. Each env fills an
-open slot; a block of finished steps is written with one fancy-indexed assignment per field
-(``buf[slots, pos] = rows``), never a Python loop per env. A full slot closes and joins the
-queue; the learner receives the slots' rows gathered into contiguous ``[S, T]`` arrays
-(:func:`~ebrl.runtime.collate.collate`), and the slots return to the free list.
+array ``[M, T, ...]`` of ``M`` segment slots, written a block of finished steps at a time with
+one fancy-indexed assignment per field. The storage owns the whole transition, the step in
+flight included: ``obs`` is each env's current observation, :meth:`RolloutQueue.begin` keeps
+the behaviour data of its step in flight, and :meth:`RolloutQueue.record` stores both and
+overwrites ``obs`` with the next observations. A segment's bootstrap observation is ``obs`` at
+the moment it closes; with ``cut_at_episode_end`` a segment also closes at every episode end
+and remembers the key of the episode it starts with (``Batch.group``, -1 mid-episode).
 
-The storage owns the whole transition, the step in flight included: ``obs``, each env's
-current observation (the one its next or in-flight action is computed from), and from
-:meth:`RolloutQueue.begin` the behaviour data of the step in flight (action, log-prob, value,
-policy version). :meth:`RolloutQueue.record` then stores a block of finished steps, copying
-both into the slots, and overwrites ``obs`` with the steps' next observations. A segment's
-bootstrap observation is ``obs`` at the moment it closes.
-
-Bounded policy lag without waiting on stragglers: update ``u`` trains at weights version
-``u``, so a transition made by version ``v`` must be trained by update ``v + max_lag``.
-When update ``u`` starts, :meth:`RolloutQueue.take` hands over the ``S`` oldest closed
-segments and every segment holding a transition with version ``<= u - max_lag``; an open
-segment in that state is *cut* (its completed prefix goes now, the env keeps stepping into
-a fresh segment). A transition whose simulation is still running when it falls due is
-awaited: one step, never a whole segment. Hence every trained transition has lag
-``<= max_lag`` and a slow env never holds an update back by more than one step.
-
-With ``cut_at_episode_end`` (``RunConfig.segment_cut="episode"``) a segment also closes at
-every episode end, so each segment is one episode from its reset (or the rest of one longer
-than ``T``), and remembers the key of the episode it starts with (``episode_key``, set by the
-driver: the reset's seed, shared by a reset group); ``Batch.group`` carries it, -1 where the
-segment does not start at a reset.
-
-Backpressure, not dropping: an env may not start a new segment while the queue is full.
-Under ``async`` the queue holds ``(max_lag + 1) * S`` closed segments, so fast envs run
-ahead of slow ones; under the lockstep schedules each env holds at most one closed
-segment, which makes an update wait for the whole rollout (their defining barrier).
-
-The learner is woken only by what can make an update due or unblock a take: a segment
-closing, an env parking on a full queue, the run finishing, or a stale in-flight step
-clearing (``RunStats.learner_wakeups`` counts them).
+Update ``u`` takes the ``S`` oldest closed segments and every segment holding a transition of
+version ``<= u - max_lag``, cutting open ones and awaiting such a step still in flight: every
+trained transition has lag ``<= max_lag`` and a slow env never holds an update back by more
+than one step. An env may not open a segment while the queue is full (backpressure, never
+dropping): ``(max_lag + 1) * S`` closed segments under ``async``, one per env under the
+lockstep schedules. The learner is woken only by what can make an update due or unblock a take.
 """
 
 from __future__ import annotations
@@ -77,7 +55,7 @@ class RolloutQueue:
         self.lockstep = lockstep
         self.stats = stats
         self.state = state if state is not None else RunState(budget=0, active=num_envs)
-        self.state.watch(self.poke)
+        self.state.watch(self._wake)  # envs parked, finished or stopped: an update may now be due
         self.num_envs = num_envs
         self.capacity = num_envs if lockstep else (max_lag + 1) * batch_segments  # closed segments
         self.schema = fields
@@ -128,9 +106,7 @@ class RolloutQueue:
         fresh = self.open_slot[ids] < 0
         if self.lockstep:
             return fresh & (self.closed_per_env[ids] > 0)
-        if len(self.closed) < self.capacity:
-            return np.zeros(len(ids), bool)
-        return fresh
+        return fresh if len(self.closed) >= self.capacity else np.zeros(len(ids), bool)
 
     def mark_inflight(self, ids: np.ndarray, version: int) -> None:
         self.inflight[ids] = version
@@ -138,15 +114,12 @@ class RolloutQueue:
     def _clear_inflight(self, ids: Any) -> bool:
         """Clear the in-flight marks of ``ids``; wake the learner if it waits for one of them."""
         limit = self._stale_limit
-        if limit is None:  # the learner waits for no step
-            self.inflight[ids] = -1
-            return False
-        was = self.inflight[ids]
+        was = None if limit is None else self.inflight[ids]  # None: the learner waits for no step
         self.inflight[ids] = -1
-        if bool(((was >= 0) & (was <= limit)).any()):
-            self._wake()
-            return True
-        return False
+        if was is None or not ((was >= 0) & (was <= limit)).any():
+            return False
+        self._wake()
+        return True
 
     def _wake(self) -> None:
         self.stats.learner_wakeups += 1
@@ -245,7 +218,7 @@ class RolloutQueue:
             return 0
         self.open_slot[env_id] = -1
         n = int(self.slot_n[slot])
-        self._free([slot])
+        self.release([slot])
         self.stats.drop(reason, n)
         return n
 
@@ -256,25 +229,12 @@ class RolloutQueue:
         self.closed.append(slot)
         self.closed_per_env[env_id] += 1
 
-    def _free(self, slots: list[int]) -> None:
-        for s in slots:
-            self.slot_env[s] = -1
-            self.slot_final[s] = {}
-            self.free.append(s)
-
-    def poke(self) -> None:
-        """Envs parked, finished or stopped (:meth:`RunState.watch`): an update may now be due."""
-        self._wake()
-
     def finish(self) -> None:
         """No env will record again: the next take hands over everything."""
         self.finished = True
         self._wake()
 
     # ---------------------------------------------------------------- learner side
-
-    def _stale_inflight(self, limit: int) -> bool:
-        return bool(((self.inflight >= 0) & (self.inflight <= limit)).any())
 
     def due(self) -> bool:
         """An update is due: ``S`` segments closed, every env parked on a full queue, the end,
@@ -294,20 +254,17 @@ class RolloutQueue:
             await self._changed.wait()
 
     async def take(self, update: int, joint: bool = False) -> list[int] | None:
-        """Slots for update ``update`` (see module docstring), sorted by env and age; ``None`` once
-        finished and empty, or on a stop while the update waits for steps in flight. Give them
-        back with :meth:`release` after :func:`~ebrl.runtime.collate.collate`.
-
-        ``joint``: an update of a data-parallel job, which another rank may have asked for
-        (:mod:`ebrl.distributed`): no wait for this queue to fall due, and the list may be
-        empty; otherwise the same rule (closed segments, and open ones only where the lag
-        bound cuts them), so a rank's segments are never cut shorter than on one process."""
+        """Slots for update ``update`` (see module docstring), sorted by env and age, to
+        :meth:`release` once collated; ``None`` once finished and empty, or on a stop while the
+        update waits for steps in flight. ``joint``: a data-parallel update another rank may have
+        asked for: no wait for this queue to fall due, and the list may be empty (the same lag rule
+        otherwise, so a rank's segments are never cut shorter than on one process)."""
         if not joint:
             await self.wait_due()
         limit = update - self.max_lag  # transitions of versions <= limit are due now
         self._stale_limit = limit
         try:
-            while not self.finished and self._stale_inflight(limit):
+            while not self.finished and ((self.inflight >= 0) & (self.inflight <= limit)).any():
                 if self.state.stopping and not joint:  # a stop: those steps may never come back (a hung env)
                     return None
                 self._changed.clear()
@@ -345,8 +302,11 @@ class RolloutQueue:
         return taken
 
     def release(self, slots: list[int]) -> None:
-        """The learner has its copy of these slots: they are free again."""
-        self._free(slots)
+        """These slots are free again (the learner has its copy, or their env failed)."""
+        for s in slots:
+            self.slot_env[s] = -1
+            self.slot_final[s] = {}
+            self.free.append(s)
 
     def steps_in(self, slots: list[int]) -> int:
         return int(self.slot_n[slots].sum())

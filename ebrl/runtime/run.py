@@ -16,16 +16,14 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from ebrl.algos.minibatch import MinibatchAlgo
 from ebrl.algos.needs import resolve_run_config
-from ebrl.config import (DEFAULT_MAX_WAIT_S, ConfigError, LearnerMode, Offload, RunConfig, SegmentCut, SimBackend,
-                         StreamMode)
+from ebrl.config import DEFAULT_MAX_WAIT_S, ConfigError, LearnerMode, Offload, RunConfig, SegmentCut, SimBackend
 from ebrl.distributed import DataParallel, combine_results, rank_config, reseed_sampling, weight_hash
 from ebrl.envs.chunks import chunked_env_fn
 from ebrl.evaluation import evaluate_periodically
@@ -37,9 +35,8 @@ from ebrl.runtime.env_facts import EnvFacts
 from ebrl.runtime.errors import raise_first
 from ebrl.runtime.fields import transition_fields
 from ebrl.runtime.generation import Generator
-from ebrl.runtime.learner import Checkpointing, InProcess, InThread, Learner
-from ebrl.runtime.learner_process import LearnerProcess
-from ebrl.runtime.platform import Device, Executor, Platform, policy_device
+from ebrl.runtime.learner import Checkpointing, InProcess, InThread, Learner, MetricRows, NonFiniteGuard
+from ebrl.runtime.platform import Device, Platform, Threads, policy_device
 from ebrl.runtime.probe import EnvProbe, StepProfile
 from ebrl.runtime.resources.knobs import Decision
 from ebrl.runtime.resources.manager import ResourceManager
@@ -62,8 +59,8 @@ log = get_logger("ebrl.run")
 Progress = Callable[[RunStats, "Learner"], None]
 
 
-async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None, progress: Progress | None = None,
-              timeline: "Timeline | None" = None, platform: Platform | None = None) -> RunResult:
+async def run(trainer: Trainer, *, stop: asyncio.Event | None = None, progress: Progress | None = None,
+              timeline: Timeline | None = None, platform: Platform | None = None) -> RunResult:
     """Train ``trainer`` on the running event loop until ``total_env_steps`` or ``stop`` is set.
 
     ``progress(stats, learner)`` is called every ``config.log_every_s`` seconds and at the end.
@@ -94,12 +91,12 @@ async def run(trainer: "Trainer", *, stop: asyncio.Event | None = None, progress
     return result
 
 
-async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, platform: Platform, called: float, *,
-               stop: asyncio.Event | None, progress: Progress | None, timeline: "Timeline | None") -> RunResult:
+async def _run(trainer: Trainer, cfg: RunConfig, dp: DataParallel | None, platform: Platform, called: float, *,
+               stop: asyncio.Event | None, progress: Progress | None, timeline: Timeline | None) -> RunResult:
     trainer, cfg, facts, step = await _inspect(trainer, cfg, platform)  # env 0, before any env steps
     device = platform.device(trainer.policy)
     start = start_decisions(cfg, step, device, platform.executor)
-    parts = Parts.build(trainer, cfg, facts, start, device, platform, dp, timeline, called)
+    parts = Parts(trainer, cfg, facts, start, device, platform, dp, timeline, called)
     loop = asyncio.get_running_loop()
     log.info("run_start", schedule=cfg.schedule.value, num_envs=cfg.num_envs, sim_backend=parts.pool.backend.value,
              sim_size=parts.pool.size, total_env_steps=cfg.total_env_steps, max_policy_lag=parts.rollout.max_lag)
@@ -140,8 +137,8 @@ async def _run(trainer: "Trainer", cfg: RunConfig, dp: DataParallel | None, plat
     return result
 
 
-async def _inspect(trainer: "Trainer", cfg: RunConfig, platform: Platform
-                   ) -> tuple["Trainer", RunConfig, EnvFacts, StepProfile | None]:
+async def _inspect(trainer: Trainer, cfg: RunConfig, platform: Platform
+                   ) -> tuple[Trainer, RunConfig, EnvFacts, StepProfile | None]:
     """The trainer (its env built to execute a chunked policy's chunks), the config with the
     algorithm's needs resolved, env 0's facts and, under AUTO, its step's profile: env 0 is built
     once, in the probe (:mod:`~ebrl.runtime.probe`), and the trainer is checked against its
@@ -163,84 +160,68 @@ async def _inspect(trainer: "Trainer", cfg: RunConfig, platform: Platform
     return trainer, cfg, facts, step
 
 
-@dataclass
 class Parts:
-    """The runtime of one run, assembled by :meth:`build`: what ``run()`` starts, runs under its
-    TaskGroup, closes, and reads its result from."""
+    """The runtime of one run: what ``run()`` starts, runs under its TaskGroup, closes, and reads
+    its result from; built for ``trainer`` and its ``cfg`` on ``platform``."""
 
-    cfg: RunConfig
-    stats: RunStats
-    state: RunState
-    pool: Any  # SimPool
-    rollout: RolloutQueue
-    generator: Generator
-    learner: Learner
-    driver: Driver
-    metrics: MetricsLog
-    mode: LearnerMode
-    streams: Any  # GpuStreams, emulated streams, or None
-    learner_threads: int | None
-    device: Device
-    timeline: "Timeline | None" = None
-    manager: ResourceManager | None = None
-    old_threads: int = 0
-
-    @classmethod
-    def build(cls, trainer: "Trainer", cfg: RunConfig, facts: EnvFacts, start: list[Decision], device: Device,
-              platform: Platform, dp: DataParallel | None, timeline: "Timeline | None", called: float) -> Parts:
+    def __init__(self, trainer: Trainer, cfg: RunConfig, facts: EnvFacts, start: list[Decision], device: Device,
+                 platform: Platform, dp: DataParallel | None, timeline: Timeline | None, called: float):
+        self.cfg, self.device, self.timeline = cfg, device, timeline
+        self.manager: ResourceManager | None = None  # made at start(), once the pool runs
+        self.old_threads = torch.get_num_threads()  # restored at close()
         chosen = {d.knob: d.new for d in start}
-        mode = LearnerMode(chosen.get("learner", cfg.learner))
+        self.mode = mode = LearnerMode(chosen.get("learner", cfg.learner))
         if device.in_process_only and mode is LearnerMode.PROCESS:
             raise ConfigError("learner", cfg.learner.value, f"a policy on {device.name} trains in a thread of this "
                               "process, beside the generator on the same device: set learner='auto' or 'thread'")
-        stats, state = RunStats(started_at=called), RunState(budget=cfg.total_env_steps, active=cfg.num_envs)
+        self.stats = stats = RunStats(started_at=called)
+        self.state = state = RunState(budget=cfg.total_env_steps, active=cfg.num_envs)
         # AUTO's choice is a start: the controller may move envs between lanes and workers
         movable = cfg.sim.backend is SimBackend.AUTO and cfg.resources.adapt
-        pool = platform.sim_pool(trainer.env_fn, cfg.num_envs, cfg.sim, backend=chosen.get("backend", cfg.sim.backend),
-                                 lanes=chosen.get("lanes"), movable=movable,
-                                 spaces=(facts.observation_space, facts.action_space),
-                                 build_timeout_s=cfg.faults.build_timeout_s)
-        lockstep, lag = is_lockstep(cfg.schedule), effective_lag(cfg)
-        rollout = RolloutQueue(cfg.num_envs, cfg.segment_len, cfg.segments_per_batch, lag, stats,
-                               transition_fields(facts.observation_space, facts.action_space), lockstep,
-                               state, cut_at_episode_end=cfg.segment_cut is SegmentCut.EPISODE)
-        streams = _streams(device, cfg.resources.gpu_streams) if mode is LearnerMode.THREAD else None
+        self.pool = platform.sim_pool(trainer.env_fn, cfg.num_envs, cfg.sim,
+                                      backend=chosen.get("backend", cfg.sim.backend), lanes=chosen.get("lanes"),
+                                      movable=movable, spaces=(facts.observation_space, facts.action_space),
+                                      build_timeout_s=cfg.faults.build_timeout_s)
+        self.rollout = rollout = RolloutQueue(
+            cfg.num_envs, cfg.segment_len, cfg.segments_per_batch, effective_lag(cfg), stats,
+            transition_fields(facts.observation_space, facts.action_space), is_lockstep(cfg.schedule), state,
+            cut_at_episode_end=cfg.segment_cut is SegmentCut.EPISODE)
+        # GpuStreams, an emulated device's streams, or None
+        self.streams = streams = device.streams(cfg.resources.gpu_streams) if mode is LearnerMode.THREAD else None
+        if streams is not None:
+            log.info("gpu_streams", **streams.describe())
         acting = acting_copy(trainer.policy)  # shares a frozen backbone where the policy has one
         if dp is not None:  # the ranks' weights are one, their exploration noise is not
             reseed_sampling(acting, cfg.seed)
-        generator = Generator(acting, batch_target=generation_target(cfg),
-                              max_wait_s=_or(cfg.generation.max_wait_s, DEFAULT_MAX_WAIT_S), state=state,
-                              offload=Offload(chosen.get("offload", cfg.generation.offload)),
-                              on_batch=rollout.mark_inflight, timeline=timeline, streams=streams,
-                              stage=platform.executor.stage("generator", trainer.policy))
-        hooks = []
+        self.generator = Generator(acting, batch_target=generation_target(cfg),
+                                   max_wait_s=_or(cfg.generation.max_wait_s, DEFAULT_MAX_WAIT_S), state=state,
+                                   offload=Offload(chosen.get("offload", cfg.generation.offload)),
+                                   on_batch=rollout.mark_inflight, timeline=timeline, streams=streams,
+                                   stage=platform.executor.stage("generator", trainer.policy))
+        # log_dir None: rows stay in memory (RunResult.history), nothing is written
+        self.metrics = MetricsLog(cfg.log_dir, wandb={"project": cfg.wandb_project, "config": cfg.to_dict()}
+                                  if cfg.wandb else None)
+        hooks = [NonFiniteGuard(cfg.faults.nonfinite), MetricRows(self.metrics)]
         if cfg.log_dir is not None:  # periodic checkpoints if asked for; always one if the learner process dies
             hooks.append(Checkpointing(Path(cfg.log_dir) / "checkpoint.pt", _or(cfg.checkpoint_every_s, math.inf),
                                        type(trainer.policy).__name__, trainer.env_steps_done))
-        # log_dir None: rows stay in memory (RunResult.history), nothing is written
-        metrics = MetricsLog(cfg.log_dir, wandb={"project": cfg.wandb_project, "config": cfg.to_dict()}
-                             if cfg.wandb else None)
         stage = platform.executor.stage("learner", trainer.algo)
         worker = InThread(trainer.policy, trainer.algo, streams=streams, dp=dp,
                           timeout_s=cfg.faults.update_timeout_s, clock=stage.now)
-        learner = Learner(trainer.policy, trainer.algo, rollout, generator, stats, state, stage=stage, worker=worker,
-                          pause_generation=lockstep or lag == 0, metrics=metrics, nonfinite=cfg.faults.nonfinite,
-                          hooks=hooks, dp=dp, timeline=timeline)
-        driver = Driver(cfg, pool, generator, rollout, stats, state, timeline)
-        return cls(cfg, stats, state, pool, rollout, generator, learner, driver, metrics, mode, streams,
-                   learner_threads=cfg.resources.learner_threads or cfg.torch_threads, device=device, timeline=timeline,
-                   old_threads=torch.get_num_threads())
+        self.learner = Learner(worker, rollout, self.generator, stats, state, stage=stage, hooks=hooks, dp=dp,
+                               timeline=timeline)
+        self.driver = Driver(cfg, self.pool, self.generator, rollout, stats, state, timeline)
 
-    async def start(self, trainer: "Trainer", platform: Platform, start: list[Decision]) -> None:
+    async def start(self, trainer: Trainer, platform: Platform, start: list[Decision]) -> None:
         """The learner process (if any), the sim pool, the metric files and the controller."""
-        cfg = self.cfg
+        cfg, threads = self.cfg, self.cfg.resources.learner_threads or self.cfg.torch_threads
         if cfg.torch_threads is not None:
             torch.set_num_threads(cfg.torch_threads)
         if self.mode is LearnerMode.PROCESS:
             def start_learner() -> None:  # set by the thread: a cancel while it forks still closes it
-                self.learner.worker = InProcess(LearnerProcess(
-                    trainer.policy, trainer.algo, self.learner_threads, cfg.sim.start_method,
-                    start_timeout_s=cfg.faults.build_timeout_s, update_timeout_s=cfg.faults.update_timeout_s))
+                self.learner.worker = InProcess(trainer.policy, trainer.algo, threads, cfg.sim.start_method,
+                                                start_timeout_s=cfg.faults.build_timeout_s,
+                                                update_timeout_s=cfg.faults.update_timeout_s)
 
             # forking copies this process's page tables (~8 ms with torch loaded): off the loop
             await in_thread(start_learner, name="ebrl-learner-start")
@@ -252,7 +233,7 @@ class Parts:
         profiler = LiveProfiler(self.pool, self.driver, self.generator, self.learner, asyncio.get_running_loop().time,
                                 system=platform.sampler(nvml))
         self.manager = ResourceManager(cfg, profiler, self.pool, self.driver, self.generator, platform.executor.cpus(),
-                                       self.streams, self.learner, learner_threads=self.learner_threads, start=start)
+                                       self.streams, self.learner, learner_threads=threads, start=start)
 
     def close(self) -> None:
         """Every thread, process and file of the run, whatever state it is in."""
@@ -266,19 +247,11 @@ class Parts:
             torch.set_num_threads(self.old_threads)
 
 
-def _streams(device: Device, mode: StreamMode):
-    """Generation and training streams on ``device`` in ``mode`` (None on the CPU), logged."""
-    streams = device.streams(mode)
-    if streams is not None:
-        log.info("gpu_streams", **streams.describe())
-    return streams
-
-
 def _or(value, default):
     return default if value is None else value
 
 
-def start_decisions(cfg: RunConfig, step: StepProfile | None, device: Device, executor: Executor) -> list[Decision]:
+def start_decisions(cfg: RunConfig, step: StepProfile | None, device: Device, executor: Threads) -> list[Decision]:
     """The controller's decisions before the first epoch (:mod:`~ebrl.runtime.resources.rules_start`):
     AUTO's backend and lanes from the probe's ``step``, AUTO's learner mode, and where a device
     policy's calls run, for the cores and processes the platform's ``executor`` offers."""
@@ -294,7 +267,7 @@ def start_decisions(cfg: RunConfig, step: StepProfile | None, device: Device, ex
 async def _watch_stop(stop: asyncio.Event, state: RunState) -> None:
     await stop.wait()
     log.info("stop_requested")
-    state.stop()  # a learner waiting for data wakes (the rollout watches the state), and ends after the update in flight
+    state.stop()  # a learner waiting for data wakes (the rollout watches the state) and ends after its update
 
 
 async def _report(progress: Progress, stats: RunStats, learner: Learner, every_s: float) -> None:
@@ -312,7 +285,7 @@ def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
-def run_sync(trainer: "Trainer", *, platform: Platform | None = None, **kwargs) -> RunResult:
+def run_sync(trainer: Trainer, *, platform: Platform | None = None, **kwargs) -> RunResult:
     """Run on a fresh event loop: the platform's (virtual time's), else uvloop's where installed,
     else asyncio's own."""
     factory = platform.loop_factory if platform is not None and platform.loop_factory is not None else loop_factory()

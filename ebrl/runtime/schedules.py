@@ -1,8 +1,8 @@
 """The three schedules. They share envs, policy, algorithm and every runtime piece, so a
 benchmark's ratio between them measures the scheduling alone.
 
-- ``async`` (EBRL): every env (or vector env) goes on alone as soon as its step is back, no barrier anywhere; generation batches
-  whoever is waiting; training overlaps rollout within ``max_policy_lag``.
+- ``async`` (EBRL): every env (or vector env) goes on alone as soon as its step is back, no barrier
+  anywhere; generation batches whoever is waiting; training overlaps rollout within ``max_policy_lag``.
 - ``sync``: all envs in one lockstep group; rollout ``T`` steps, then train, then repeat
   (gymnasium's vector-env loop, RLinf's collocated mode).
 - ``pipelined``: ``num_groups`` lockstep groups; one group's simulation overlaps another's

@@ -1,16 +1,11 @@
-"""Stage: where one stage of the pipeline runs its calls, and what they cost.
-
-The generator's policy calls and the learner's updates are both stages. A call runs
-
-- on the event loop's thread, when it costs less than a thread hop;
-- in the stage's own thread, one call at a time (the same thread every time: CUDA streams
-  and torch's thread settings are per thread), so the loop serves simulation meanwhile.
-
-A platform may run them elsewhere (:mod:`ebrl.runtime.platform`: virtual time runs every call
-inline and charges its declared cost). A stage counts what its calls cost: busy seconds, CPU
-seconds of the thread that ran them (wall over CPU: how long a call waited for the GIL or a
-core), calls, and the call in progress
-(:meth:`busy_until_now`: a profile window sees a 20 s update in every window it spans).
+"""Stage: where one stage of the pipeline (the generator's policy calls, the learner's updates)
+runs its calls, and what they cost. A call runs on the event loop's thread when it costs less
+than a thread hop, else in the stage's own thread, the same one every time (CUDA streams and
+torch's thread settings are per thread), so the loop serves simulation meanwhile; a platform
+may run them elsewhere (:mod:`ebrl.runtime.platform`). A stage counts busy seconds, CPU seconds
+of the thread that ran its calls (wall over CPU: how long a call waited for the GIL or a core),
+calls, and the call in progress (:meth:`busy_until_now`: a profile window sees a 20 s update in
+every window it spans).
 
     >>> import asyncio
     >>> from ebrl.runtime.stage import Stage
@@ -70,11 +65,9 @@ class Stage:
         try:
             if thread:
                 result, cpu = await loop.run_in_executor(self._thread(), _timed, fn, args)
-                spent = time.perf_counter() - t0
             else:
-                c0 = time.thread_time()
-                result = fn(*args)
-                cpu, spent = time.thread_time() - c0, time.perf_counter() - t0
+                result, cpu = _timed(fn, args)
+            spent = time.perf_counter() - t0
         finally:
             self._started = None
         self.busy_s += spent
@@ -102,9 +95,8 @@ class Stage:
         executor, self._executor = self._executor, None
         executor.shutdown(wait=wait_s is None, cancel_futures=True)
         threads = list(getattr(executor, "_threads", ()))  # the one thread it started, if it did
-        deadline = time.monotonic() + (wait_s or 0.0)
         for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+            t.join(wait_s or 0.0)
         return [t for t in threads if t.is_alive()]
 
     def _thread(self) -> ThreadPoolExecutor:
@@ -114,6 +106,6 @@ class Stage:
 
 
 def _timed(fn: Callable[..., T], args: tuple) -> tuple[T, float]:
-    c0 = time.thread_time()  # in the stage's thread: its own CPU time
+    c0 = time.thread_time()  # the CPU time of the thread that runs the call
     result = fn(*args)
     return result, time.thread_time() - c0

@@ -1,6 +1,6 @@
 """Run counters and the result ``run()`` returns.
 
-The counters obey one invariant, checked by :meth:`RunStats.check_accounting`:
+The counters obey one invariant, checked by :meth:`RunResult.accounting_ok`:
 steps simulated = steps trained + steps dropped (by reason) + steps in flight at stop.
 """
 
@@ -10,6 +10,8 @@ import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 
 @dataclass
@@ -50,9 +52,32 @@ class RunStats:
             self.success_once.append(float(success_once))
             self.success_at_end.append(float(bool(success_at_end)))
 
+    def updated(self, n: int, lags: np.ndarray, metrics: dict, at: float) -> None:
+        """An update of ``n`` steps (each with its policy lag in ``lags``) published at loop time ``at``."""
+        self.trained += n
+        self.updates += 1
+        if self.updates == 1:  # RunResult.first_update_s and the steady-state rate after it
+            self.first_update_at, self.steps_at_first_update = at, self.simulated
+        values, counts = np.unique(lags, return_counts=True)
+        self.lag.update(dict(zip(values.tolist(), counts.tolist())))
+        self.last_metrics = metrics
+        self.published_bytes += int(metrics.get("publish_bytes", 0))
+        self.publish_snapshot_s += metrics.get("publish_s", 0.0)
+
     @property
     def mean_return(self) -> float:
-        return sum(self.returns) / len(self.returns) if self.returns else math.nan
+        return mean(self.returns)
+
+
+def mean(xs, empty: Any = math.nan) -> Any:
+    """The mean of ``xs``, ``empty`` if there are none."""
+    return sum(xs) / len(xs) if xs else empty
+
+
+def hist_mean(hist: dict[int, int]) -> float:
+    """The mean of a histogram (value -> count), 0.0 if it is empty."""
+    n = sum(hist.values())
+    return sum(k * v for k, v in hist.items()) / n if n else 0.0
 
 
 @dataclass
@@ -128,46 +153,32 @@ class RunResult:
         return self.env_steps == self.trained + sum(self.dropped.values()) + self.in_flight_at_stop
 
 
-def _mean(xs) -> float:
-    return sum(xs) / len(xs) if xs else math.nan
-
 
 def summarize(parts: Any, t0: float, ended_at: float, cpu_wall_s: float = 0.0) -> RunResult:
     """The result of a run whose ``parts`` (:class:`ebrl.runtime.run.Parts`) ran from loop time
     ``t0`` to ``ended_at``: the counters' figures, then what each part reports of itself."""
     stats, generator, learner, pool, manager = parts.stats, parts.generator, parts.learner, parts.pool, parts.manager
     wall_s, version, gen_batches = ended_at - t0, learner.version, generator.batch_sizes
-    lag_n = sum(stats.lag.values())
     steady_s = ended_at - stats.first_update_at
-    gen_n = sum(gen_batches.values())
     busy = {}
     if wall_s > 0:
-        busy = {"generator": generator.busy_s / wall_s, "learner": learner.busy_s / wall_s}
+        busy = {"generator": generator.busy_s / wall_s, "learner": learner.stage.busy_s / wall_s}
         if parts.timeline is not None:
             busy["sim"] = parts.timeline.busy_fraction("env", t0, ended_at, name="sim")
     return RunResult(
+        **{k: getattr(stats, k) for k in ("trained", "env_failures", "updates", "episodes", "mean_return",
+                                          "learner_wakeups", "skipped_updates")},
         schedule=parts.cfg.schedule.value,
         wall_s=wall_s,
         env_steps=stats.simulated,
         env_steps_per_s=stats.simulated / wall_s if wall_s > 0 else math.inf,
-        trained=stats.trained,
         dropped=dict(stats.dropped),
         in_flight_at_stop=parts.rollout.pending_steps() + learner.untrained_in_hand,
-        env_failures=stats.env_failures,
-        updates=stats.updates,
         policy_version=version,
-        lag_hist=dict(sorted(stats.lag.items())),
-        lag_mean=sum(k * v for k, v in stats.lag.items()) / lag_n if lag_n else 0.0,
-        lag_max=max(stats.lag, default=0),
-        gen_batch_hist=dict(sorted(gen_batches.items())),
-        gen_batch_mean=sum(k * v for k, v in gen_batches.items()) / gen_n if gen_n else 0.0,
-        episodes=stats.episodes,
-        mean_return=stats.mean_return,
-        success_once=_mean(stats.success_once),
-        success_at_end=_mean(stats.success_at_end),
+        lag_hist=dict(sorted(stats.lag.items())), lag_mean=hist_mean(stats.lag), lag_max=max(stats.lag, default=0),
+        gen_batch_hist=dict(sorted(gen_batches.items())), gen_batch_mean=hist_mean(gen_batches),
+        success_once=mean(stats.success_once), success_at_end=mean(stats.success_at_end),
         metrics=dict(stats.last_metrics),
-        learner_wakeups=stats.learner_wakeups,
-        skipped_updates=stats.skipped_updates,
         first_step_s=stats.first_step_at - stats.started_at,
         first_update_s=stats.first_update_at - stats.started_at,
         steady_env_steps_per_s=(stats.simulated - stats.steps_at_first_update) / steady_s if steady_s > 0 else math.nan,
@@ -176,7 +187,7 @@ def summarize(parts: Any, t0: float, ended_at: float, cpu_wall_s: float = 0.0) -
         gen_wait_max_s=generator.max_request_wait_s, gen_costs=generator.costs.to_dict(),
         timeouts=parts.driver.recovery.timeouts, respawns=pool.respawns, migrations=parts.driver.moves.done,
         sim_backend=pool.backend.value, sim_size=pool.size, learner_mode=parts.mode.value,
-        generator_busy_s=generator.busy_s, learner_busy_s=learner.busy_s, busy=busy, cpu_wall_s=cpu_wall_s,
+        generator_busy_s=generator.busy_s, learner_busy_s=learner.stage.busy_s, busy=busy, cpu_wall_s=cpu_wall_s,
         profiles=[p.to_dict() for p in manager.profiles], decisions=[d.to_dict() for d in manager.decisions],
         evaluations=list(parts.metrics.eval_rows),
         publications=version,

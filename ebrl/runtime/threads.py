@@ -1,11 +1,9 @@
-"""Blocking work kept off the caller's event loop, in a private thread made for the call.
-
-``run()`` shares the caller's loop, so anything that blocks for milliseconds (building envs,
-forking processes, joining them) runs here instead. The thread is joined when its work returns.
-Work that may hang (``may_hang``: a user's env constructor) returns at once when the awaiting
-task is cancelled, or past ``timeout_s``: a thread still inside it (a constructor hung in C
-code) cannot be stopped, so it is never joined on the loop; it is a daemon, and logged. Work
-that may hang for good belongs in a child process, which can be killed (:mod:`ebrl.runtime.children`).
+"""Blocking work kept off the caller's event loop (:func:`in_thread`: ``run()`` shares the
+caller's loop), and the thread and process plumbing the runtime shares: usable cores, a child's
+stop signals, and the life of the helper processes multiprocessing starts on demand
+(:func:`helpers_scope`). A thread inside a call that hangs (an env constructor hung in C code)
+cannot be stopped: it is never joined on the loop, and logged; work that may hang for good
+belongs in a child process, which can be killed (:mod:`ebrl.runtime.children`).
 
     >>> import asyncio, threading
     >>> asyncio.run(in_thread(lambda: threading.current_thread().name, name="ebrl-doc"))
@@ -21,7 +19,8 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from multiprocessing import forkserver, resource_tracker, util
 from typing import Any, TypeVar
 
 from ebrl.telemetry.logging import get_logger
@@ -31,15 +30,18 @@ T = TypeVar("T")
 # evaluation) before it leaves or kills it: with every piece closed in turn, a stop ends within 5 s
 CLOSE_WAIT_S = 1.0
 log = get_logger("ebrl.threads")
+_scopes = 0  # helpers_scope()s open now
+_scopes_lock = threading.Lock()
+_running_before: tuple[bool, bool] = (True, True)  # fork server, resource tracker: running when the first opened
+STOP_WAIT_S = 5.0  # for a helper to exit once told; then it is killed
 
 
 async def in_thread(fn: Callable[..., T], *args: Any, name: str = "ebrl-offloop", may_hang: bool = False,
                     timeout_s: float | None = None) -> T:
-    """``fn(*args)`` in a private daemon thread. Bounded work (a fork, a join: ``may_hang``
-    False) is awaited to its end even when the caller is cancelled, so what it started is there
-    to close. Work that may hang (a user's env constructor: ``may_hang``) is given up on at once
-    when the caller is cancelled, or with ``TimeoutError`` past ``timeout_s``: see the module
-    docstring."""
+    """``fn(*args)`` in a private daemon thread, joined once it returns. Bounded work (a fork, a
+    join) is awaited to its end however often the caller is cancelled, so what it started is
+    there to close; work that ``may_hang`` (a user's env constructor) is given up on at once when
+    the caller is cancelled, or with ``TimeoutError`` past ``timeout_s``, and its thread left."""
     loop = asyncio.get_running_loop()
     done = loop.create_future()
 
@@ -59,7 +61,7 @@ async def in_thread(fn: Callable[..., T], *args: Any, name: str = "ebrl-offloop"
         async with asyncio.timeout(timeout_s if may_hang else None):
             return await asyncio.shield(done)
     except asyncio.CancelledError:
-        if not may_hang and not done.done():  # milliseconds more: then the caller's cleanup sees it all
+        while not may_hang and not done.done():  # milliseconds more: then the caller's cleanup sees it all
             with contextlib.suppress(BaseException):
                 await asyncio.shield(done)
         raise
@@ -88,8 +90,7 @@ def settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
 
 
 def forget(fut: asyncio.Future) -> None:
-    """A done callback for a future whose outcome no longer matters: its exception is retrieved,
-    so asyncio does not log it as never retrieved."""
+    """A done callback for a future whose outcome no longer matters: asyncio logs no exception of it."""
     if not fut.cancelled():
         fut.exception()
 
@@ -109,37 +110,97 @@ def usable_cpus() -> int:
 
 
 def ignore_stop_signals() -> None:
-    """In a child process (sim worker, learner, probe): Ctrl-C and SIGTERM are the parent's to
-    act on. A terminal's Ctrl-C, or a scheduler's SIGTERM (Slurm, Kubernetes, ``timeout``),
-    reaches the whole process group; the parent stops the run cleanly and ends its children.
-
-    The child also exits within a second of its parent's death (a SIGKILL, an OOM kill): its
-    pipe alone would not tell it, since forked siblings hold copies of the parent's ends."""
+    """In a child process: Ctrl-C and SIGTERM, which a terminal or a scheduler (Slurm, Kubernetes,
+    ``timeout``) sends the whole process group, are the parent's to act on (it ends its children
+    cleanly); and the child exits within a second of its parent's death (a SIGKILL, an OOM kill),
+    which its pipe alone would not tell it, since forked siblings hold copies of the parent's ends."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    known = multiprocessing.parent_process()
-    if known is not None and known.pid is not None and known.pid != os.getppid():
+    # read once: read again after the parent died, it would name init, whose death we would wait for
+    known, parent = multiprocessing.parent_process(), os.getppid()
+    if known is not None and known.pid is not None and known.pid != parent:
         # started by a fork server (our OS parent is the server), or forked from a parent that is
         # already dead: the pipe multiprocessing keeps to the parent closes when it dies
-        def watch() -> None:
-            known.join()
-            os._exit(1)
-
-        threading.Thread(target=watch, name="ebrl-parent-watch", daemon=True).start()
-        return
-    # forked: the parent's pid as recorded before the fork (a parent killed before this line runs
-    # has already handed us to init: getppid() would then name init and we would wait for ever)
-    exit_with_parent(known.pid if known is not None and known.pid is not None else os.getppid())
+        _exit_after(known.join)
+    else:
+        exit_with_parent(parent)
 
 
 def exit_with_parent(parent: int) -> None:
-    """Exit (``os._exit(1)``) within about half a second once process ``parent`` is no longer
-    this one's parent: it died, and no one will read our results or stop us. A daemon thread
-    watches; a data-parallel rank watches its launcher this way."""
+    """Exit within about half a second once process ``parent`` is no longer this one's parent: it
+    died, and no one will read our results or stop us (a data-parallel rank watches its launcher)."""
 
-    def watch() -> None:
+    def gone() -> None:
         while os.getppid() == parent:
             time.sleep(0.5)
+
+    _exit_after(gone)
+
+
+def _exit_after(wait: Callable[[], Any]) -> None:
+    """``os._exit(1)`` once ``wait()`` returns, in a daemon thread."""
+
+    def watch() -> None:
+        wait()
         os._exit(1)
 
     threading.Thread(target=watch, name="ebrl-parent-watch", daemon=True).start()
+
+
+def _helpers_running() -> tuple[bool, bool]:
+    return (forkserver._forkserver._forkserver_pid is not None,  # noqa: SLF001 (no public probe)
+            resource_tracker._resource_tracker._pid is not None)  # noqa: SLF001
+
+
+@contextlib.contextmanager
+def helpers_scope() -> Iterator[None]:
+    """Around a run, the sim workers' shared memory, or a :class:`~ebrl.runtime.children.Child`'s
+    life: the fork server and the resource tracker (which unlinks shared memory a crashed process
+    left), where they started inside, are stopped when the last open scope ends, so that no process
+    outlives ``run()``, nor a pool or probe built outside it. Nested and concurrent scopes (a
+    learner process starts in a thread) share them."""
+    global _scopes, _running_before
+    with _scopes_lock:
+        if not _scopes:
+            _running_before = _helpers_running()
+        _scopes += 1
+    try:
+        yield
+    finally:
+        with _scopes_lock:
+            _scopes -= 1
+            if not _scopes:
+                _stop_helpers(*_running_before)
+
+
+def _stop_helpers(server_before: bool, tracker_before: bool) -> None:
+    """The stdlib's ``_stop`` of the fork server and the resource tracker that were not running
+    before, with a deadline: close the helper's alive pipe, wait, kill. Every child forked
+    meanwhile also holds that pipe: one still alive would keep the helper waiting."""
+    server, tracker = forkserver._forkserver, resource_tracker._resource_tracker  # noqa: SLF001
+    with server._lock:  # noqa: SLF001
+        if not server_before and server._forkserver_pid is not None:  # noqa: SLF001
+            os.close(server._forkserver_alive_fd)  # noqa: SLF001
+            _reap(server._forkserver_pid, "fork server")  # noqa: SLF001
+            address = server._forkserver_address  # noqa: SLF001
+            if address and not util.is_abstract_socket_namespace(address):
+                with contextlib.suppress(OSError):
+                    os.unlink(address)
+            server._forkserver_alive_fd = server._forkserver_pid = server._forkserver_address = None  # noqa: SLF001
+    with tracker._lock:  # noqa: SLF001
+        if not tracker_before and tracker._pid is not None:  # noqa: SLF001
+            os.close(tracker._fd)  # noqa: SLF001
+            _reap(tracker._pid, "resource tracker")  # noqa: SLF001
+            tracker._fd = tracker._pid = None  # noqa: SLF001
+
+
+def _reap(pid: int, what: str) -> None:
+    deadline = time.monotonic() + STOP_WAIT_S
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                log.warning("helper_process_killed", what=what, pid=pid, wait_s=STOP_WAIT_S)
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)  # killed: it is gone at once
+                return
+            time.sleep(0.01)

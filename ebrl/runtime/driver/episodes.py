@@ -1,11 +1,6 @@
-"""Episode bookkeeping for the driver: returns, lengths and success per env, and the seed of
-each env's next episode.
-
-The driver hands every recorded block to :meth:`Episodes.track`; an env whose episode ends is
-reported to :class:`~ebrl.runtime.stats.RunStats` and logged, and its next episode's seed is
-written (``reset_group``: every env of a group starts its k-th episode from one seed). Resets
-the driver asks for (the first one, and those after a rebuild or dropped NaN steps) take their
-seed from :meth:`Episodes.reset_seed`. Nothing here releases or steps an env.
+"""Episode bookkeeping for the driver: returns, lengths and success per env, reported to
+:class:`~ebrl.runtime.stats.RunStats` at each episode's end, and the seed of each env's next episode
+(``reset_group``: every env of a group starts its k-th episode from one seed). Nothing here releases or steps an env.
 """
 
 from __future__ import annotations
@@ -57,20 +52,14 @@ class Episodes:
             self.ep_return[i], self.ep_length[i], self.ep_success[i] = 0.0, 0, -1
 
     def reset_seed(self, env_id: int) -> int:
-        """The seed of a reset the driver asks for; the env's episode starts over from it.
-
-        Each env's first episode is seeded ``seed + env_id``; later resets (after a rebuild)
-        get fresh, reproducible seeds; under ``reset_group`` the group's next seed."""
+        """The seed of a reset the driver asks for: each env's first episode is seeded ``seed +
+        env_id``, later ones (after a rebuild) fresh reproducible seeds; under ``reset_group`` the group's next."""
         self.resets[env_id] += 1
         self.ep_return[env_id], self.ep_length[env_id], self.ep_success[env_id] = 0.0, 0, -1
-        if self.cfg.reset_group is None:
-            seed = self.cfg.seed + env_id + self.cfg.num_envs * int(self.resets[env_id] - 1)
-            self.rollout.episode_key[env_id] = seed
-            return seed
-        seed = self.group_seed(env_id)
+        if self.cfg.reset_group is not None:
+            return self._autoreset(env_id)
+        seed = self.cfg.seed + env_id + self.cfg.num_envs * int(self.resets[env_id] - 1)
         self.rollout.episode_key[env_id] = seed
-        self.episodes[env_id] += 1
-        self.pool.set_reset_seeds(np.array([env_id]), np.array([self.group_seed(env_id)]))
         return seed
 
     def group_seed(self, env_id: int) -> int:
@@ -79,12 +68,13 @@ class Episodes:
         groups = self.cfg.num_envs // self.cfg.reset_group
         return self.cfg.seed + env_id // self.cfg.reset_group + groups * int(self.episodes[env_id])
 
-    def _autoreset(self, env_id: int) -> None:
-        """Env ``env_id``'s episode ended and the same step reset it: with reset groups, from the
-        seed written for it (the next one is written now); else from the env's own RNG."""
+    def _autoreset(self, env_id: int) -> int:
+        """Env ``env_id``'s next episode starts: with reset groups, from the seed written for it
+        (returned; the next one is written now); else from the env's own RNG (-1)."""
         if self.cfg.reset_group is None:
             self.rollout.episode_key[env_id] = -1
-            return
-        self.rollout.episode_key[env_id] = self.group_seed(env_id)
+            return -1
+        seed = self.rollout.episode_key[env_id] = self.group_seed(env_id)
         self.episodes[env_id] += 1
         self.pool.set_reset_seeds(np.array([env_id]), np.array([self.group_seed(env_id)]))
+        return seed

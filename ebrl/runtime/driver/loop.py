@@ -1,25 +1,15 @@
-"""The driver: one loop turns blocks of finished steps into records and new requests, for
-every schedule and backend, with no coroutine, future or Python object per env step
-(:meth:`Driver._steps`, PufferLib's and EnvPool's send/recv):
+"""The driver: one loop turns blocks of finished steps into records and new requests, with no
+coroutine, future or Python object per env step (PufferLib's and EnvPool's send/recv):
 
-1. ``block = await pool.recv()``: it is recorded into the rollout storage (one write per
-   field) and its episodes tracked (:class:`~ebrl.runtime.driver.episodes.Episodes`); NaN/inf rows
-   and failed envs go to :class:`~ebrl.runtime.driver.recovery.Recovery`, which resets or rebuilds
-   them and answers whether they are back: only the driver releases envs;
-2. released envs claim steps from the budget; those that would open a segment on a full
-   queue park (backpressure), the rest make one request (:meth:`Generator.request`);
-3. the batch that serves them calls :meth:`Driver.on_actions`: the behaviour data go to the
-   rollout and the action rows to the pool (``pool.submit``).
+1. ``block = await pool.recv()`` is recorded and its episodes tracked; NaN/inf rows and failed
+   envs go to :class:`~ebrl.runtime.driver.recovery.Recovery`, which says when they are back;
+2. released envs claim steps from the budget; those that would open a segment on a full queue
+   park (backpressure), the rest make one request (:meth:`Generator.request`);
+3. the batch that serves them calls :meth:`Driver.on_actions`, which submits the actions to the pool.
 
-The schedules differ only in what is released together (:class:`~ebrl.config.Schedule`):
-under ``async`` every unit (an env, or a vector env) goes on alone, as soon as its step is
-back; under ``sync`` and ``pipelined`` a lockstep group goes on once all of its units are
-back. :class:`EnvWaits` observes the path: each env's waits by cause, for the profiler and
-(when given) the :class:`~ebrl.telemetry.timeline.Timeline`, from the same calls, so the
-controller's profile and a trace cannot disagree.
-
-Every transition is counted exactly once: simulated, then trained, dropped with a reason, or
-still in flight when the run stops.
+Under ``async`` every unit goes on alone as soon as its step is back; under ``sync`` and ``pipelined``
+a lockstep group goes on once all of its units are back. Every transition is counted exactly once:
+simulated, then trained, dropped with a reason, or still in flight when the run stops.
 """
 
 from __future__ import annotations
@@ -66,8 +56,6 @@ class Driver:
         self._tg: asyncio.TaskGroup | None = None
         rollout.on_space = self.unpark
 
-    # ---------------------------------------------------------------- lifecycle
-
     async def run(self) -> None:
         """Reset every env, release them all, and return when every env has finished."""
         self._loop = asyncio.get_running_loop()
@@ -104,8 +92,6 @@ class Driver:
         self.state.finish(n)
         if self.state.active <= 0 and not self._done.done():
             self._done.set_result(None)
-
-    # ---------------------------------------------------------------- the hot path
 
     async def _steps(self) -> None:
         """The loop: every block of finished steps, in the order the pool returns them."""
@@ -187,8 +173,6 @@ class Driver:
         except BaseException as exc:
             self._fail(exc)
 
-    # ---------------------------------------------------------------- backpressure
-
     def _park(self, ids: np.ndarray) -> None:
         if self.lockstep:
             self.barrier.leave(ids)
@@ -214,8 +198,6 @@ class Driver:
                 self.barrier.rejoin(ids)
             self._release(ids)
         self.state.changed()
-
-    # ---------------------------------------------------------------- faults
 
     def _on_errors(self, errors: list[tuple[int, str]], now: float) -> None:
         detail = dict(errors)
@@ -251,7 +233,8 @@ class Driver:
 
 
 class EnvWaits:
-    """Per-env wait seconds by cause, and the timeline's spans (see module docstring)."""
+    """Per-env wait seconds by cause (the profiler's) and the timeline's spans, from the same
+    calls, so the controller's profile and a trace cannot disagree."""
 
     def __init__(self, num_envs: int, timeline: Timeline | None = None):
         self.timeline = timeline
@@ -272,10 +255,13 @@ class EnvWaits:
             for i in ids.tolist():
                 self.timeline.record(self.lanes[i], name, since[i], now)
 
-    def _waited(self, ids: np.ndarray, name: str, since: np.ndarray, into: np.ndarray, now: float) -> None:
-        """Envs ``ids`` waited from ``since`` to ``now``: counted in ``into``, drawn as ``name``."""
+    def _waited(self, ids: np.ndarray, name: str, since: np.ndarray, into: np.ndarray, now: float,
+                mark: np.ndarray) -> None:
+        """Envs ``ids`` waited from ``since`` to ``now``: counted in ``into``, drawn as ``name``; their
+        next wait starts now (``mark``)."""
         self._spans(ids, name, since, now)
         into[ids] += now - since[ids]
+        mark[ids] = now
 
     def ready(self, ids: np.ndarray | slice, now: float) -> None:
         """Envs ``ids`` are ready for their next step (after a reset, a rebuild or a move)."""
@@ -283,8 +269,7 @@ class EnvWaits:
 
     def stepped(self, ids: np.ndarray, now: float) -> None:
         """Their steps came back: ready now."""
-        self._waited(ids, "sim", self.t_sub, self.sim, now)
-        self.t_ready[ids] = now
+        self._waited(ids, "sim", self.t_sub, self.sim, now, self.t_ready)
 
     def failed(self, ids: np.ndarray, now: float) -> None:
         """Their step failed (recovery takes them until they are ready again)."""
@@ -300,24 +285,19 @@ class EnvWaits:
 
     def submitted(self, ids: np.ndarray, now: float) -> None:
         """Their actions came and their steps went to the pool."""
-        self._waited(ids, "act", self.t_ready, self.action, now)
-        self.t_sub[ids] = now
+        self._waited(ids, "act", self.t_ready, self.action, now, self.t_sub)
 
     def parked(self, ids: np.ndarray, now: float) -> None:
         """They wait for queue space (backpressure) from now on."""
-        self._waited(ids, "act", self.t_ready, self.action, now)
-        self.t_ready[ids] = now
+        self._waited(ids, "act", self.t_ready, self.action, now, self.t_ready)
 
     def unparked(self, ids: np.ndarray, now: float) -> None:
         """The learner took segments: they may go on."""
-        self._waited(ids, "blocked", self.t_ready, self.blocked, now)
-        self.t_ready[ids] = now
+        self._waited(ids, "blocked", self.t_ready, self.blocked, now, self.t_ready)
 
     def counters(self, parked: np.ndarray, now: float) -> dict[str, np.ndarray]:
-        """Per env, the seconds waited so far: for the step (``sim``), for the action, at the
-        lockstep barrier, and parked by backpressure, a park in progress (envs ``parked``)
-        counted up to ``now``: a long update holds them across profile windows, and each window
-        should see its share."""
+        """Per env, the seconds waited so far by cause, a park in progress (envs ``parked``) counted up
+        to ``now``: a long update holds them across profile windows, and each window should see its share."""
         blocked = self.blocked.copy()
         blocked[parked] += now - self.t_ready[parked]
         return {"sim": self.sim.copy(), "action": self.action.copy(), "barrier": self.barrier.copy(),

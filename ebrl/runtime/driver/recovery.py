@@ -1,12 +1,9 @@
 """Fault recovery for the driver: failed, hung and NaN/inf env steps, resets and rebuilds.
 
-Every method here answers the driver and never releases an env: :meth:`Recovery.recover`
-returns whether the unit is back (rebuilt from ``env_fn`` and reset, its observation in the
-rollout), :meth:`Recovery.reset_rows` whether a unit whose NaN/inf rows were dropped may go
-on, and the driver releases what comes back. Failures the env itself caused count toward
-``faults.max_env_failures`` within ``faults.failure_window_s``; past it the run stops with one
-:class:`~ebrl.runtime.errors.TooManyEnvFailures`. A unit is ``V`` envs: one env, or one
-vector env of ``cfg.sim.vector_size`` rows.
+Every method here answers the driver (is the unit back?) and never releases an env. Failures the
+env itself caused count toward ``faults.max_env_failures`` within ``faults.failure_window_s``; past
+it the run stops with one :class:`~ebrl.runtime.errors.TooManyEnvFailures`. A unit is ``V`` envs:
+one env, or one vector env of ``cfg.sim.vector_size`` rows.
 """
 
 from __future__ import annotations
@@ -47,23 +44,18 @@ class Recovery:
     def unit_ids(self, unit: int) -> np.ndarray:
         return np.arange(unit * self.V, unit * self.V + self.V)
 
-    # ---------------------------------------------------------------- NaN/inf
-
     def nonfinite_steps(self, block: Block, rows: np.ndarray) -> dict[int, list[int]]:
         """Raise, or drop the NaN/inf steps at ``rows`` of ``block``; returns the envs to reset
         by unit (the driver holds those units until :meth:`reset_rows`)."""
-        units: dict[int, list[int]] = {}
-        for r in rows.tolist():
-            i = int(block.ids[r])
+        envs = block.ids[rows].tolist()
+        for r, i in zip(rows.tolist(), envs):
             step = int(self.rollout.steps_per_env[i])
-            what = f"env {i} produced NaN/inf at step {step} (reward={block.reward[r]})"
             if self.cfg.faults.nonfinite is NonFinite.RAISE:
-                raise NonFiniteError(what + "; set faults.nonfinite='drop' to drop such segments instead")
+                raise NonFiniteError(f"env {i} produced NaN/inf at step {step} (reward={block.reward[r]}); "
+                                     "set faults.nonfinite='drop' to drop such segments instead")
             log.warning("nonfinite_dropped", env=i, step=step)
-            self.stats.drop("nonfinite", 1)
-            self.rollout.drop_open(i, "nonfinite")
-            units.setdefault(i // self.V, []).append(i)
-        return units
+        self.stats.drop("nonfinite", len(envs))
+        return self._drop_open(envs)
 
     def nonfinite_actions(self, ids: np.ndarray, actions: Any, version: int,
                           whole: bool) -> tuple[np.ndarray, dict[int, list[int]]]:
@@ -80,11 +72,15 @@ class Recovery:
             raise NonFiniteError(what + "; set faults.nonfinite='drop' to drop those segments instead")
         log.warning("nonfinite_actions_dropped", envs=which, version=version)
         self.state.release(len(which))  # the claimed steps never happen
+        return bad, self._drop_open(which)
+
+    def _drop_open(self, env_ids: list[int]) -> dict[int, list[int]]:
+        """Drop the open segments of envs with NaN/inf; returns those envs by unit, to reset."""
         units: dict[int, list[int]] = {}
-        for i in which:
+        for i in env_ids:
             self.rollout.drop_open(i, "nonfinite")
             units.setdefault(i // self.V, []).append(i)
-        return bad, units
+        return units
 
     def checked_reset(self, unit: int, obs: Any) -> Any:
         """A reset's observation, if finite; else NonFiniteError (``raise``) or an EnvStepError
@@ -96,8 +92,6 @@ class Recovery:
                                  "rebuild such envs instead")
         log.warning("nonfinite_reset", unit=unit)
         raise EnvStepError(unit, "reset", NonFiniteReset("the reset observation has NaN/inf"))
-
-    # ---------------------------------------------------------------- failed units
 
     async def recover(self, unit: int, exc: EnvStepError) -> bool:
         """Drop the failed unit's open segments, rebuild it from env_fn and reset it. True: it is
@@ -141,10 +135,8 @@ class Recovery:
             f"(faults.max_env_failures={faults.max_env_failures}): {charged}; last: {exc}", failures) from exc
 
     async def first_reset(self, unit: int) -> None:
-        """The run's first reset of a unit. A NaN/inf observation (``nonfinite='drop'``), a hung
-        build or reset (past ``faults.build_timeout_s``) or a dead worker is recovered like a
-        failed reset later on; any other failure here stops the run (an env that cannot start is
-        a setup error, not a fault to retry)."""
+        """The run's first reset of a unit. NaN/inf, a timeout or a dead worker is recovered like a
+        later failed reset; any other failure stops the run (an env that cannot start is a setup error)."""
         try:
             await self.reset_unit(unit)
         except EnvStepError as exc:
@@ -153,9 +145,8 @@ class Recovery:
             await self.recover(unit, exc)  # the driver releases every env after the first resets
 
     async def watch_steps(self, limit: float) -> None:
-        """Every quarter of the timeout (a second at most), the pool gives up the steps that
-        started longer than ``limit`` ago: they come back as ``timeout`` errors, recovered as
-        any failed step (the env rebuilt from ``env_fn``)."""
+        """Every quarter of ``limit`` (a second at most), give up the steps that started longer ago:
+        they come back as ``timeout`` errors, recovered as any failed step."""
         period = min(1.0, limit / 4)
         while True:
             await asyncio.sleep(period)
@@ -164,11 +155,9 @@ class Recovery:
                 log.warning("step_timed_out", unit=unit, limit_s=limit)
 
     async def _timed(self, unit: int, op: str, call):
-        """Await a unit's build (``env_fn``) or reset; once it has *run* past
-        ``faults.build_timeout_s`` (waits for a lane or for worker-mates do not count) the pool
-        gives it up (a lane replaced, a worker killed) and it fails as ``timeout``, recovered as
-        any failed reset: the unit rebuilt from ``env_fn``. A pool that times the call itself
-        (the inline pool's builds) fails it the same way."""
+        """Await a unit's build (``env_fn``) or reset; once it has *run* past ``faults.build_timeout_s``
+        (waits for a lane or for worker-mates do not count) the pool gives it up and it fails as
+        ``timeout``, as does a call the pool timed itself (the inline host's builds)."""
         limit = self.cfg.faults.build_timeout_s
         if limit is None:
             return await call
@@ -192,8 +181,6 @@ class Recovery:
     def _timed_out(self, unit: int, op: str, limit: float) -> None:
         self.timeouts += 1
         log.warning("reset_timed_out" if op == "reset" else "build_timed_out", unit=unit, op=op, limit_s=limit)
-
-    # ---------------------------------------------------------------- resets
 
     async def reset_unit(self, unit: int, env_ids: list[int] | None = None) -> None:
         """Start new episodes for envs ``env_ids`` of ``unit`` (default: all) from fresh seeds:
@@ -224,7 +211,7 @@ class Recovery:
 
 
 class Moves:
-    """Placement changes due at episode ends (see module docstring)."""
+    """The controller's env moves (:attr:`wanted`), each made at the env's next episode end."""
 
     def __init__(self, pool: SimPool, episodes: Episodes, recovery: Recovery):
         self.pool, self.episodes, self.recovery = pool, episodes, recovery

@@ -1,10 +1,8 @@
 """CPU affinity: the event loop, the learner process and the sim workers on separate cores.
 
-On Linux a process's threads each carry their own CPU mask, so :func:`pin` sets every thread
-of a process (``/proc/<pid>/task``); threads started later inherit their creator's mask.
-:func:`split_plan` is pure: which cores each part gets, or None when there are too few cores
-to give the event loop, the learner and each worker one of their own (then sharing every core
-is the better default, and nothing is pinned).
+On Linux each thread carries its own CPU mask (threads started later inherit their creator's),
+so :func:`pin` sets every thread of a process. With too few cores for each part to have its own,
+:func:`split_plan` is None: sharing every core is then the better default.
 
     >>> split_plan(8, 2)
     {'loop': [0], 'learner': [1], 'workers': [2, 3, 4, 5, 6, 7]}

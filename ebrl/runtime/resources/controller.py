@@ -4,35 +4,8 @@
 ``rules_stages.py``: generation, offload, batch target, SMs, learner threads, affinity) and
 judges each change on trial; ``knobs.py`` holds what they read and write. Each rule looks at
 one knob, changes it only when the profile shows a cost it can remove, in bounded steps, with
-hysteresis, and says why. Knobs the user set (``fixed``) are never touched.
-
-- **Thread lanes** (:func:`lanes_rule`). Envs that wait for a free lane longer than
-  ``lane_wait_above`` of their sim round trip get more lanes: as many as the units that were
-  stepping or queued on average (Little's law, plus a fifth), at most 4x a step, at most one
-  per unit, and never more than the cores can keep busy (``cpus / busy``, where ``busy`` is the
-  steps' CPU over wall time: lanes beyond that only queue on the GIL). Lanes shrink, by half at
-  most, after two epochs in a row with fewer than half of them stepping and no lane waits, and
-  never to a count at which waits were seen.
-- **Placement of envs on worker processes** (:func:`placement_rule`). When the idlest worker is
-  busy ``imbalance_above`` (a fraction) less than the busiest, the envs are re-placed by
-  longest-processing-time first on their measured cost per step, if that balances the predicted
-  load better; the new placement keeps as many envs where they are as it can. It holds on
-  saturated cores when no env waits at a barrier: balancing then frees no core a worker could
-  use, while under the lockstep schedules an unbalanced worker idles at every barrier.
-- **SM split** (:func:`sm_split_rule`, GPU with green contexts): the SMs split in proportion to
-  the SM-seconds each side used (busy share times its SMs), so that on a saturated device
-  neither generation nor training waits on the other
-  (:func:`~ebrl.runtime.resources.gpu.plan_sm_split`). It moves on two windows in a row that
-  want it, and holds in a window without training (the first rollout).
-- **Learner threads** (:func:`threads_rule`): one more torch thread for the learner process
-  while training holds envs back (backpressure) and cores idle.
-- **CPU affinity** (:func:`affinity_rule`): the event loop, the learner and the sim workers on
-  cores of their own, where there are at least ``workers + 2`` cores.
-- **Generation** (:func:`generation_rule`). The generator waits for a batch to fill about one
-  batch's duration, never longer than ``max_wait_s``. When most batches start only because that
-  cap ran out while the generator idles, the cap is halved; when the generator is busy over 80%
-  of the time with batches under half the live envs, it is doubled (to 8 ms at most): fuller
-  batches, fewer calls.
+hysteresis, and says why. Knobs the user set (``fixed``) are never touched. docs/resources.md
+describes each rule and the measurements behind it.
 
     >>> import numpy as np
     >>> from ebrl.runtime.resources.controller import decide
@@ -56,25 +29,28 @@ import numpy as np
 from ebrl.runtime.resources.knobs import MIN_STEPS_PER_UNIT, Decision, Knobs, Limits, Memory, Trial
 from ebrl.runtime.resources.profiler import EpochProfile
 from ebrl.runtime.resources.rules_sim import backend_rule, lanes_rule, placement_rule, workers_rule
-from ebrl.runtime.resources.rules_stages import (affinity_rule, batch_target_rule, generation_rule, offload_rule,
-                                                 sm_split_rule, threads_rule)
+from ebrl.runtime.resources.rules_stages import (
+    affinity_rule,
+    batch_target_rule,
+    generation_rule,
+    offload_rule,
+    sm_split_rule,
+    threads_rule,
+)
 from ebrl.runtime.sim import LOCAL
 
 REVERT_BELOW = 0.95  # a change whose next full window runs below this fraction of the one before is undone
 FROZEN_EPOCHS = 10  # and its knob is left alone this long
 # lanes grow on a direct signal (lane waits), not on trial
-ON_TRIAL = ("backend", "placement", "workers", "offload", "max_wait_s", "batch_target", "gen_sms", "learner_threads", "affinity")
+ON_TRIAL = ("backend", "placement", "workers", "offload", "max_wait_s", "batch_target", "gen_sms", "learner_threads",
+            "affinity")
 
 
 def decide(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> list[Decision]:
-    """Every rule's decision for this epoch (``memory`` is updated in place).
-
-    Each change of a knob in ``ON_TRIAL`` is then measured: on the first window that ran with
-    it entirely in force, if env steps/s fell below ``REVERT_BELOW`` of the window that led to
-    it, the change is undone (a decision of its own, with the two rates as its reason) and the
-    knob is left alone for ``FROZEN_EPOCHS``. The rules' models (balanced workers, fuller
-    batches) are guesses about this machine; the throughput is the measurement.
-    """
+    """Every rule's decision for this epoch (``memory`` is updated in place). A change of a knob in
+    ``ON_TRIAL`` is undone when the first window that ran entirely with it falls below
+    ``REVERT_BELOW`` of the env steps/s before it: the rules' models are guesses about this
+    machine, the throughput is the measurement."""
     stalled = profile.total_steps < MIN_STEPS_PER_UNIT * limits.num_units
     # a window that barely ran (an update held every env) says nothing about a change's rate: judge a later one
     out = [] if stalled else [d for d in (_judge(profile, knob, memory) for knob in list(memory.trials)) if d is not None]
@@ -144,8 +120,8 @@ def postpone_trials(memory: Memory, epoch: int) -> None:
         trial.judge_at = max(trial.judge_at, epoch + 2)
 
 
-RULES = (lanes_rule, backend_rule, workers_rule, placement_rule, offload_rule, generation_rule, batch_target_rule, sm_split_rule,
-         threads_rule, affinity_rule)
+RULES = (lanes_rule, backend_rule, workers_rule, placement_rule, offload_rule, generation_rule, batch_target_rule,
+         sm_split_rule, threads_rule, affinity_rule)
 # the rules that judge a window in which few env steps ran (an update held every env): they read
 # the learner's and the device's time, not the envs' steps
 STALL_RULES = (threads_rule, sm_split_rule)

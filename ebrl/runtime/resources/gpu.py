@@ -1,43 +1,13 @@
 """Generation and training on separate CUDA streams, on green contexts where they work.
 
-:meth:`GpuStreams.create` tries, richest first, and records in ``fallback_reason`` why a richer
-mode was not used; it never raises, and on a host without CUDA it is mode ``cpu``:
-
-1. ``green-contexts``: ``torch.cuda.GreenContext.create(num_sms=..., device_id=...)`` and a
-   stream from each context's ``.Stream()`` (torch 2.13: a beta API; ``create`` raises
-   ``RuntimeError`` when torch was built without green contexts, as the CPU wheels are, when
-   torch or the driver is older than CUDA 12.8, or when ``num_sms`` is out of range);
-2. ``priority-streams``: two ``torch.cuda.Stream`` objects, generation at the highest priority of
-   ``torch.cuda.Stream.priority_range()`` (lower number = higher priority, so the minimum of
-   the pair), training at the lowest;
-3. ``one-stream``: one stream for both (ordered, no overlap);
-4. ``cpu``: no streams; the context managers do nothing and :meth:`~GpuStreams.publish` is None.
-
-Layouts in ``green-contexts`` mode (``layout=``): ``"both"`` puts generation on a context of
-``split.generation`` SMs and training on one of ``split.training`` SMs; ``"training"`` confines
-training alone and runs generation on a high-priority stream of the whole device.
-
-Overlapping contexts. torch creates every green context by splitting the *whole* device's SM
-resource again (``cuDevSmResourceSplitByCount`` with one group; the remainder is dropped), so two
-``create`` calls are not one disjoint partition: the driver picks both sets, may put them on the
-same SMs, and reports observe it picking the lowest SMs each time (generation's set then lies
-inside training's, and ``total - split.training`` SMs run neither). This code does
-nothing about it: torch offers no call that could. ``split`` is therefore an upper bound on the
-SMs each side may use, not an exclusive partition. Only the ``"training"`` layout keeps a
-guarantee whatever the placement: at least ``split.generation`` SMs never run training kernels,
-and generation may use them.
-
-Weights. :meth:`~GpuStreams.publish` records a CUDA event on the training stream (call it
-inside :meth:`~GpuStreams.training`, after the snapshot copy of the new weights is enqueued);
-:meth:`~GpuStreams.wait_published` makes the generation stream wait for it before the new
-weights are read. The event orders the snapshot, nothing else: the snapshot must be a copy,
-kept alive (or ``record_stream``-ed) until generation is done with it. Not yet run on a GPU:
-that an event made with the primary context current records on a green context's stream (CUDA
-asks for one context) is unverified; ``ebrl bench gpu-split`` exercises it.
-
-SM split (:func:`plan_sm_split`, pure): the SMs split in proportion to the SM-seconds each side
-used in the last window, so that neither waits on the other. GPU telemetry (SM utilisation,
-memory) is sampled by :class:`ebrl.telemetry.system.SystemSampler` (pynvml); nothing here reads it.
+:meth:`GpuStreams.create` tries ``green-contexts``, ``priority-streams``, ``one-stream`` and
+``cpu``, richest first, and records in ``fallback_reason`` why a richer mode was not used; it
+never raises. docs/gpu.md describes the modes, the layouts, and why a green-context ``split`` is
+an upper bound on each side's SMs, not an exclusive partition (torch splits the whole device
+again for each context, and the driver may place both on the same SMs).
+:meth:`~GpuStreams.publish` and :meth:`~GpuStreams.wait_published` order a weight snapshot
+between the streams; :func:`plan_sm_split` (pure) splits the SMs in proportion to the
+SM-seconds each side used. GPU telemetry is :class:`ebrl.telemetry.system.SystemSampler`'s.
 
     >>> s = start_split(132)  # H100/H200: 132 SMs
     >>> s.generation, s.training
@@ -63,8 +33,6 @@ from typing import Any
 from ebrl.config import StreamMode
 
 LAYOUTS = ("both", "training")
-
-
 RICHNESS = (StreamMode.CPU, StreamMode.ONE_STREAM, StreamMode.PRIORITY_STREAMS, StreamMode.GREEN_CONTEXTS)
 
 
@@ -78,10 +46,9 @@ class SmSplit:
 
 
 def sm_granularity(major: int, minor: int) -> int:
-    """A green context's SM count must be a multiple of this (and at least this), after CUDA's
-    guideline for ``cuDevSmResourceSplitByCount``: compute capability 9.0+ 8; 8.x 4 (CUDA 12: at
-    least 4, a multiple of 2; CUDA 13.3: a multiple of 2); 7.x 2; older 1. torch checks no compute
-    capability (only CUDA and driver >= 12.8); what the driver rejects, ``create`` falls back from."""
+    """A green context's SM count must be a multiple of this (and at least this): CUDA's guideline
+    for ``cuDevSmResourceSplitByCount`` by compute capability; what the driver rejects, ``create``
+    falls back from."""
     del minor  # no rule depends on it so far
     return 8 if major >= 9 else {8: 4, 7: 2}.get(major, 1)
 
@@ -112,30 +79,20 @@ def clamp_split(total_sms: int, gen_sms: int, granularity: int = 8, min_sms: int
 def start_split(total_sms: int, granularity: int = 8, min_sms: int | None = None) -> SmSplit:
     """The split before anything is measured: a quarter of the SMs to generation (in granules,
     rounded half up), training the rest."""
-    g, floor, usable = _bounds(total_sms, granularity, min_sms)
+    g, _, usable = _bounds(total_sms, granularity, min_sms)
     quarter = math.floor(usable / 4 / g + 0.5) * g
     return clamp_split(total_sms, quarter, g, min_sms, "default start: a quarter of the SMs to generation")
 
 
 def plan_sm_split(total_sms: int, gen_sms_now: int, gen_busy: float, train_busy: float, granularity: int = 8,
                   min_sms: int | None = None) -> SmSplit:
-    """The next split of ``total_sms``, from how busy each side was on its SMs in a window
-    (``gen_busy``, ``train_busy``: the share of the window its calls ran, 0 to 1).
+    """The next split of ``total_sms``, from the share of a window each side's calls ran (0 to 1).
 
-    Each side's demand is the SM-seconds it used, ``busy * sms``; the SMs are split in
-    proportion to the demands. When the device is the bottleneck this makes both sides take
-    equally long for their work, so neither waits on the other (a side that waits shows up as
-    idle, and gives SMs up). A move is at most a doubling or a halving of generation's SMs, and
-    a wanted change of under one granule is none (hysteresis).
-
-    - no split yet (``gen_sms_now <= 0``): :func:`start_split`;
-    - training did not run in the window: hold (the first rollout has nothing to train on yet;
-      later, a learner waiting for data shows as training busy under 1 beside generation).
-      Generation that did not run (the envs held back by an update, or the run's last update)
-      used no SMs: its share halves at each such move, down to one granule.
-
-    Both sides are multiples of ``granularity`` and at least ``min_sms`` (default one granule);
-    raises ``ValueError`` when ``total_sms`` cannot hold that.
+    The SMs split in proportion to the SM-seconds each side used (``busy * sms``): on a saturated
+    device both sides then take equally long, so neither waits on the other. A move is at most a
+    doubling or a halving of generation's SMs, and a wanted change under one granule is none.
+    Without a split yet it is :func:`start_split`; in a window where training did not run (the
+    first rollout) it holds. Raises ``ValueError`` when ``total_sms`` cannot hold two sides.
     """
     if gen_sms_now <= 0:
         return start_split(total_sms, granularity, min_sms)
@@ -188,8 +145,9 @@ class GpuStreams:
     @classmethod
     def create(cls, device: Any = None, gen_sms: int | None = None, torch_module: Any = None, *,
                max_mode: StreamMode | str = StreamMode.GREEN_CONTEXTS, layout: str = "both") -> GpuStreams:
-        """The richest mode up to ``max_mode`` that works on ``device`` (default: the current
-        one). ``gen_sms``: generation's SMs for green contexts (default: :func:`start_split`). ``torch_module``: a stand-in for ``torch`` (tests)."""
+        """The richest mode up to ``max_mode`` that works on ``device`` (default: the current one).
+        ``gen_sms``: generation's SMs for green contexts (default: :func:`start_split`);
+        ``torch_module``: a stand-in for ``torch`` (tests)."""
         max_mode = StreamMode(max_mode)
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -208,13 +166,13 @@ class GpuStreams:
         props = cuda.get_device_properties(index)
         self = cls(StreamMode.ONE_STREAM, total_sms=int(props.multi_processor_count), device=index,
                    granularity=sm_granularity(props.major, props.minor), layout=layout, _torch=torch)
-        reasons = []
-        if RICHNESS.index(max_mode) >= RICHNESS.index(StreamMode.GREEN_CONTEXTS):
+        reasons, allowed = [], RICHNESS[:RICHNESS.index(max_mode) + 1]
+        if StreamMode.GREEN_CONTEXTS in allowed:
             why = self._try_green(gen_sms)
             if why is None:
                 return self
             reasons.append(why)
-        if RICHNESS.index(max_mode) >= RICHNESS.index(StreamMode.PRIORITY_STREAMS):
+        if StreamMode.PRIORITY_STREAMS in allowed:
             try:
                 self.generation_stream, self.training_stream = self._priority_pair()
                 self.mode = StreamMode.PRIORITY_STREAMS
@@ -239,15 +197,23 @@ class GpuStreams:
         self.priorities = (high, low)
         return cuda.Stream(device=self.device, priority=high), cuda.Stream(device=self.device, priority=low)
 
-    def _green(self, split: SmSplit) -> tuple[Any, Any, tuple]:
-        """(generation stream, training stream, contexts) for ``split``; raises what torch raises."""
+    def _switch(self, split: SmSplit) -> str | None:
+        """Green contexts for ``split`` and streams on them; None on success, else why not (then
+        nothing changed)."""
         make = self._torch.cuda.GreenContext.create
-        train_ctx = make(num_sms=split.training, device_id=self.device)
-        if self.layout == "training":
-            gen_stream = self._priority_pair()[0]
-            return gen_stream, train_ctx.Stream(), (train_ctx,)
-        gen_ctx = make(num_sms=split.generation, device_id=self.device)
-        return gen_ctx.Stream(), train_ctx.Stream(), (gen_ctx, train_ctx)
+        try:
+            train_ctx = make(num_sms=split.training, device_id=self.device)
+            if self.layout == "training":  # generation on a high-priority stream of the whole device
+                contexts, gen_stream = (train_ctx,), self._priority_pair()[0]
+            else:
+                gen_ctx = make(num_sms=split.generation, device_id=self.device)
+                contexts, gen_stream = (gen_ctx, train_ctx), gen_ctx.Stream()
+            train_stream = train_ctx.Stream()
+        except Exception as exc:  # noqa: BLE001 (RuntimeError, or whatever the driver raises)
+            return f"GreenContext.create raised {type(exc).__name__}: {exc}"
+        self.mode, self.split, self._contexts = StreamMode.GREEN_CONTEXTS, split, contexts
+        self.generation_stream, self.training_stream = gen_stream, train_stream
+        return None
 
     def _try_green(self, gen_sms: int | None) -> str | None:
         """Switch to green contexts; None on success, else why not."""
@@ -258,18 +224,10 @@ class GpuStreams:
                      else clamp_split(self.total_sms, gen_sms, self.granularity))
         except ValueError as exc:
             return f"no green-context split: {exc}"
-        try:
-            gen_stream, train_stream, contexts = self._green(split)
-        except Exception as exc:  # noqa: BLE001 (RuntimeError, or whatever the driver raises)
-            return f"GreenContext.create raised {type(exc).__name__}: {exc}"
-        self.mode, self.split, self._contexts = StreamMode.GREEN_CONTEXTS, split, contexts
-        self.generation_stream, self.training_stream = gen_stream, train_stream
-        return None
+        return self._switch(split)
 
     def _enter(self, stream: Any):
-        if stream is None:
-            return contextlib.nullcontext()
-        return self._torch.cuda.stream(stream)
+        return contextlib.nullcontext() if stream is None else self._torch.cuda.stream(stream)
 
     def generation(self):
         """Context manager: the calling thread's CUDA work goes to the generation stream."""
@@ -280,7 +238,8 @@ class GpuStreams:
         return self._enter(self.training_stream)
 
     def publish(self) -> Any:
-        """A CUDA event recorded on the training stream (after the weight snapshot); None on CPU."""
+        """A CUDA event recorded on the training stream (after the weight snapshot); None on CPU. It
+        orders the snapshot only: that must be a copy, kept alive until generation has read it."""
         if self.training_stream is None:
             return None
         event = self._torch.cuda.Event()
@@ -303,15 +262,10 @@ class GpuStreams:
             return False
         for stream in (self.generation_stream, self.training_stream):
             stream.synchronize()
-        try:
-            gen_stream, train_stream, contexts = self._green(split)
-        except Exception as exc:  # noqa: BLE001
-            self.fallback_reason = f"resplit to {split.generation} SMs: GreenContext.create raised " \
-                                   f"{type(exc).__name__}: {exc}"
-            return False
-        self.generation_stream, self.training_stream, self._contexts = gen_stream, train_stream, contexts
-        self.split = split
-        return True
+        why = self._switch(split)
+        if why is not None:
+            self.fallback_reason = f"resplit to {split.generation} SMs: {why}"
+        return why is None
 
     def describe(self) -> dict:
         """What the logs need: mode, device, SMs, split, priorities, why not richer."""

@@ -13,8 +13,6 @@ MIN_STEPS_PER_UNIT = 4  # a window with fewer steps per unit says too little to 
 # a profile window grows, one epoch_s at a time, until it holds MIN_STEPS_PER_UNIT steps per
 # unit or has lasted this many epochs (then it is a stalled window: an update held every env)
 MAX_WINDOW_EPOCHS = 10
-
-
 SATURATED_ABOVE = 90.0  # mean core use (%) over which the cores have no room left
 
 
@@ -91,5 +89,7 @@ class Memory:
     sm_wanted: int | None = None  # generation's SMs the last window wanted (the SM split moves on two in a row)
 
 
-def settling(knob: str, profile: EpochProfile, memory: Memory) -> bool:
-    return profile.epoch < memory.settle_until.get(knob, 0)
+def hands_off(profile: EpochProfile, limits: Limits, memory: Memory, knob: str, *also: str) -> bool:
+    """Whether a rule must leave ``knob`` alone: the user set it, or it (or a knob of ``also``, which
+    acts on the same thing) changed too lately to judge a window by."""
+    return knob in limits.fixed or any(profile.epoch < memory.settle_until.get(k, 0) for k in (knob, *also))

@@ -2,34 +2,14 @@
 
 A task under the run's TaskGroup. Every ``resources.epoch_s`` (loop time), once the window
 holds ``MIN_STEPS_PER_UNIT`` env steps per env (or has lasted ``MAX_WINDOW_EPOCHS`` epochs, or
-training held the envs back for most of it: a slow policy's decisions fill a window in seconds,
-not one, but an update's hold is a window of its own), it takes an
+training held the envs back for most of it), it takes an
 :class:`~ebrl.runtime.resources.profiler.EpochProfile`, asks
 :func:`~ebrl.runtime.resources.controller.decide` (unless ``resources.adapt`` is false) and
-applies each decision where it acts:
-
-- ``lanes``: :meth:`SimPool.resize` (a thread pool starts or retires lane threads; shrinking
-  never interrupts a step);
-- ``backend`` (a mixed pool): envs between the thread lanes and worker processes, as
-  ``placement`` does it (workers are started first, and the lanes made one per env moved there);
-- ``placement``: the driver moves each env at its next episode end (the process pool rebuilds
-  it from ``env_fn`` in its new worker: no sample is lost, migrations are counted);
-- ``workers``: new worker processes are forked (off the loop) and envs placed on them by cost;
-  fewer: the envs on the workers past the new count move off at their episode ends, then those
-  workers retire;
-- ``max_wait_s``, ``batch_target``: the generator's batch-fill wait and the rows that start a
-  batch at once, from its next batch;
-- ``offload``: policy calls inline on the event loop or in the generator thread, from the next batch;
-- ``gen_sms``: new green contexts for generation and training (:meth:`GpuStreams.resplit`);
-- ``learner_threads``: torch threads of the learner process, sent with the next update;
-- ``affinity``: every thread of this process, the learner process and the workers pinned to
-  their cores (:mod:`~ebrl.runtime.resources.affinity`); this process gets all its cores back
-  when the run ends.
-
-Before the first epoch it also holds the start decisions (``rules_start.py``, epoch -1): the
-ones ``run()`` made from the probe before the pool was built, and the offload from the first
-measured policy call. Every decision is logged (``resource_decision``, with its reason) and
-kept in ``RunResult.decisions``; every profile in ``RunResult.profiles``.
+applies each decision through its knob's actuator: the sim pool (lanes, workers, where each env
+runs: envs move at their episode ends, workers start off the loop and retire once empty), the
+generator, the GPU streams, the learner process's threads and core affinity. It also holds the
+start decisions (``rules_start.py``, epoch -1). Every decision is logged (``resource_decision``)
+and kept in ``RunResult.decisions``; every profile in ``RunResult.profiles``.
 """
 
 from __future__ import annotations
@@ -40,14 +20,14 @@ import os
 import numpy as np
 
 from ebrl.config import Offload, RunConfig, SimBackend
-from ebrl.runtime.schedules import is_lockstep
 from ebrl.runtime.resources import affinity
 from ebrl.runtime.resources.controller import decide, postpone_trials
-from ebrl.runtime.resources.knobs import MAX_WINDOW_EPOCHS, MIN_STEPS_PER_UNIT, Decision, Knobs, Limits, Memory
-from ebrl.runtime.resources.rules_sim import lpt_placement
 from ebrl.runtime.resources.gpu import GpuStreams, StreamMode
+from ebrl.runtime.resources.knobs import MAX_WINDOW_EPOCHS, MIN_STEPS_PER_UNIT, Decision, Knobs, Limits, Memory
 from ebrl.runtime.resources.profiler import EpochProfile, LiveProfiler
+from ebrl.runtime.resources.rules_sim import lpt_placement
 from ebrl.runtime.resources.rules_start import offload_start
+from ebrl.runtime.schedules import is_lockstep
 from ebrl.runtime.sim import LOCAL
 from ebrl.telemetry.logging import get_logger
 
@@ -56,18 +36,13 @@ log = get_logger("ebrl.resources")
 
 def fixed_knobs(cfg: RunConfig) -> frozenset[str]:
     """The knobs the user set explicitly: the controller leaves them alone."""
-    fixed = set()
-    if cfg.sim.num_threads is not None or cfg.sim.num_workers is not None:
-        fixed.add("lanes")
-    if cfg.sim.num_workers is not None:
-        fixed.add("workers")
-    if cfg.generation.max_wait_s is not None:
-        fixed.add("max_wait_s")
-    if cfg.generation.batch_target is not None or is_lockstep(cfg.schedule):  # lockstep: a group is one batch
-        fixed.add("batch_target")
-    if cfg.generation.offload is not Offload.AUTO:
-        fixed.add("offload")
-    return frozenset(fixed)
+    sim, gen = cfg.sim, cfg.generation
+    set_by_user = {"lanes": sim.num_threads is not None or sim.num_workers is not None,
+                   "workers": sim.num_workers is not None, "max_wait_s": gen.max_wait_s is not None,
+                   # lockstep: a group is one batch
+                   "batch_target": gen.batch_target is not None or is_lockstep(cfg.schedule),
+                   "offload": gen.offload is not Offload.AUTO}
+    return frozenset(knob for knob, fixed in set_by_user.items() if fixed)
 
 
 class ResourceManager:
@@ -92,7 +67,8 @@ class ResourceManager:
             self._record(d)
         self.memory = Memory()
         self._retire_to: int | None = None  # workers to keep once the envs moving off the rest have moved
-        self._grow_to: int | None = None  # workers to start (forks run off the loop, in run())
+        # workers to start (forks run off the loop, in run()), then the placement to move to (None: by cost)
+        self._grow_to: tuple[int, tuple[int, ...] | None] | None = None
         self.limits = Limits(num_units=cfg.num_envs // cfg.sim.vector_size, num_envs=cfg.num_envs,
                              cpus=len(self._cores) if self._cores else cpus,
                              # an offload decided at the start (a device policy's: rules_start) holds
@@ -105,7 +81,6 @@ class ResourceManager:
         self._resizable = pool.resizable and (pool.backend is SimBackend.THREAD or self.mixed)
         # envs move between workers only one by one (vector envs stay where they are built)
         self._movable = self.elastic is not None and cfg.sim.vector_size == 1
-        self._then_place: tuple[int, ...] | None = None  # a placement waiting for workers to start
         self.knobs = self._current()
         # knob -> setter: the controller's decisions act through these alone
         self._actuators = {"lanes": lambda n: self.pool.resize(int(n)), "placement": self._move_to,
@@ -151,18 +126,15 @@ class ResourceManager:
         """Resolve ``generation.offload="auto"`` from the first measured policy call, at once:
         the first epoch is a second away, and a 40 ms call inline stalls the loop meanwhile."""
         await self.generator.measured.wait()
-        d = offload_start(self.generator.first_inline_cpu_s, self.limits.inline_up_to_s)
-        self._apply(d)
-        self._record(d)
+        self._apply(offload_start(self.generator.first_inline_cpu_s, self.limits.inline_up_to_s))
 
     async def _grow(self) -> None:
         """Start the workers a ``workers`` or ``backend`` decision asked for, then move envs
         onto them (by cost, or where the ``backend`` decision placed them)."""
-        n, self._grow_to = self._grow_to, None
+        (n, placement), self._grow_to = self._grow_to, None
         await self.elastic.grow(n)
-        if self._then_place is not None:
-            self._move_to(self._then_place)
-            self._then_place = None
+        if placement is not None:
+            self._move_to(placement)
         else:
             self._place_on(n)
 
@@ -178,19 +150,17 @@ class ResourceManager:
         if not self.cfg.resources.adapt:
             return []
         moving = self.driver.moves.pending  # a placement read now would be stale
-        if self._retire_to is not None and not moving and self._retire():
+        retired = self._retire_to is not None and not moving and self._retire()
+        if retired:
             # the knobs read above still count the retired workers: a decision from them could
             # place envs on a worker that is gone. The window ran on the old pool: decide next epoch
             self.knobs = self._current()
-            postpone_trials(self.memory, profile.epoch)
-            return []
-        if moving or self._grow_to is not None:  # a change under way: nothing else changes
+        if retired or moving or self._grow_to is not None:  # a change under way: nothing else changes
             postpone_trials(self.memory, profile.epoch)
             return []
         decisions = decide(profile, self.knobs, self.limits, self.memory)
         for d in decisions:
             self._apply(d)
-            self._record(d)
         return decisions
 
     def _record(self, d: Decision) -> None:
@@ -243,10 +213,12 @@ class ResourceManager:
             self.profiles.append(self.profiler.take())
 
     def _apply(self, d: Decision) -> None:
+        """Act on ``d`` and record it."""
         act = self._actuators.get(d.knob)
         if act is None:  # a rule without an actuator is a bug
             raise ValueError(f"no actuator for knob {d.knob!r}")
         act(d.new)
+        self._record(d)
 
     def _to_backend(self, placement: tuple[int, ...]) -> None:
         """Envs between lanes and workers (a mixed pool): the workers start first."""
@@ -255,14 +227,14 @@ class ResourceManager:
         if local > self.pool.lanes and "lanes" not in self.limits.fixed:
             self.pool.resize(local)  # only envs whose steps wait go to the lanes: a lane each
         if need > self.elastic.workers:
-            self._grow_to, self._then_place = need, tuple(placement)
+            self._grow_to = (need, tuple(placement))
         else:
             self._move_to(placement)
 
     def _set_workers(self, n: int) -> None:
         n = int(n)
         if n > self._workers:
-            self._grow_to = n
+            self._grow_to = (n, None)
         else:
             self._place_on(n)
             self._retire_to = n

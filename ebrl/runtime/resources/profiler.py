@@ -1,27 +1,12 @@
-"""The live profiler: what every stage did in the last epoch, from counters the stages keep anyway.
+"""The live profiler: what every stage did in the last window, from counters the stages keep anyway.
 
 Nothing here runs per env step. The stages keep running sums (the sim pool a row per env in
 :attr:`~ebrl.runtime.sim.block.StepRows.cost`, written where the step runs; the driver its
 waits per env; the generator and the learner their busy seconds), and :meth:`LiveProfiler.take`
-subtracts the previous snapshot. An :class:`EpochProfile` holds, for one window:
-
-- **sim**, per env: steps, wall seconds inside ``env.step`` and CPU seconds of the stepping
-  thread (lanes: ``thread_time``) or worker process (``process_time``). Their ratio,
-  :attr:`EpochProfile.busy`, tells a sleeping or GIL-releasing simulator (near 0) from a
-  GIL-bound one (near 1);
-- **waits**, per env, by cause: ``lane`` (submitted, waiting for a free lane, or in a worker
-  for its other envs to step), ``delivery`` (stepped, waiting for the event loop to take the
-  result: the round trip minus the step and the lane wait; long when the loop is busy),
-  ``action`` (ready, waiting for its action), ``barrier`` (the lockstep schedules: waiting for
-  the group's slowest member) and ``backpressure`` (parked on a full rollout queue);
-- **generation**: batches, rows, busy seconds and the calling thread's CPU seconds (wall
-  well over CPU: the calls wait for the GIL), where the calls ran (inline or a thread), the rows' summed wait for their batch to start,
-  the batches started because that wait reached ``max_wait_s``, and the batch target and
-  maximum wait in force;
-- **learner**: updates and busy seconds;
-- **the event loop**: its thread's CPU time over the window (``loop_busy``; near 1: the loop,
-  which runs the driver, the sim pool's delivery and inline policy calls, is the bottleneck);
-- **cores**: utilisation of each core (psutil), and GPU SM and memory use (pynvml) where there is one.
+subtracts the previous snapshot. An :class:`EpochProfile` holds, for one window, each env's
+steps, wall and CPU seconds and its waits by cause (:data:`WAIT_CAUSES`), the generator's
+batches and calls, the learner's updates, the event loop's CPU time and the cores' and GPUs'
+use; docs/resources.md says where each is measured.
 
     >>> import ebrl
     >>> from ebrl.testing import Latency, MockEnv, MockPolicy, NoopAlgo, run_virtual
@@ -209,11 +194,8 @@ def _per_step(total: float, steps: int) -> float:
 
 
 class LiveProfiler:
-    """Takes an :class:`EpochProfile` from the run's counters; see the module docstring.
-
-    ``system`` is a :class:`~ebrl.telemetry.system.SystemSampler` (or None: no core or GPU
-    numbers, as under virtual time).
-    """
+    """Takes an :class:`EpochProfile` from the run's counters. ``system``: a
+    :class:`~ebrl.telemetry.system.SystemSampler` (None: no core or GPU numbers, as under virtual time)."""
 
     def __init__(self, pool, driver, generator, learner, clock, system=None):
         self.pool, self.driver, self.generator, self.learner = pool, driver, generator, learner
@@ -255,10 +237,8 @@ class LiveProfiler:
         """The profile of the window since the previous call (or since the profiler was made)."""
         last, now = self._last, self._snapshot()
         self._last = now
-        dc = now["costs"] - last["costs"]
-        steps, wall = dc[:, STEPS], dc[:, WALL]
-        roundtrip = now["sim"] - last["sim"]
-        total = now["costs"]
+        d = {k: now[k] - last[k] for k in now}  # the window's share of every running sum
+        dc, total = d["costs"], now["costs"]
         with np.errstate(invalid="ignore", divide="ignore"):
             mean = np.where(total[:, STEPS] > 0, total[:, WALL] / total[:, STEPS], np.nan)
         pool = self.pool
@@ -266,23 +246,20 @@ class LiveProfiler:
         placement, workers = (pool.placement, pool.workers) if elastic else (None, 0)
         profile = EpochProfile(
             epoch=self.epoch, t_start=last["t"], t_end=now["t"], backend=pool.backend.value,
-            lanes=pool.lanes if elastic and pool.mixed else pool.size, workers=workers, num_units=self.driver.cfg.num_envs // self.driver.V,
-            steps=steps, wall_s=wall, cpu_s=dc[:, CPU], mean_step_s=mean,
-            waits={"lane": dc[:, QUEUE], "delivery": np.maximum(roundtrip - wall - dc[:, QUEUE], 0.0),
-                   **{c: now[c] - last[c] for c in ("action", "barrier", "backpressure")}},
-            gen_batches=now["gen_batches"] - last["gen_batches"], gen_rows=now["gen_rows"] - last["gen_rows"],
-            gen_busy_s=now["gen_busy"] - last["gen_busy"], gen_cpu_s=now["gen_cpu"] - last["gen_cpu"],
-            offload=self.generator.offload_mode.value, gen_wait_s=now["gen_wait"] - last["gen_wait"],
-            gen_capped=now["gen_capped"] - last["gen_capped"],
+            lanes=pool.lanes if elastic and pool.mixed else pool.size, workers=workers,
+            num_units=self.driver.cfg.num_envs // self.driver.V,
+            steps=dc[:, STEPS], wall_s=dc[:, WALL], cpu_s=dc[:, CPU], mean_step_s=mean,
+            waits={"lane": dc[:, QUEUE], "delivery": np.maximum(d["sim"] - dc[:, WALL] - dc[:, QUEUE], 0.0),
+                   **{c: d[c] for c in ("action", "barrier", "backpressure")}},
+            gen_batches=d["gen_batches"], gen_rows=d["gen_rows"], gen_busy_s=d["gen_busy"], gen_cpu_s=d["gen_cpu"],
+            gen_wait_s=d["gen_wait"], gen_capped=d["gen_capped"], gen_paused_s=d["gen_paused"],
+            updates=d["updates"], learner_busy_s=max(0.0, d["learner_busy"]), offload=self.generator.offload_mode.value,
             batch_target=self.generator.batch_target, max_wait_s=self.generator.max_wait_s,
-            live_envs=self.generator.live, updates=now["updates"] - last["updates"],
-            learner_busy_s=max(0.0, now["learner_busy"] - last["learner_busy"]),
-            gen_paused_s=now["gen_paused"] - last["gen_paused"], gen_fit=self.generator.costs.fit(),
+            live_envs=self.generator.live, gen_fit=self.generator.costs.fit(),
             placement=None if placement is None else np.asarray(placement),
             system=self.system.sample() if self.system is not None else {},
             # under virtual time (no system sampler) CPU time says nothing about the simulated run
-            loop_busy=(now["loop_cpu"] - last["loop_cpu"]) / max(now["t"] - last["t"], 1e-9)
-            if self.system is not None else float("nan"),
+            loop_busy=d["loop_cpu"] / max(d["t"], 1e-9) if self.system is not None else float("nan"),
         )
         self.epoch += 1
         return profile

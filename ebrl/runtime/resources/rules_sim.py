@@ -7,23 +7,24 @@ import math
 
 import numpy as np
 
-from ebrl.runtime.resources.knobs import MIN_STEPS_PER_UNIT, SATURATED_ABOVE, Decision, Knobs, Limits, Memory, settling
+from ebrl.runtime.resources.knobs import MIN_STEPS_PER_UNIT, SATURATED_ABOVE, Decision, Knobs, Limits, Memory, hands_off
 from ebrl.runtime.resources.profiler import EpochProfile
+from ebrl.runtime.resources.rules_start import WAITS_BELOW, lanes_for
 from ebrl.runtime.sim import LOCAL
-from ebrl.runtime.resources.rules_start import WAITS_BELOW  # a step computing less of its wall time than this mostly waits
 
-
-def lane_cap(profile: EpochProfile, limits: Limits) -> int:
-    """The most lanes worth having: one per unit, and no more than the cores can keep stepping."""
-    busy = max(profile.busy, 1.0 / max(limits.num_units, 1))
-    return max(1, min(limits.num_units, max(limits.cpus, math.ceil(limits.cpus / busy))))
+# over SATURATED_ABOVE % of the cores busy, a step's CPU share of its wall time includes its wait for a core
+WAITS_BELOW_SATURATED = 0.2  # so on saturated cores only a step under this share waits (sleeps measure < 5%)
+PROCESS_STEP_CPU_S = 50e-6  # a lane step computing less than this is too cheap to be worth a worker's round trip
+LANE_BUSY_ABOVE = 0.25  # a lane step computing this share of its wall time (its GIL waits included) computes
+GIL_LOAD_ABOVE = 0.25  # and the lanes' steps must compute this many cores' worth for a move to matter
 
 
 def lanes_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> Decision | None:
+    """More lanes while envs wait for one (Little's law), fewer after two idle windows (docs/resources.md)."""
     lanes = knobs.lanes
-    if lanes is None or "lanes" in limits.fixed or settling("lanes", profile, memory):
+    if lanes is None or hands_off(profile, limits, memory, "lanes"):
         return None
-    share, cap = profile.lane_wait_share, lane_cap(profile, limits)
+    share, cap = profile.lane_wait_share, lanes_for(profile.busy, limits.num_units, limits.cpus)
     if share > limits.lane_wait_above:
         memory.lanes_needed = max(memory.lanes_needed, lanes)
         memory.shrink_votes = 0
@@ -48,18 +49,11 @@ def lanes_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memo
     return None
 
 
-def lpt_placement(costs: np.ndarray, workers: int, current: np.ndarray | None = None) -> np.ndarray:
-    """Longest processing time first: each env, costliest first, onto the least-loaded worker.
-    With ``current``, the new bins are renamed to keep as many envs where they are as possible."""
-    order = np.argsort(-costs, kind="stable")
-    load = np.zeros(workers)
+def lpt_placement(costs: np.ndarray, workers: int, current: np.ndarray) -> np.ndarray:
+    """Longest processing time first: each env, costliest first, onto the least-loaded worker; the
+    new bins are then renamed to keep as many envs where they are (``current``) as possible."""
     out = np.zeros(len(costs), np.int64)
-    for i in order.tolist():
-        w = int(np.argmin(load))
-        out[i] = w
-        load[w] += costs[i]
-    if current is None:
-        return out
+    _onto_least_loaded(np.argsort(-costs, kind="stable").tolist(), costs, np.zeros(workers), out)
     # rename bins greedily by overlap with the current workers (W is small)
     overlap = np.zeros((workers, workers), np.int64)
     np.add.at(overlap, (out, current), 1)
@@ -73,6 +67,13 @@ def lpt_placement(costs: np.ndarray, workers: int, current: np.ndarray | None = 
     return np.array([rename[b] for b in out.tolist()], np.int64)
 
 
+def _onto_least_loaded(envs: list[int], costs: np.ndarray, load: np.ndarray, out: np.ndarray) -> None:
+    """Each of ``envs``, in order, onto the worker with the least ``load`` (``out[env]``; ``load`` grows)."""
+    for i in envs:
+        out[i] = int(np.argmin(load))
+        load[out[i]] += costs[i]
+
+
 def spread(costs: np.ndarray, placement: np.ndarray, workers: int) -> float:
     """The busiest worker's load over the mean load (1.0: balanced), at equal step rates."""
     load = np.bincount(placement, weights=costs, minlength=workers)
@@ -81,11 +82,10 @@ def spread(costs: np.ndarray, placement: np.ndarray, workers: int) -> float:
 
 
 def placement_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> Decision | None:
-    if knobs.placement is None or not knobs.workers or knobs.workers < 2 or "placement" in limits.fixed:
+    """Re-place the envs longest-processing-time first when the workers' busy times differ."""
+    if knobs.placement is None or not knobs.workers or knobs.workers < 2:
         return None
-    if any(settling(k, profile, memory) for k in ("placement", "workers", "backend")):
-        return None
-    if np.isnan(profile.mean_step_s).any():
+    if hands_off(profile, limits, memory, "placement", "workers", "backend") or np.isnan(profile.mean_step_s).any():
         return None
     util = profile.system.get("cpu_util_mean")
     if util is not None and util >= SATURATED_ABOVE and not profile.waits["barrier"].any():
@@ -111,19 +111,12 @@ def placement_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: 
                     f"{after:.2f}x the mean; {moves} envs move at their next episode end")
 
 
-# over SATURATED_ABOVE % of the cores busy, a step's CPU share of its wall time includes its wait for a core
-WAITS_BELOW_SATURATED = 0.2  # so on saturated cores only a step under this share waits (sleeps measure < 5%)
-
-
 def _wait_bar(profile: EpochProfile) -> tuple[float, str]:
     """The CPU/wall share under which a worker's steps count as waiting, and a note for the reason.
 
-    A worker whose steps get half of their wall time on the CPU may be waiting (I/O, sleeps),
-    or starved: on cores that are all busy a compute-bound step gets only its share of a core.
-    FetchReach's steps in two workers next to the generator and learner measured 36-50% on two
-    saturated cores; moving them to thread lanes, as if they waited, put them behind the GIL and
-    halved the run's steps/s. So on saturated cores (over ``SATURATED_ABOVE`` percent busy, when
-    the system sampler measured them) the bar drops to ``WAITS_BELOW_SATURATED``."""
+    Starved is not waiting: on saturated cores a compute-bound step gets only its share of a
+    core (FetchReach measured 36-50% there, and moved to the lanes it halved the run's steps/s),
+    so there the bar drops to ``WAITS_BELOW_SATURATED``."""
     util = profile.system.get("cpu_util_mean")
     if util is not None and util >= SATURATED_ABOVE:
         return WAITS_BELOW_SATURATED, f" (the cores were {util:.0f}% busy)"
@@ -131,17 +124,10 @@ def _wait_bar(profile: EpochProfile) -> tuple[float, str]:
 
 
 def workers_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> Decision | None:
-    """The number of sim worker processes (each steps its envs one after another).
-
-    Up to 4x, at most one per env, when the workers step over 90% of the time but their steps
-    mostly wait (worker CPU under half their wall time): more workers overlap the waits. Halved,
-    to no fewer than the cores, when there are more workers than cores and the steps compute:
-    extra workers only time-slice the cores. The envs are then placed on the new count by
-    measured cost (longest first) and move at their episode ends."""
+    """The number of sim worker processes: more while their steps wait, fewer when they outnumber the
+    cores and compute (extra workers only time-slice the cores)."""
     w = knobs.workers
-    if w is None or knobs.placement is None or "workers" in limits.fixed or settling("workers", profile, memory):
-        return None
-    if settling("placement", profile, memory) or settling("backend", profile, memory):
+    if w is None or knobs.placement is None or hands_off(profile, limits, memory, "workers", "placement", "backend"):
         return None
     if np.isnan(profile.mean_step_s).any():
         return None
@@ -162,28 +148,15 @@ def workers_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Me
     return None
 
 
-PROCESS_STEP_CPU_S = 50e-6  # a lane step computing less than this is too cheap to be worth a worker's round trip
-LANE_BUSY_ABOVE = 0.25  # a lane step computing this share of its wall time (its GIL waits included) computes
-GIL_LOAD_ABOVE = 0.25  # and the lanes' steps must compute this many cores' worth for a move to matter
-
-
 def backend_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> Decision | None:
     """A mixed pool's envs between thread lanes and worker processes, by their measured steps.
 
-    To the lanes: envs in a worker whose steps compute under ``WAITS_BELOW`` of their wall time
-    (``WAITS_BELOW_SATURATED`` on saturated cores, see :func:`_wait_bar`; a worker steps its
-    envs one after another, so a step that waits holds the others up; on lanes the waits
-    overlap). To workers, with two cores or more: envs on the lanes whose steps
-    compute ``LANE_BUSY_ABOVE`` of their wall time and ``PROCESS_STEP_CPU_S`` or more each, when the lanes' steps together compute over
-    ``GIL_LOAD_ABOVE`` of a core: that CPU time holds the GIL the event loop and the other lanes
-    need. On the lanes a GIL-bound step's wall time includes its wait for the GIL, so the bar
-    for CPU over wall time is half the probe's (``LANE_BUSY_ABOVE``); a step that sleeps
-    measured under 5% there (``bench/suites/controller.py``, mixed workload). The envs moving to
-    workers go to the least-loaded ones (started if there are none: one per core, at most one
-    per env); they move at their next episode end."""
-    if not knobs.mixed or knobs.placement is None or "backend" in limits.fixed:
+    To the lanes: worker envs whose steps wait (a worker steps its envs one after another, so a
+    waiting step holds the others up; on lanes the waits overlap). To workers: lane envs whose
+    steps compute while the lanes' steps together hold the GIL the event loop needs."""
+    if not knobs.mixed or knobs.placement is None:
         return None
-    if any(settling(k, profile, memory) for k in ("backend", "placement", "workers")):
+    if hands_off(profile, limits, memory, "backend", "placement", "workers"):
         return None
     place = np.asarray(knobs.placement)
     local = place == LOCAL
@@ -205,9 +178,7 @@ def backend_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Me
         w = knobs.workers or min(limits.cpus, int((stay | to_proc).sum()))
         costs = np.nan_to_num(profile.mean_step_s, nan=0.0)
         load = np.bincount(place[stay], weights=costs[stay], minlength=w)[:w].astype(float)  # int when empty
-        for i in sorted(np.flatnonzero(to_proc).tolist(), key=lambda i: -costs[i]):
-            new[i] = int(np.argmin(load))
-            load[new[i]] += costs[i]
+        _onto_least_loaded(sorted(np.flatnonzero(to_proc).tolist(), key=lambda i: -costs[i]), costs, load, new)
     parts = []
     if to_proc.any():
         parts.append(f"{int(to_proc.sum())} envs on the lanes compute {np.median(cpu_step[to_proc]) * 1e6:.0f} us "

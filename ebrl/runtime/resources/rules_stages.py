@@ -10,20 +10,20 @@ import numpy as np
 
 from ebrl.runtime.resources.affinity import split_plan
 from ebrl.runtime.resources.gpu import clamp_split, plan_sm_split
-from ebrl.runtime.resources.knobs import SATURATED_ABOVE, Decision, Knobs, Limits, Memory, settling
+from ebrl.runtime.resources.knobs import SATURATED_ABOVE, Decision, Knobs, Limits, Memory, hands_off
 from ebrl.runtime.resources.profiler import EpochProfile
 
-
 MAX_WAIT_CAP_S = 0.008  # generation.max_wait_s never grows past this
+GIL_WAIT_ABOVE = 2.0  # thread calls this many times longer than their CPU time mostly wait for the GIL
+LOOP_FULL_ABOVE = 0.85  # the event loop busy over this share of the window is the bottleneck
+GEN_BUSY_GOAL = 0.5  # the smallest batch target that serves the rows' rate with the generator busy at most this
 
 
 def generation_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> Decision | None:
+    """The batch-fill wait's cap: halved when it only holds envs back, doubled when the generator is full."""
     wait = knobs.max_wait_s
-    if wait is None or "max_wait_s" in limits.fixed or settling("max_wait_s", profile, memory):
-        return None
-    if settling("offload", profile, memory):  # the calls just moved: the window ran the old way
-        return None
-    if not profile.gen_batches:
+    # after an offload change the window ran the old way
+    if wait is None or hands_off(profile, limits, memory, "max_wait_s", "offload") or not profile.gen_batches:
         return None
     capped = profile.gen_capped / profile.gen_batches
     busy, mean = profile.gen_busy, profile.gen_rows / profile.gen_batches
@@ -40,18 +40,11 @@ def generation_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory:
     return None
 
 
-GIL_WAIT_ABOVE = 2.0  # thread calls this many times longer than their CPU time mostly wait for the GIL
-
-
 def offload_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> Decision | None:
-    """Policy calls inline on the event loop, or in the generator's thread.
-
-    A thread lets the loop deliver sim results while the policy runs, but a call in it must win
-    the GIL from the loop and from lane threads stepping Python envs: when its wall time is over
-    ``GIL_WAIT_ABOVE`` times its CPU time (it mostly waits) and it costs under ``limits.inline_up_to_s``
-    of CPU, inline is cheaper. Back to the thread when inline calls cost more than that."""
+    """Policy calls inline on the event loop, or in the generator's thread: inline when calls in the
+    thread mostly wait for the GIL and cost little CPU, back to the thread when inline calls cost more."""
     mode = knobs.offload
-    if mode is None or "offload" in limits.fixed or settling("offload", profile, memory):
+    if mode is None or hands_off(profile, limits, memory, "offload"):
         return None
     if not profile.gen_batches or profile.gen_cpu_s <= 0 or profile.offload != mode:
         return None  # the window ran (partly) the other way: judge on one that did not
@@ -66,12 +59,6 @@ def offload_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Me
                         f"policy calls cost {cpu * 1e3:.1f} ms of CPU each on the event loop (over "
                         f"{line * 1e3:.1f} ms): in a thread the loop delivers sim results meanwhile")
     return None
-
-
-LOOP_FULL_ABOVE = 0.85  # the event loop busy over this share of the window is the bottleneck
-
-
-GEN_BUSY_GOAL = 0.5  # the smallest batch target that serves the rows' rate with the generator busy at most this
 
 
 def rows_needed(fit: tuple[float, float], rate: float, n: int) -> int:
@@ -91,33 +78,13 @@ def rows_needed(fit: tuple[float, float], rate: float, n: int) -> int:
 
 
 def batch_target_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> Decision | None:
-    """The rows that start a batch at once (without waiting for the adaptive wait to run out).
-
-    Once calls of two batch sizes have been timed, the generator's cost curve (``fixed +
-    per_row * rows`` seconds a call, :class:`~ebrl.runtime.generation.BatchCosts`) gives the
-    smallest batch that serves the window's rows/s with the generator busy at most
-    ``GEN_BUSY_GOAL`` (:func:`rows_needed`): the target is raised to it when below, and never
-    halved under it. A VLA's call is mostly its fixed cost, so its batches must stay full.
-
-    On saturated cores (mean use over ``SATURATED_ABOVE``), set once, from the default (every
-    env), to half the envs, or more where the cost curve needs it: every policy call and every
-    message to a simulator then costs the simulators CPU, and a simulator stepping one env at a
-    time between waits pays a cold cache each step (ManiSkill3 PickCube: 3.4 ms a step against
-    2.7 ms back to back). Half the envs make a batch while the other half steps: the two halves
-    of RLinf's pipeline, without its barrier (a batch is whichever envs arrived first).
-
-    Halved when the policy runs in the generator thread, rows wait for their batch to start
-    over half a batch's latency, and both that thread (busy under half the time) and the cores
-    (a quarter idle) have room for more calls: the wait only holds envs back. Inline calls are
-    left at their target: there the calls cost the event loop, which also delivers every sim
-    result, and smaller batches measured no faster (``bench/suites/controller.py``, mixed and
-    long-tail workloads). Doubled, up to every env, when whatever makes the calls is full (the
-    generator thread over 80% busy, or the loop over ``LOOP_FULL_ABOVE`` inline) and batches
-    start at the target: fuller batches take fewer calls."""
+    """The rows that start a batch at once (docs/resources.md): at least what the cost curve needs
+    (:func:`rows_needed`); half the envs, once, on saturated cores (a second call and every message
+    cost the simulators CPU); halved while rows wait and the thread and cores idle; doubled when
+    whatever makes the calls is full."""
     target = knobs.batch_target
-    if target is None or "batch_target" in limits.fixed or settling("batch_target", profile, memory):
-        return None
-    if settling("offload", profile, memory):  # the calls just moved: the window ran the old way
+    # after an offload change the window ran the old way
+    if target is None or hands_off(profile, limits, memory, "batch_target", "offload"):
         return None
     if not profile.gen_batches or np.isnan(profile.loop_busy):
         return None
@@ -163,12 +130,10 @@ def batch_target_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memor
 
 
 def sm_split_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> Decision | None:
-    """Green contexts: :func:`~ebrl.runtime.resources.gpu.plan_sm_split` on the share of the
-    window each side's calls ran (the generator's policy calls, the learner's updates). It moves
-    when two windows in a row want a move the same way, as far as the nearer of the two: an RL
-    run has phases longer than a window (the first rollout, an update starting mid-window), and
-    one window of a phase change is not the balance of the run."""
-    if knobs.gen_sms is None or "gen_sms" in limits.fixed or settling("gen_sms", profile, memory):
+    """Green contexts: :func:`~ebrl.runtime.resources.gpu.plan_sm_split` on each side's busy share,
+    moved when two windows in a row want a move the same way (as far as the nearer of the two): an
+    RL run has phases longer than a window, and one window of a phase change is not its balance."""
+    if knobs.gen_sms is None or hands_off(profile, limits, memory, "gen_sms"):
         return None
     gen_busy = min(1.0, profile.gen_busy_s / profile.window_s)
     train_busy = min(1.0, profile.learner_busy_s / profile.window_s)
@@ -190,7 +155,7 @@ def threads_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Me
     on a full queue, or wait on a generator paused for the update) while cores idle. It runs
     on windows with few env steps too: an update longer than the window is such a window."""
     n = knobs.learner_threads
-    if n is None or "learner_threads" in limits.fixed or settling("learner_threads", profile, memory):
+    if n is None or hands_off(profile, limits, memory, "learner_threads"):
         return None
     busy = profile.learner_busy_s / profile.window_s
     held = profile.held_by_training
@@ -204,7 +169,7 @@ def threads_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Me
 
 def affinity_rule(profile: EpochProfile, knobs: Knobs, limits: Limits, memory: Memory) -> Decision | None:
     """Separate cores for the event loop, the learner and the sim workers, where there are enough."""
-    if knobs.affinity != "shared" or "affinity" in limits.fixed or settling("affinity", profile, memory):
+    if knobs.affinity != "shared" or hands_off(profile, limits, memory, "affinity"):
         return None
     plan = split_plan(limits.cpus, knobs.workers or 0)
     if plan is None:

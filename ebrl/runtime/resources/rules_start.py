@@ -1,26 +1,8 @@
-"""The controller's first decisions: the config's ``auto`` values, resolved once at the start
-from what the run measures before its first window. Each is a :class:`Decision` of epoch
-``START`` (-1), logged as ``resource_decision`` and kept in ``RunResult.decisions`` ahead of
-the epochs' own. Later epochs may change the backend, the lanes and the offload
-(``rules_sim.py``, ``rules_stages.py``); the learner mode holds for the run.
-
-- ``backend`` (``sim.backend="auto"``, plain envs), from the probe's step
-  (:class:`~ebrl.runtime.probe.StepProfile`, measured in a forked child): inline when a
-  step costs less than a thread hop (``sim.inline_below_s``); thread lanes when the step mostly
-  waits (CPU under half its wall time), the env declares it releases the GIL, or there is one
-  core; worker processes otherwise (a GIL-bound Python env).
-- ``lanes`` (thread lanes chosen, ``sim.num_threads`` unset): a lane keeps ``busy`` of a core
-  busy, so ``cpus / busy`` lanes keep every core busy without an env waiting for a lane; at
-  most one per env (a sleeping env gets a lane of its own), at least one per core.
-- ``learner`` (``learner="auto"``): a learner process when training runs on the CPU of a
-  multi-core host (it then trains on cores of its own, free of the event loop's GIL); a thread
-  otherwise (a GPU policy trains on its own stream).
-- ``offload`` (``generation.offload="auto"``), from the first measured policy call (the first
-  call warms up in the generator's thread, unmeasured; the next runs inline): inline when it
-  took at most ``generation.inline_below_s`` of CPU, in the generator's thread otherwise: the
-  line :func:`~ebrl.runtime.resources.rules_stages.offload_rule` keeps, so neither undoes the other.
-  A policy on a device (CUDA, or an emulated one) is decided at the start instead
-  (:func:`device_offload_start`): its calls wait for the device, in the thread, for the whole run.
+"""The controller's first decisions: the config's ``auto`` values, resolved once from what the run
+measures before its first window (the probe's step, the policy's device, the first policy call).
+Each is a :class:`Decision` of epoch ``START`` (-1), kept in ``RunResult.decisions`` ahead of the
+epochs' own; later epochs may change the backend, the lanes and the offload, drawing the same
+lines so that neither undoes the other. The rules are described in docs/resources.md.
 
     >>> from ebrl.config import SimConfig
     >>> from ebrl.runtime.probe import StepProfile
@@ -46,6 +28,12 @@ START = -1  # the epoch of a decision made at the start, before the first window
 WAITS_BELOW = 0.5  # a step busy less than this fraction of its time mostly waits: threads overlap it
 
 
+def lanes_for(busy: float, units: int, cpus: int) -> int:
+    """Lanes that keep every core stepping when a step keeps ``busy`` of a core busy; at most one per
+    unit (a sleeping env gets a lane of its own), at least one per core."""
+    return max(1, min(units, max(cpus, math.ceil(cpus / max(busy, 1.0 / max(units, 1))))))
+
+
 def sim_start(profile: StepProfile, cfg: SimConfig, num_envs: int, cpus: int,
               processes: bool = True) -> list[Decision]:
     """The backend for plain envs under ``sim.backend="auto"``, and the thread lanes where it
@@ -64,7 +52,7 @@ def sim_start(profile: StepProfile, cfg: SimConfig, num_envs: int, cpus: int,
            else "it mostly waits: lane threads overlap the waits")
     decisions = [Decision(START, "backend", "auto", "thread", f"{step}; {why}")]
     if cfg.num_threads is None:
-        lanes = max(1, min(num_envs, max(cpus, math.ceil(cpus / max(profile.busy, 1.0 / max(num_envs, 1))))))
+        lanes = lanes_for(profile.busy, num_envs, cpus)
         decisions.append(Decision(START, "lanes", None, lanes,
                                   f"{cpus} cores over {profile.busy:.2f} of a core per lane, at most one per env"))
     return decisions
@@ -77,7 +65,8 @@ def learner_start(device: str | None, cpus: int, processes: bool = True) -> Deci
     if device == "cpu" and cpus >= 2 and processes:
         return Decision(START, "learner", "auto", "process",
                         f"training runs on the CPU and there are {cpus} cores: off the event loop's GIL")
-    why = (("one core" if cpus < 2 else "the platform starts no processes (virtual time)") if device == "cpu" else "the policy has no parameters" if device is None
+    why = (("one core" if cpus < 2 else "the platform starts no processes (virtual time)") if device == "cpu"
+           else "the policy has no parameters" if device is None
            else f"training runs on {device}, on a stream of its own")
     return Decision(START, "learner", "auto", "thread", why)
 

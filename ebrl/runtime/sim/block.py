@@ -1,12 +1,10 @@
-"""What a sim pool hands the driver: :class:`Block`, the rows it is cut from, and the
-:class:`Outbox` it waits in.
+"""What a sim pool hands the driver: :class:`Block`, the :class:`StepRows` it is cut from, and
+the :class:`Outbox` it waits in.
 
-Wherever a step runs (the event loop, a lane thread, a worker process), its results are
-written into the stepped envs' rows of :class:`StepRows` (plain NumPy, or shared memory for
-worker processes: one array per observation key, plus the env's fields of the transition from
-:mod:`ebrl.runtime.fields`, flags and final observations). The pool then puts a :class:`Block`
-naming the envs whose steps are done in its :class:`Outbox`, and the driver's loop takes it
-with ``await pool.recv()``. Nothing per env crosses the event loop as a Python object.
+Wherever a step runs (the event loop, a lane thread, a worker process), its results are written
+into the env's rows of :class:`StepRows` (plain NumPy, or shared memory for worker processes), and
+a :class:`Block` naming the finished envs goes through the :class:`Outbox` to ``await pool.recv()``.
+Nothing per env crosses the event loop as a Python object.
 
     >>> import gymnasium as gym
     >>> from ebrl.runtime.sim.stepping import reset_unit, step_unit
@@ -46,12 +44,9 @@ STEPS, WALL, CPU, QUEUE = 0, 1, 2, 3
 
 @dataclass(slots=True, eq=False)  # arrays inside: compared by identity
 class Block:
-    """The finished steps of some envs: row ``k`` belongs to env ``ids[k]``.
-
-    Observations are copies (the envs' rows are rewritten by their next step). ``final_obs``
-    maps a row to the last observation of an episode that ended by time limit (truncated, not
-    terminated): only those need a bootstrap value. ``errors`` names envs whose step raised
-    instead (they are not in ``ids``), with the exception as ``"TypeName: message"``.
+    """The finished steps of some envs: row ``k`` belongs to env ``ids[k]``; observations are copies.
+    ``final_obs`` maps a row to the last observation of an episode that ended by time limit (only
+    those need a bootstrap value); ``errors`` names envs whose step raised instead (not in ``ids``).
     """
 
     ids: np.ndarray  # int64 [B]
@@ -77,38 +72,29 @@ class Block:
 
 
 class StepRows:
-    """Per-env rows for the latest step of every env: observation (tree), final observation
-    (tree), action (tree), the env's ``columns`` of the transition and flags. Written where the
-    step runs, read by the pool when it builds a :class:`Block`. Env ``i``'s rows are touched
-    only while its step runs, so writers and readers never overlap.
-    """
+    """Per-env rows for the latest step of every env, written where the step runs and read into
+    a :class:`Block`. Env ``i``'s rows are touched only while its step runs: no locks needed."""
 
     def __init__(self, num_envs: int, obs_space: gym.Space, act_space: gym.Space,
                  alloc: Callable[[tuple, np.dtype], np.ndarray] | None = None):
-        self.num_envs = num_envs
         self.obs = space_rows(obs_space, num_envs, alloc)
         self.final_obs = space_rows(obs_space, num_envs, alloc)
         self.act = space_rows(act_space, num_envs, alloc)
         make = alloc or (lambda shape, dtype: np.zeros(shape, dtype))
-        # the env's fields of the transition by Block attribute (ebrl.runtime.fields): reward and an
-        # action chunk's rewards and length (from the step's info; 0: the env reported none)
+        # the env's fields of the transition by Block attribute (ebrl.runtime.fields): reward, and an
+        # action chunk's rewards and length
         self.columns = {f.attr: make((num_envs, *f.shape), f.step_dtype)
                         for f in transition_fields(obs_space, act_space) if f.step_dtype is not None}
         self.reward, self.chunk_steps = self.columns["reward"], self.columns.get("chunk_steps")
         self._chunk = [(k, v) for k, v in self.columns.items() if k != "reward"]  # Block's, None by default
         self.flags = make((num_envs,), np.dtype(np.uint8))
-        # what each env's steps cost where they ran, summed since the start: columns STEPS, WALL
-        # (seconds in env.step), CPU (CPU seconds of the stepping thread, or of the worker
-        # process) and QUEUE (seconds from reaching the pool, or the worker, to the step's start:
-        # the wait for a lane or for the worker's other envs). Only the env's stepper writes its
-        # row; the profiler reads snapshots.
+        # what each env's steps cost where they ran, summed: STEPS, WALL (in env.step), CPU (of the
+        # stepping thread or worker) and QUEUE (the wait for a lane or for the worker's other envs)
         self.cost = make((num_envs, 4), np.dtype(np.float64))
-        # perf_counter (CLOCK_MONOTONIC: one clock for every process) when the env's running step
-        # started, 0 when it is not stepping: what step timeouts are measured from
+        # perf_counter (one clock for every process) when the env's running step started, 0: idle
         self.started = make((num_envs,), np.dtype(np.float64))
-        # the seed + 1 of the reset inside the step that ends env i's episode, 0: unseeded (the
-        # driver writes it under RunConfig.reset_group; zero-filled, so a worker attaching later
-        # never clobbers it)
+        # the seed + 1 of the reset inside the step that ends env i's episode, 0: unseeded
+        # (zero-filled, so a worker attaching later never clobbers what the driver wrote)
         self.reset_seed = make((num_envs,), np.dtype(np.int64))
         # a flat view for per-step adds: a memoryview item costs a third of a NumPy scalar's
         self._cost_flat = memoryview(self.cost).cast("B").cast("d")
@@ -124,9 +110,8 @@ class StepRows:
     def write(self, ids: int | np.ndarray, obs: Any, reward, terminated, truncated, finite, success,
               final_obs: dict[int, Any], chunks: tuple[Any, Any] | None = None) -> None:
         """Store the step of env ``ids`` (an int: a plain env, scalars) or of envs ``ids`` (an
-        array: a vector env's rows, arrays). ``final_obs`` maps a row (0 for a plain env) to its
-        ended episode's last observation; ``chunks`` is ``(chunk_rewards, chunk_steps)`` or None
-        (the env reported none)."""
+        array: a vector env's rows). ``final_obs`` maps a row (0 for a plain env) to its ended
+        episode's last observation."""
         write(self.obs, ids, obs)
         self.reward[ids] = reward
         if isinstance(ids, int):  # a plain env's step: Python scalars, a fifth of NumPy's cost here
@@ -150,35 +135,31 @@ class StepRows:
     def block(self, ids: np.ndarray, errors: list[tuple[int, str]] | None = None) -> Block:
         """The finished steps of envs ``ids`` (copied out of the rows)."""
         flags = self.flags[ids]
-        n = len(ids)
         if not np.count_nonzero(flags):  # the common step: no episode end, no NaN, no success flag
-            no = np.zeros(n, bool)
-            block = Block(ids, index(self.obs, ids), self.reward[ids], no, no, ~no, np.full(n, -1, np.int8),
-                          {}, errors or [], True)
+            no = np.zeros(len(ids), bool)
+            block = Block(ids, index(self.obs, ids), self.reward[ids], no, no, ~no, np.full(len(ids), -1, np.int8),
+                          errors=errors or [], clean=True)
         else:
-            terminated = (flags & TERMINATED) != 0
-            truncated = (flags & TRUNCATED) != 0
-            success = np.where(flags & SUCCESS_KNOWN, (flags & SUCCESS) != 0, -1).astype(np.int8)
+            terminated, truncated = (flags & TERMINATED) != 0, (flags & TRUNCATED) != 0
             boot = (truncated & ~terminated).nonzero()[0]
-            final_obs = {int(r): tree_map(np.copy, index(self.final_obs, int(ids[r]))) for r in boot}
-            block = Block(ids, index(self.obs, ids), self.reward[ids], terminated, truncated,
-                          (flags & NONFINITE) == 0, success, final_obs, errors or [])
+            block = Block(ids, index(self.obs, ids), self.reward[ids], terminated, truncated, (flags & NONFINITE) == 0,
+                          np.where(flags & SUCCESS_KNOWN, (flags & SUCCESS) != 0, -1).astype(np.int8),
+                          {int(r): tree_map(np.copy, index(self.final_obs, int(ids[r]))) for r in boot}, errors or [])
         for name, column in self._chunk:
             setattr(block, name, column[ids])
         return block
 
     def close(self) -> None:
-        if self._cost_flat is not None:
-            self._cost_flat.release()  # a live export would keep a shared-memory block from closing
-        self._cost_flat = None
-        self.obs = self.final_obs = self.act = self.reward = self.flags = self.cost = self.started = None
-        self.reset_seed = self.chunk_steps = None
-        self.columns, self._chunk = {}, []
+        """Drop every array: a live view or export would keep a shared-memory block from closing."""
+        if self._cost_flat is not None:  # closed twice: nothing left
+            self._cost_flat.release()
+        for name in vars(self):
+            setattr(self, name, None)
 
 
 def shm_alloc(blocks: list[shared_memory.SharedMemory], names: list[str] | None = None):
-    """An ``alloc`` for :class:`StepRows`: each array a new shared-memory block (the pool), or
-    the next of ``names`` (a worker: same spaces, same call order, so the same sequence)."""
+    """An ``alloc`` for :class:`StepRows`: a new shared-memory block per array, or the next of
+    ``names`` (a worker: same spaces, same call order, so the same sequence)."""
 
     def alloc(shape: tuple, dtype: np.dtype) -> np.ndarray:
         nbytes = max(1, int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize)
@@ -207,9 +188,8 @@ def release_shared(rows: StepRows | None, blocks: list[shared_memory.SharedMemor
 
 
 class Outbox:
-    """Finished blocks on their way to :meth:`SimPool.recv`: hosts put them (on the event loop
-    thread), the driver's loop takes them in order. A waiting reader costs one future a wake-up,
-    not one an env step.
+    """Finished blocks on their way to :meth:`SimPool.recv`, in order; a waiting reader costs one
+    future a wake-up, not one an env step.
 
         >>> async def demo():
         ...     box = Outbox()

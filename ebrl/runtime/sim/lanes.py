@@ -1,11 +1,9 @@
-"""The lane host: a resizable set of threads sharing one queue of units to step.
+"""The lane host: a resizable set of threads sharing one queue of units to step, for simulators
+that release the GIL while stepping (MuJoCo, C++ or GPU sims, anything that sleeps).
 
-Right for simulators that release the GIL while stepping (MuJoCo's ``mj_step``, C++ or GPU
-sims, anything that sleeps). A lane writes its result into the host's rows and wakes the loop
-only if no wake-up is pending, so finished steps come back a block per wake-up. Shrinking
-never interrupts a running step. A step, reset or build past its deadline is abandoned: a new
-lane takes the stuck one's place, the env is left to it (never touched again), and if the call
-ever returns nothing of it is kept.
+A lane wakes the loop only if no wake-up is pending, so finished steps come back a block per
+wake-up. A step, reset or build past its deadline is abandoned: a new lane takes the stuck one's
+place, the env is left to it (never touched again), and if the call ever returns nothing of it is kept.
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ import numpy as np
 from ebrl.config import SimBackend
 from ebrl.runtime.errors import EnvStepError, TimedOut
 from ebrl.runtime.sim.local import LocalHost
-from ebrl.runtime.sim.stepping import close_quietly, describe, step_unit
+from ebrl.runtime.sim.stepping import close_quietly, step_unit
 from ebrl.runtime.threads import CLOSE_WAIT_S, in_thread, settle
 from ebrl.telemetry.logging import get_logger
 
@@ -41,13 +39,12 @@ class LaneHost(LocalHost):
         self._threads: list[threading.Thread] = []
         self._next_lane = 0
         self._lock = threading.Lock()
-        self._done: list[int] = []  # units stepped since the last drain
+        self._done, self._failed = [], []  # units stepped and errors since the last drain
         self._t_submit = [0.0] * self.num_units  # perf_counter when each unit's step was queued
-        self._failed: list[tuple[int, str]] = []
-        # timeouts: the lane stepping each unit, and a count that abandoning the step bumps
-        # (the lane, if it ever returns, then sees its step is no longer wanted and exits)
+        # the lane running each unit's step, or its reset or rebuild, and a count per unit that
+        # abandoning bumps (the lane, if it ever returns, sees it is no longer wanted and exits)
         self._stepping: dict[int, threading.Thread] = {}
-        self._calling: dict[int, threading.Thread] = {}  # the lane running each unit's reset or rebuild
+        self._calling: dict[int, threading.Thread] = {}
         self._gen = [0] * self.num_units
         self._tls = threading.local()
         self.hung: list[threading.Thread] = []  # lanes abandoned in a step, replaced by new ones
@@ -127,7 +124,7 @@ class LaneHost(LocalHost):
                     self._done.append(item)
                 else:
                     self._failed += failed
-            if wake and not self._wake():
+            if wake and not self._soon(self._drain):
                 return
 
     def _run_call(self, me: threading.Thread, unit: int, gen: int, fn, args, fut) -> bool:
@@ -149,21 +146,21 @@ class LaneHost(LocalHost):
             self.rows.started[unit * self.vector_size] = 0.0
         return True
 
-    def _wake(self) -> bool:
+    def _soon(self, fn, *args) -> bool:
+        """``fn(*args)`` on the loop, from a lane; False: the loop was closed (shutdown)."""
         try:
-            self._loop.call_soon_threadsafe(self._drain)
+            self._loop.call_soon_threadsafe(fn, *args)
             return True
-        except RuntimeError:  # loop closed during shutdown
+        except RuntimeError:
             return False
 
     def _drain(self) -> None:
         with self._lock:
             units, self._done = self._done, []
             errors, self._failed = self._failed, []
-        if self.vector_size == 1:
-            ids = np.array(units, np.int64)
-        else:
-            ids = np.concatenate([self._ids(u) for u in units]) if units else np.zeros(0, np.int64)
+        ids = np.array(units, np.int64)
+        if self.vector_size > 1:
+            ids = (ids[:, None] * self.vector_size + np.arange(self.vector_size)).ravel()
         self.outbox.put(self.rows.block(ids, errors))
 
     def _settle(self, fn, args, fut: asyncio.Future) -> None:
@@ -171,73 +168,50 @@ class LaneHost(LocalHost):
             result, exc = fn(*args), None
         except BaseException as e:  # handed to the awaiting coroutine
             result, exc = None, e
-        try:
-            self._loop.call_soon_threadsafe(settle, fut, result, exc)
-        except RuntimeError:  # loop closed during shutdown
-            pass
+        self._soon(settle, fut, result, exc)
 
-    async def _call(self, unit: int, op: str, fn, *args):
+    async def _invoke(self, unit: int, fn, args):
         fut = self._loop.create_future()
         self._requests.put((unit, self._gen[unit], fn, args, fut))
-        try:
-            return await fut
-        except EnvStepError:
-            raise
-        except Exception as exc:
-            raise EnvStepError(unit, op, describe(exc)) from exc
+        return await fut
 
     def abandon_late(self, limit_s: float) -> list[int]:
-        """Give up each unit whose step started over ``limit_s`` ago: it comes back as a
-        :class:`~ebrl.runtime.errors.TimedOut` error, after which the driver rebuilds the unit."""
+        """Give up each unit whose step started over ``limit_s`` ago: it comes back as a :class:`TimedOut` error."""
         if self.rows is None:
             return []
-        now, started, v = perf_counter(), self.rows.started, self.vector_size
-        # one read per unit: a lane may end the step (and write 0) between two reads
-        late = [u for u in list(self._stepping) if (t := float(started[u * v])) > 0 and now - t > limit_s]
-        return [u for u in late if self._abandon_step(u)]
-
-    def _abandon_step(self, unit: int) -> bool:
-        with self._lock:
-            lane = self._stepping.pop(unit, None)
-            if lane is None:  # it finished meanwhile
-                return False
-            self._forget(unit)
-            wake = not self._done and not self._failed
-            self._failed += [(i, TimedOut("the step ran past faults.step_timeout_s and was abandoned"))
-                             for i in self._ids(unit).tolist()]
-        self._replace_lane(lane)
-        if wake:
-            self._loop.call_soon(self._drain)
-        return True
+        return [u for u in list(self._stepping) if self._give_up(u, self._stepping, limit_s)]
 
     def abandon(self, unit: int, limit_s: float) -> bool:
-        """Give up unit ``unit``'s reset or build if it has run over ``limit_s`` in a lane (not
-        waited for one); the driver then rebuilds the unit."""
+        """Give up unit ``unit``'s reset or build if it has run over ``limit_s`` in a lane (not waited for one)."""
+        return self._give_up(unit, self._calling, limit_s)
+
+    def _give_up(self, unit: int, busy: dict[int, threading.Thread], limit_s: float) -> bool:
+        """Give up the unit's step (``busy``: ``_stepping``) or call if it has run over ``limit_s``:
+        its env is left to the lane stuck in it, and a new lane takes that one's place."""
+        step = busy is self._stepping
         with self._lock:
-            lane = self._calling.get(unit)
-            started = self.rows.started[unit * self.vector_size]
+            lane, started = busy.get(unit), float(self.rows.started[unit * self.vector_size])
             if lane is None or not started or perf_counter() - started <= limit_s:
                 return False  # queued behind busy lanes, or it finished meanwhile
-            del self._calling[unit]
-            self._forget(unit)
-        self._replace_lane(lane)
-        return True
-
-    def _forget(self, unit: int) -> None:
-        """The unit's env is left to the lane stuck in it (under the lock)."""
-        self._gen[unit] += 1
-        self.envs[unit] = None
-        self.rows.started[unit * self.vector_size] = 0.0
-
-    def _replace_lane(self, lane: threading.Thread) -> None:
+            del busy[unit]
+            self._gen[unit] += 1
+            self.envs[unit] = None
+            self.rows.started[unit * self.vector_size] = 0.0
+            wake = step and not self._done and not self._failed
+            if step:
+                self._failed += [(i, TimedOut("the step ran past faults.step_timeout_s and was abandoned"))
+                                 for i in self._ids(unit).tolist()]
         with contextlib.suppress(ValueError):
             self._threads.remove(lane)
         self.hung.append(lane)
         self._start_lane()
+        if wake:
+            self._loop.call_soon(self._drain)
+        return True
 
     def close(self) -> None:
-        """Stop the lanes, waiting ``CLOSE_WAIT_S`` at most for the steps they are running. A lane
-        still in a step then (a simulator hung in C code) is left behind, reported, with its env."""
+        """Stop the lanes, waiting ``CLOSE_WAIT_S`` at most; a lane still in a step then (a simulator
+        hung in C code) is left behind, reported, with its env."""
         for _ in self._threads:
             self._requests.put(None)
         deadline = perf_counter() + CLOSE_WAIT_S
@@ -252,7 +226,7 @@ class LaneHost(LocalHost):
                 self.envs[u] = None
                 self._gen[u] += 1
         self._threads, self.hung = [], stuck
-        self._close_envs()
+        super().close()
 
 
 def _given_up(unit: int) -> None:

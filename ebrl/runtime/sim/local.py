@@ -1,10 +1,6 @@
-"""The hosts that keep their units in this process: what they share (:class:`LocalHost`), and
-the inline one.
-
-:class:`InlineHost` steps on the event loop thread: every block submitted within one loop
-iteration runs in one call soon after, and comes back as one block. Right for envs whose step
-costs less than a thread hop. The lane host (:mod:`ebrl.runtime.sim.lanes`) and virtual time's
-host (:class:`ebrl.virtual_time.VirtualHost`) build on the same :class:`LocalHost`.
+"""The hosts that keep their units in this process: what they share (:class:`LocalHost`, also the
+base of the lane host and of virtual time's), and :class:`InlineHost`, which steps on the event loop
+(right for envs whose step costs less than a thread hop).
 """
 
 from __future__ import annotations
@@ -44,16 +40,11 @@ class LocalHost:
 
     async def start(self, spaces: tuple[gym.Space, gym.Space] | None, hosted: set[int] | None = None
                     ) -> tuple[gym.Space, gym.Space]:
-        """Build the ``hosted`` units off the event loop, each in a private thread under
-        ``build_timeout_s`` (64 MuJoCo envs take a few hundred ms to build, which would stall the
-        caller's loop). A unit past its
-        deadline is left to its thread and recorded in ``unbuilt``: its first reset fails as
-        ``timeout`` and the driver rebuilds it. Returns one env's spaces (``spaces``, else the
-        first unit's)."""
+        """Build the ``hosted`` units off the event loop (64 MuJoCo envs take a few hundred ms to
+        build); returns one env's spaces (``spaces``, else the first unit's)."""
         self._loop = asyncio.get_running_loop()
-        units = [u for u in range(self.num_units) if hosted is None or u in hosted]
         self.envs = [None] * self.num_units
-        for u in units:
+        for u in range(self.num_units) if hosted is None else sorted(hosted):
             self.envs[u] = await self._build_off_loop(u)
         first = next((env for env in self.envs if env is not None), None)
         if spaces is None and first is None:
@@ -63,8 +54,8 @@ class LocalHost:
         return spaces
 
     async def _build_off_loop(self, unit: int) -> gym.Env | None:
-        """``env_fn(unit)`` in a thread of its own under ``build_timeout_s``; None past it (the
-        thread is left, and the unit recorded in ``unbuilt``)."""
+        """``env_fn(unit)`` in a thread of its own; None past ``build_timeout_s`` (the thread is left,
+        and the unit recorded in ``unbuilt``: its first reset fails as ``timeout``, and the driver rebuilds it)."""
         try:
             return await in_thread(self._build, unit, name="ebrl-sim-build", timeout_s=self.build_timeout_s,
                                    may_hang=True)
@@ -80,18 +71,13 @@ class LocalHost:
         return build_unit(self.env_fn, unit, self.vector_size)
 
     def _ids(self, unit: int) -> np.ndarray:
-        v = self.vector_size
-        return np.arange(unit * v, unit * v + v)
+        return np.arange(self.vector_size) + unit * self.vector_size
 
     def _units(self, ids: np.ndarray) -> list[int]:
         return ids.tolist() if self.vector_size == 1 else (ids[:: self.vector_size] // self.vector_size).tolist()
 
-    def _step(self, unit: int, queued_s: float = 0.0, account: bool = True) -> float:
-        """Step one unit (:func:`~ebrl.runtime.sim.stepping.step_unit`); with ``account``, also
-        count the step's cost (wall and stepping-thread CPU seconds, and ``queued_s`` it waited
-        for a lane). Returns the step's declared cost (:func:`~ebrl.runtime.sim.stepping.step_unit`)."""
-        if not account:
-            return self._commit(unit)
+    def _step(self, unit: int, queued_s: float = 0.0) -> float:
+        """Step one unit and count its cost (``queued_s``: its wait for a lane); returns its declared cost."""
         t0, c0 = perf_counter(), thread_time()
         declared = self._commit(unit)
         self._add_cost(unit, perf_counter() - t0, thread_time() - c0, queued_s)
@@ -105,7 +91,7 @@ class LocalHost:
             self.rows.cost[self._ids(unit)] += (1.0, wall, cpu, queued_s)
 
     def _commit(self, unit: int) -> float:
-        """Step the unit into the rows (the lane host checks, before writing, that it was not abandoned)."""
+        """Step the unit into the rows (the lane host checks, first, that it was not abandoned)."""
         return step_unit(self.envs[unit], self.rows, unit, self.vector_size)
 
     def _errors(self, unit: int, exc: BaseException) -> list[tuple[int, str]]:
@@ -119,9 +105,7 @@ class LocalHost:
         return reset_unit(self.envs[unit], seed, self.vector_size)
 
     def _rebuild(self, unit: int) -> None:
-        if self.envs[unit] is not None:  # None: left to a lane that hung in it (never touched again)
-            close_quietly(self.envs[unit])
-            self.envs[unit] = None
+        self._drop(unit)
         self._keep(unit, self._build(unit))
 
     def _keep(self, unit: int, env: gym.Env) -> None:
@@ -141,11 +125,20 @@ class LocalHost:
         return out
 
     def _drop(self, unit: int) -> None:
-        env, self.envs[unit] = self.envs[unit], None
+        env, self.envs[unit] = self.envs[unit], None  # None: not here, or left to a lane that hung in it
         close_quietly(env)
 
     async def _call(self, unit: int, op: str, fn, *args):
-        raise NotImplementedError
+        """``fn(*args)`` where the host runs its rare calls; an exception becomes the unit's :class:`EnvStepError`."""
+        try:
+            return await self._invoke(unit, fn, args)
+        except EnvStepError:
+            raise
+        except Exception as exc:
+            raise EnvStepError(unit, op, describe(exc)) from exc
+
+    async def _invoke(self, unit: int, fn, args):
+        return fn(*args)  # on the loop; the lane host runs it in a lane
 
     async def reset(self, unit: int, seed: Any = None) -> tuple[Any, Any]:
         return await self._call(unit, "reset", self._reset, unit, seed)
@@ -168,15 +161,15 @@ class LocalHost:
     def abandon(self, unit: int, limit_s: float) -> bool:
         return False
 
-    def _close_envs(self) -> None:
+    def close(self) -> None:
         for env in self.envs:
             close_quietly(env)
         self.envs = []
 
 
 class InlineHost(LocalHost):
-    """Steps on the event loop. A hung inline step holds the event loop itself: nothing here can
-    give it up."""
+    """Steps on the event loop: every block submitted within one loop iteration in one call soon
+    after, back as one block. A hung inline step holds the event loop itself: nothing can give it up."""
 
     backend = SimBackend.INLINE
 
@@ -202,33 +195,19 @@ class InlineHost(LocalHost):
         t0, c0 = perf_counter(), thread_time()
         for unit in self._units(ids):
             try:
-                self._step(unit, account=False)
+                self._commit(unit)
             except Exception as exc:
                 errors += self._errors(unit, exc)
         if errors:
-            failed = {i for i, _ in errors}
-            ids = np.array([i for i in ids.tolist() if i not in failed], np.int64)
-        if len(ids):
-            n = len(ids)
+            ids = ids[~np.isin(ids, [i for i, _ in errors])]
+        if n := len(ids):
             self.rows.cost[ids] += (1.0, (perf_counter() - t0) / n, (thread_time() - c0) / n, 0.0)
         self.outbox.put(self.rows.block(ids, errors))
 
     async def rebuild(self, unit: int) -> None:
         """Build the unit anew: off the loop, under ``build_timeout_s``."""
-        old, self.envs[unit] = self.envs[unit], None
-        close_quietly(old)
+        self._drop(unit)
         env = await self._build_off_loop(unit)
         if env is None:
             raise EnvStepError(unit, "env_fn", self.unbuilt[unit])
         self._keep(unit, env)
-
-    async def _call(self, unit: int, op: str, fn, *args):
-        try:
-            return fn(*args)
-        except EnvStepError:
-            raise
-        except Exception as exc:
-            raise EnvStepError(unit, op, describe(exc)) from exc
-
-    def close(self) -> None:
-        self._close_envs()

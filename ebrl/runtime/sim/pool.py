@@ -1,20 +1,11 @@
 """SimPool: every env of a run, each on a host, behind one send/recv interface.
 
-The pool routes each env to one of two hosts and does, once, what does not depend on where an
-env steps: routing a submitted block, resets, rebuilds, moves, costs, reset seeds, timeouts.
-
-- the **local host**, in this process: :class:`~ebrl.runtime.sim.local.InlineHost` steps on the
-  event loop (envs cheaper than a thread hop), :class:`~ebrl.runtime.sim.lanes.LaneHost`
-  on lane threads (simulators that release the GIL);
-- the **worker host**, :class:`~ebrl.runtime.sim.workers.WorkerHost`: worker processes (GIL-bound
-  Python envs, which is most gymnasium envs).
-
-Every host steps a unit with the same function (:func:`~ebrl.runtime.sim.stepping.step_unit`)
-into its rows and hands back :class:`~ebrl.runtime.sim.block.Block` objects through the pool's
-one :class:`~ebrl.runtime.sim.block.Outbox`. A run whose envs may move (``sim.backend="mixed"``,
-or AUTO, which the controller then tunes) has both hosts: each env on the lanes
-(``placement == LOCAL``) or on a worker, moved at an episode end by :meth:`SimPool.migrate`,
-rebuilt from ``env_fn`` where it goes.
+Each env steps on the **local host** (:class:`~ebrl.runtime.sim.local.InlineHost` on the event
+loop, :class:`~ebrl.runtime.sim.lanes.LaneHost` on lane threads) or the **worker host**
+(:class:`~ebrl.runtime.sim.workers.WorkerHost`: processes, for GIL-bound Python envs). Every host
+steps a unit with :func:`~ebrl.runtime.sim.stepping.step_unit` and hands back blocks through the
+pool's one outbox. A pool whose envs may move has both hosts; :meth:`SimPool.migrate` moves an env
+at an episode end, rebuilt from ``env_fn`` where it goes.
 
     >>> import asyncio, gymnasium as gym
     >>> from ebrl.config import SimConfig
@@ -55,19 +46,15 @@ LOCAL = NOWHERE  # the placement of an env on the local host: no worker hosts it
 
 
 class SimPool:
-    """``num_envs`` envs built by ``env_fn(i)`` (or ``num_envs // sim.vector_size`` vector envs),
-    stepped a block at a time: :meth:`submit` starts the steps of a block of idle envs and returns
-    at once; their results come back from ``await pool.recv()``, in one or more blocks
-    (PufferLib's and EnvPool's send/recv). A *unit* is one env, or one vector env (``reset`` and
-    ``rebuild`` take units; ``submit`` takes env ids, whole units at a time).
+    """``num_envs`` envs built by ``env_fn(i)`` (or ``num_envs // sim.vector_size`` vector envs):
+    :meth:`submit` starts the steps of a block of idle envs and returns at once; their results come
+    back from ``await pool.recv()`` (PufferLib's and EnvPool's send/recv). A *unit* is one env, or
+    one vector env (``reset`` and ``rebuild`` take units; ``submit`` takes env ids, whole units).
 
-    ``backend``: where the envs step (default ``cfg.backend``; ``auto`` is the start rule's to
-    resolve, except for vector envs, which go on lanes). ``lanes``: thread lanes (default
-    ``cfg.num_threads``, else 2). With ``movable`` (AUTO chose the backend and the controller may
-    move envs), plain envs on lanes or workers get both hosts, starting on ``backend``.
-    ``spaces``: env 0's (the start-up probe's), so nothing is built to learn them;
-    ``build_timeout_s``: each env build's deadline (``faults.build_timeout_s``). ``local_hosts``:
-    the local host class of the ``inline`` and ``thread`` backends (virtual time replaces them).
+    ``backend`` defaults to ``cfg.backend`` (``auto`` is the start rule's to resolve, except for
+    vector envs, which go on lanes). With ``movable``, plain envs get both hosts. ``spaces``: env
+    0's, so nothing is built to learn them. ``local_hosts``: the local host class of the ``inline``
+    and ``thread`` backends (virtual time replaces them).
     """
 
     def __init__(self, env_fn: EnvFn, num_envs: int, cfg: SimConfig | None = None, *,
@@ -99,6 +86,7 @@ class SimPool:
         if backend is SimBackend.PROCESS or both:
             self.remote = WorkerHost(env_fn, num_envs, self.outbox, cfg.num_workers or usable_cpus(),
                                      cfg.start_method, cfg.reply_hold_s, build_timeout_s)
+        self.hosts = [h for h in (self.local, self.remote) if h is not None]
         self.start_method, self.build_timeout_s = cfg.start_method, build_timeout_s
         self.on_local = np.full(num_envs, backend is not SimBackend.PROCESS)  # env -> on the local host
         self.mixed = both  # envs may move between the lanes and the workers
@@ -107,8 +95,6 @@ class SimPool:
         self._moved_out = 0  # envs moved from a worker to the lanes
         self.observation_space: gym.Space | None = None
         self.action_space: gym.Space | None = None
-
-    # ---------------------------------------------------------------- where the envs are
 
     @property
     def backend(self) -> SimBackend:
@@ -129,10 +115,7 @@ class SimPool:
     @property
     def size(self) -> int:
         """What hosts the envs now: the lanes, the workers, or both once the envs are split."""
-        backend = self.backend
-        if backend is SimBackend.PROCESS:
-            return self.workers
-        return self.lanes if backend is not SimBackend.MIXED else self.lanes + self.workers
+        return (self.lanes if self.on_local.any() else 0) + (0 if self.on_local.all() else self.workers)
 
     @property
     def placement(self) -> np.ndarray:
@@ -151,11 +134,8 @@ class SimPool:
     def _host(self, env_id: int) -> LocalHost | WorkerHost:
         return self.local if self.on_local[env_id * self.vector_size] else self.remote
 
-    # ---------------------------------------------------------------- send / recv
-
     async def start(self) -> None:
-        """Build the envs where they start; afterwards ``observation_space``/``action_space``
-        are one env's."""
+        """Build the envs where they start, and learn one env's spaces."""
         first, other = (self.local, self.remote) if self.on_local.all() else (self.remote, self.local)
         try:
             spaces = self.spaces
@@ -196,8 +176,7 @@ class SimPool:
         return self.outbox.get()
 
     async def reset(self, unit: int, seed: Any = None) -> tuple[Any, Any]:
-        """Reset a unit. A plain env: ``(obs, info)``; a vector env takes a list of seeds (every
-        row) or ``{row: seed}`` (some rows) and returns ``({row: obs}, {row: info})``."""
+        """Reset a unit (see :func:`~ebrl.runtime.sim.stepping.reset_unit`)."""
         return await self._host(unit).reset(unit, seed)
 
     async def rebuild(self, unit: int) -> None:
@@ -226,8 +205,6 @@ class SimPool:
             await self.local.drop(env_id)
         return out
 
-    # ---------------------------------------------------------------- sizes
-
     def resize(self, n: int) -> None:
         """The local host's lanes."""
         if n < 1:
@@ -247,39 +224,29 @@ class SimPool:
     def worker_pids(self) -> list[int]:
         return self.remote.worker_pids() if self.remote is not None else []
 
-    # ---------------------------------------------------------------- timeouts, seeds, costs
-
     def abandon_late(self, limit_s: float) -> list[int]:
-        """Give up the steps that started more than ``limit_s`` ago (``faults.step_timeout_s``):
-        each comes back as a :class:`TimedOut` error and the driver rebuilds its unit (a lane
-        replaced, a worker killed and respawned). Returns the units given up. A step still
-        waiting for a lane or for its worker-mates is not late; a hung inline step holds the
-        event loop itself, and nothing can give it up."""
-        return [u for host in (self.local, self.remote) if host is not None for u in host.abandon_late(limit_s)]
+        """Give up the steps that started more than ``limit_s`` ago (not those still waiting for a
+        lane or for worker-mates): each comes back as a :class:`TimedOut` error. Returns their units."""
+        return [u for host in self.hosts for u in host.abandon_late(limit_s)]
 
     def abandon(self, unit: int, limit_s: float) -> bool:
-        """Give up unit ``unit``'s reset or rebuild if it has *run* (not waited for a lane or for
-        its worker-mates) over ``limit_s``. The driver times those calls and, on True, fails the
-        call as ``timeout`` and rebuilds the unit; on False it waits on."""
+        """Give up unit ``unit``'s reset or rebuild if it has *run* (not waited) over ``limit_s``."""
         return self._host(unit).abandon(unit, limit_s)
 
     def set_reset_seeds(self, ids: np.ndarray, seeds: np.ndarray) -> None:
-        """The seeds of the autoresets inside the steps that end these envs' episodes (the
-        driver's, under ``RunConfig.reset_group``); both hosts' rows, as an env may move."""
-        for host in (self.local, self.remote):
-            if host is not None and host.rows is not None:
+        """The seeds of the autoresets inside the steps that end these envs' episodes (under
+        ``RunConfig.reset_group``); both hosts' rows, as an env may move."""
+        for host in self.hosts:
+            if host.rows is not None:
                 host.rows.reset_seed[ids] = np.asarray(seeds, np.int64) + 1
 
     def costs(self) -> np.ndarray | None:
-        """A copy of the per-env step costs (``[num_envs, 4]``: steps, wall, CPU and queue seconds,
-        summed since start over both hosts; see :attr:`StepRows.cost`), or None before start."""
-        parts = [h.rows.cost.copy() for h in (self.local, self.remote)
-                 if h is not None and h.rows is not None and h.rows.cost is not None]
+        """The per-env step costs summed over both hosts (:attr:`StepRows.cost`), or None before start."""
+        parts = [h.rows.cost.copy() for h in self.hosts if h.rows is not None and h.rows.cost is not None]
         return sum(parts[1:], parts[0]) if parts else None
 
     def close(self) -> None:
         """Release every thread, process and env. Safe to call twice."""
-        for host in (self.local, self.remote):
-            if host is not None:
-                host.close()
+        for host in self.hosts:
+            host.close()
         self.outbox.close()

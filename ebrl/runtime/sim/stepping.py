@@ -1,17 +1,14 @@
 """Stepping one unit, the function every host runs: the inline host on the event loop, a lane
 in its thread, a worker in its process (as PufferLib's workers each run a ``Serial``).
 
-A unit is one env, or one vector env of ``V`` envs (``sim.vector_size``): a simulator stepping
-many envs per call, such as ManiSkill on a GPU or any gymnasium ``VectorEnv``. Its ``V`` envs are
-envs ``k*V ... k*V + V-1`` of the run; inside it the simulator itself is the barrier, and its
-reply is one block of ``V`` rows.
+A unit is one env, or one vector env of ``V`` envs (``sim.vector_size``, e.g. ManiSkill on a
+GPU): envs ``k*V ... k*V + V-1`` of the run, whose reply is one block of ``V`` rows.
 
 Every unit resets an env in the same call as the step that ends its episode (gymnasium's
-``AutoresetMode.SAME_STEP``): the row's observation is then the first of the next episode, and
-``final_obs`` the last one of the episode that ended. A vector env must do so itself, or not
-at all (``DISABLED``: the finished rows are then reset here with ``options={"reset_mask": mask}``);
-gymnasium's default, ``NEXT_STEP``, is refused: its step after an episode's end is a reset that
-ignores the action, so the runtime would record a transition that never happened.
+``AutoresetMode.SAME_STEP``), ``final_obs`` keeping the ended episode's last observation. A vector
+env must do so itself, or not at all (``DISABLED``: its finished rows are reset here). Gymnasium's
+default, ``NEXT_STEP``, is refused: its step after an episode's end ignores the action, so the
+runtime would record a transition that never happened.
 
     >>> import gymnasium as gym
     >>> venv = gym.make_vec("CartPole-v1", num_envs=3, vectorization_mode="sync",
@@ -23,6 +20,7 @@ ignores the action, so the runtime would record a transition that never happened
 
 from __future__ import annotations
 
+import contextlib
 import math
 import traceback
 from collections.abc import Callable
@@ -33,7 +31,7 @@ import numpy as np
 
 from ebrl.runtime.errors import EnvStepError
 from ebrl.runtime.sim.block import StepRows
-from ebrl.spaces import all_finite, copy_tree, finite_rows, index, tree_map, unstack
+from ebrl.spaces import all_finite, copy_tree, finite_rows, index, unstack
 from ebrl.spaces import write as write_rows
 
 EnvFn = Callable[[int], gym.Env]
@@ -42,9 +40,8 @@ SAME_STEP, DISABLED = gym.vector.AutoresetMode.SAME_STEP, gym.vector.AutoresetMo
 
 
 def step_unit(env: gym.Env, rows: StepRows, unit: int, vector_size: int = 1, write=None) -> float:
-    """Step unit ``unit`` with the actions in its rows and write the results there (the NaN/inf
-    check runs here, where the step runs) with ``write`` (default ``rows.write``; a lane's checks
-    first that its step was not abandoned). ``rows.reset_seed[i] - 1`` (0: unseeded) seeds the
+    """Step unit ``unit`` with the actions in its rows and ``write`` the results there (default
+    ``rows.write``), NaN/inf checked here, where the step runs. ``rows.reset_seed`` seeds the
     autoreset of an env whose episode ends. Returns the step's declared cost (virtual time)."""
     write = write or rows.write
     if vector_size == 1:
@@ -60,12 +57,11 @@ def _step_env(env: gym.Env, rows: StepRows, i: int, write) -> float:
     reward = float(reward)
     finite = math.isfinite(reward) and all_finite(obs)
     final = {}
-    if terminated or truncated:
-        final, final_info = {0: obs}, info
+    if terminated or truncated:  # the next episode's first observation comes back with this step
+        final = {0: obs}
         seed = int(rows.reset_seed[i]) - 1
-        obs, info = reset_env(env, seed if seed >= 0 else None)
-        finite = finite and all_finite(obs)  # the next episode's first observation comes back with this step
-        info = final_info
+        obs, _ = reset_env(env, seed if seed >= 0 else None)  # the step's info, not the reset's, is read below
+        finite = finite and all_finite(obs)
     write(i, obs, reward, bool(terminated), bool(truncated), finite, success_flag(info), final,
           _chunk(info, rows) if rows.chunk_steps is not None else None)
     return cost
@@ -102,14 +98,13 @@ def reset_env(env: gym.Env, seed: int | None = None) -> tuple[Any, dict]:
 
 
 def reset_unit(env: gym.Env, seed: Any, vector_size: int = 1) -> tuple[Any, Any]:
-    """Reset a unit. A plain env: ``(obs, info)``; a vector env takes a list of seeds (every
-    row) or ``{row: seed}`` (some rows) and returns ``({row: obs}, {row: info})``."""
+    """Reset a unit: a plain env's ``(obs, info)``; a vector env takes a list of seeds (every row)
+    or ``{row: seed}`` (some rows) and returns ``({row: obs}, {row: info})``."""
     if vector_size == 1:
         return reset_env(env, seed)
     n = env.num_envs
     if isinstance(seed, dict):
-        mask = np.zeros(n, bool)
-        mask[list(seed)] = True
+        mask = np.isin(np.arange(n), list(seed))
         obs, infos = env.reset(seed=[seed.get(i) for i in range(n)], options={"reset_mask": mask})
         rows = sorted(seed)
     else:
@@ -120,8 +115,8 @@ def reset_unit(env: gym.Env, seed: Any, vector_size: int = 1) -> tuple[Any, Any]
 
 
 def build_unit(env_fn: EnvFn, unit: int, vector_size: int = 1) -> gym.Env:
-    """``env_fn(unit)``: its failure is the unit's :class:`EnvStepError`; a vector env is
-    checked (refused as TypeError or ValueError: a configuration error, not a fault to retry)."""
+    """``env_fn(unit)``, failing as the unit's :class:`EnvStepError`; a vector env that cannot be hosted
+    is refused with TypeError or ValueError (a configuration error, not a fault to retry)."""
     try:
         env = env_fn(unit)
     except Exception as exc:
@@ -188,9 +183,8 @@ def _step_vector(venv: gym.vector.VectorEnv, rows: StepRows, ids: np.ndarray, wr
     same_step = done.any() and autoreset_mode(venv) is not DISABLED
     if done.any():
         if not same_step:  # DISABLED: the finished rows are reset here
-            final_obs = {int(i): index(obs, int(i)) for i in np.flatnonzero(done)}
+            final_obs = {int(i): copy_tree(index(obs, int(i))) for i in np.flatnonzero(done)}
             reset_obs, _ = reset_unit(venv, {i: None for i in final_obs}, n)
-            obs = tree_map(np.copy, obs)
             for i, o in reset_obs.items():
                 write_rows(obs, i, o)
                 finite[i] &= all_finite(o)
@@ -239,11 +233,9 @@ def single_spaces(env: gym.Env | gym.vector.VectorEnv) -> tuple[gym.Space, gym.S
 
 def close_quietly(env: gym.Env | None) -> None:
     """Close an env that is being replaced or shut down; its own errors no longer matter."""
-    try:
-        if env is not None:
+    if env is not None:
+        with contextlib.suppress(Exception):
             env.close()
-    except Exception:
-        pass
 
 
 def describe(exc: BaseException) -> str:

@@ -1,25 +1,20 @@
 """One worker process of :class:`~ebrl.runtime.sim.workers.WorkerHost`: the parent's handle on
 it (:class:`WorkerLink`: its :class:`~ebrl.runtime.children.Child`, what is queued for it and
-what it owes) and the process's own loop (:func:`worker_main`: messages, streamed replies,
-requests), which steps its envs with the hosts' one stepping function. What a reply or a death
-means is the host's; the child's life (start, reader, death, kill, reap) is the Child's.
+what it owes) and the process's own loop (:func:`worker_main`), which steps its envs with the
+hosts' one stepping function. The child's life (start, reader, death, kill, reap) is the Child's.
 
-Every array of :class:`StepRows` (one per observation key, for ``obs`` and ``final_obs``, plus
-actions, rewards, flags and per-env costs) is a shared-memory block made by the parent, so a
-step request or reply is a 1-byte tag and the int32 env ids: nothing is pickled per step. Only
-errors, resets, rebuilds and migrations are pickled. Workers add each step's wall time, the
-worker process's CPU time during it (helper threads of the simulator included) and its wait in
-the worker (from the message's arrival to the step's start) to the env's row of ``cost``;
-the pool reads snapshots.
+Every array of :class:`StepRows` is a shared-memory block made by the parent, so a step request
+or reply is a 1-byte tag and the int32 env ids: only errors, resets, rebuilds and migrations are
+pickled. A worker adds each step's wall time, its process's CPU time during it (a simulator's
+helper threads included) and its wait in the worker to the env's row of ``cost``.
 
-Submits made in one loop iteration go out as one message per worker. The worker steps that
-message's envs cheapest first (by an EWMA of each env's step wall time) and streams replies,
-so no env waits for the slowest of its message: it sends the ids finished so far (a) before
-stepping an env whose EWMA cost exceeds ``reply_hold_s``, or 3x the mean of the envs stepped
-before it in the message and 100 µs (a straggler), and (b) after a step, once the oldest unsent one
-finished more than ``reply_hold_s`` ago; the rest goes at the end. Envs of even cost thus come
-back in one reply per message, or one per ``reply_hold_s`` (each reply costs the event loop a
-block: too fine a stream spends the CPU that CPU-bound simulators need).
+A worker steps a message's envs cheapest first (by an EWMA of each env's step wall time) and
+streams replies, so no env waits for the slowest of its message: it sends the ids finished so
+far (a) before stepping an env whose EWMA cost exceeds ``reply_hold_s``, or 3x the mean of the
+envs stepped before it in the message and 100 µs (a straggler), and (b) after a step, once the
+oldest unsent one finished over ``reply_hold_s`` ago. Envs of even cost thus come back in one
+reply per message, or one per ``reply_hold_s`` (each reply costs the event loop a block: too fine
+a stream spends the CPU that CPU-bound simulators need).
 """
 
 from __future__ import annotations
@@ -34,7 +29,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from ebrl.runtime.children import READY, Child, child_context
+from ebrl.runtime.children import READY, Child
 from ebrl.runtime.errors import EnvStepError
 from ebrl.runtime.sim.block import STEPS, WALL, StepRows, release_shared, shm_alloc
 from ebrl.runtime.sim.stepping import EnvFn, close_quietly, describe, reset_env, step_unit
@@ -122,28 +117,21 @@ def _step_message(conn, envs, rows: StepRows, cost: list, ids: list[int], hold_s
         send()
 
 
-def _serve(envs: dict[int, gym.Env], env_fn: EnvFn, requests: list[tuple[str, int, Any]],
-           rows: StepRows | None = None, cost: list | None = None) -> list:
+def _serve(envs: dict[int, gym.Env], env_fn: EnvFn, requests: list[tuple[str, int, Any]], rows: StepRows,
+           cost: list) -> list:
     """Answer pickled requests ``(op, env_id, arg)`` in order, one reply ``(env_id, ok, payload)``
-    each; a failure's payload is its description, or ``(op, description)`` naming the part of
-    the request that failed (``adopt``: ``env_fn`` or ``reset``).
-
-    ``reset`` (arg: seed) -> (obs, info); ``rebuild`` (also an env's first build) -> None; ``adopt`` (arg: seed) builds the
-    env from ``env_fn`` and resets it -> (obs, info), keeping nothing if either fails; ``drop``
-    closes the env and forgets it -> None.
-    """
+    each (a failure's payload: its description). ``reset`` (arg: seed) -> (obs, info); ``rebuild``
+    (also an env's first build) -> None; ``adopt`` (:func:`_adopt`); ``drop`` closes the env -> None."""
     replies = []
     for op, i, arg in requests:
-        if rows is not None:
-            rows.started[i] = time.perf_counter()  # the parent's reset timeout counts from here
+        rows.started[i] = time.perf_counter()  # the parent's reset timeout counts from here
         try:
             if op == "adopt":
-                replies.append((i, True, _adopt(envs, env_fn, i, arg, rows, cost)))
+                replies.append(_adopt(envs, env_fn, i, arg, rows, cost))
                 continue
             if op == "drop":
                 close_quietly(envs.pop(i))
-                if cost is not None:
-                    cost[i] = None
+                cost[i] = None
                 replies.append((i, True, None))
                 continue
             if op == "rebuild":  # the env may be missing: its worker was respawned, or a build failed
@@ -155,67 +143,49 @@ def _serve(envs: dict[int, gym.Env], env_fn: EnvFn, requests: list[tuple[str, in
                 raise LookupError(f"env {i} is not built in this worker (its build failed, or the worker was "
                                   "respawned): rebuild the env")
             replies.append((i, True, reset_env(envs[i], seed=arg) if op == "reset" else None))
-        except _AdoptError as exc:
-            replies.append((i, False, (exc.op, exc.detail)))
         except Exception as exc:
             replies.append((i, False, describe(exc)))
         finally:
-            if rows is not None:
-                rows.started[i] = 0.0
+            rows.started[i] = 0.0
     return replies
 
 
-class _AdoptError(Exception):
-    def __init__(self, op: str, detail: str):
-        super().__init__(op, detail)
-        self.op, self.detail = op, detail
-
-
-def _adopt(envs: dict[int, gym.Env], env_fn: EnvFn, i: int, seed: Any, rows: StepRows | None,
-           cost: list | None) -> tuple[Any, dict]:
+def _adopt(envs: dict[int, gym.Env], env_fn: EnvFn, i: int, seed: Any, rows: StepRows, cost: list) -> tuple:
+    """The reply to ``adopt`` (arg: seed): the env built and reset here -> (obs, info), or, keeping
+    nothing, ``(op, description)`` naming the part that failed (``env_fn`` or ``reset``)."""
     stale = envs.pop(i, None)  # a copy left by a cancelled migration: the parent's placement decides
     if stale is not None:
         close_quietly(stale)
     try:
         env = env_fn(i)
-    except Exception as exc:
-        raise _AdoptError("env_fn", describe(exc)) from exc
+    except Exception as exc:  # noqa: BLE001 (the reply says it)
+        return i, False, ("env_fn", describe(exc))
     try:
         out = reset_env(env, seed=seed)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 (the reply says it)
         close_quietly(env)
-        raise _AdoptError("reset", describe(exc)) from exc
+        return i, False, ("reset", describe(exc))
     envs[i] = env
-    if cost is not None and rows is not None and rows.cost[i, STEPS] > 0:
-        # seed the step-order EWMA with the env's mean step time where it ran before
+    if rows.cost[i, STEPS] > 0:  # seed the step-order EWMA with the env's mean step time where it ran before
         cost[i] = float(rows.cost[i, WALL] / rows.cost[i, STEPS])
-    return out
+    return i, True, out
 
 
 class WorkerLink:
     """Worker ``index``: its child process, and its queues."""
 
-    def __init__(self, index: int, child: Child, loop: asyncio.AbstractEventLoop | None):
-        self.index, self.child, self.loop = index, child, loop
+    def __init__(self, index: int, child: Child):
+        self.index, self.child = index, child
         self.steps: list[np.ndarray] = []  # ids whose actions are written, not yet sent
         self.requests: list[tuple[str, int, Any]] = []  # pickled requests, not yet sent
         self.waiting: deque[tuple[int, str, asyncio.Future]] = deque()  # sent requests, in order
         self.dead: str | None = None  # why it is gone
 
-    @classmethod
-    def spawn(cls, start_method: str | None, loop: asyncio.AbstractEventLoop | None, index: int, env_fn: EnvFn,
-              num_envs: int, reply_hold_s: float, attach: tuple) -> WorkerLink:
-        """Start worker ``index`` (fork-safely: :func:`~ebrl.runtime.children.child_context`), hosting
-        no env yet and mapping the shared memory named in ``attach`` at once."""
-        child = Child.start(f"ebrl-sim-worker-{index}", worker_main, env_fn, num_envs, reply_hold_s, attach,
-                            ctx=child_context(start_method)[0])
-        return cls(index, child, loop)
-
     def request(self, op: str, env_id: int, arg: Any) -> asyncio.Future:
         """Queue request ``op`` (sent, pickled, by the next :meth:`flush`); the future gets its reply."""
         if self.dead is not None:
             raise RuntimeError(f"env {env_id}: {self.dead}")
-        fut = self.loop.create_future()
+        fut = asyncio.get_running_loop().create_future()
         self.requests.append((op, env_id, arg))
         self.waiting.append((env_id, op, fut))
         return fut
@@ -244,11 +214,6 @@ class WorkerLink:
         except OSError:
             return False
         return True
-
-    def mark_dead(self) -> None:
-        """Its pipe closed: stop watching it, and say in ``dead`` how it ended."""
-        self.child.unwatch()
-        self.dead = f"worker {self.index} died ({self.child.exit_reason()})"
 
     def retire(self) -> None:
         """Stop watching it and tell it to quit (after what it was sent); its requests' futures

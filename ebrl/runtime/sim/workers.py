@@ -19,12 +19,12 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from ebrl.runtime.children import READY, helpers_scope
+from ebrl.runtime.children import READY, Child, child_context
 from ebrl.runtime.errors import EnvStepError, Fault, TimedOut, WorkerDied
 from ebrl.runtime.sim.block import Outbox, StepRows, release_shared, shm_alloc
 from ebrl.runtime.sim.stepping import EnvFn
-from ebrl.runtime.sim.worker import ERRORS, PICKLED, WorkerLink
-from ebrl.runtime.threads import forget, in_thread
+from ebrl.runtime.sim.worker import ERRORS, PICKLED, WorkerLink, worker_main
+from ebrl.runtime.threads import forget, helpers_scope, in_thread
 from ebrl.spaces import index
 from ebrl.telemetry.logging import get_logger
 
@@ -45,11 +45,9 @@ class WorkerHost:
         self.spaces: tuple[gym.Space, gym.Space] | None = None
         self._workers: list[WorkerLink] = []
         self._retired: list[WorkerLink] = []  # told to quit by resize, joined at close
-        self._starting: list[WorkerLink] = []  # forked by grow(), not yet serving
         self._loop: asyncio.AbstractEventLoop | None = None
         self.rows: StepRows | None = None
         self._blocks: list[shared_memory.SharedMemory] = []
-        self._attach: tuple | None = None  # (block names, spaces): what a worker needs to join
         self._busy = np.zeros(num_envs, bool)  # steps in flight, to report if a worker dies
         # perf_counter when each env's latest step message was sent: a step cannot have started
         # before it, so an older StepRows.started is stale and never times a step out
@@ -70,9 +68,10 @@ class WorkerHost:
     workers = property(lambda self: self._num_workers)  # a dead one still counts: it holds its envs' places
     placement = property(lambda self: self._placement.copy())  # env -> worker (a copy; NOWHERE: not hosted here)
 
-    def _spawn(self, w: int) -> WorkerLink:
-        return WorkerLink.spawn(self.start_method, self._loop, w, self.env_fn, self.num_envs, self.reply_hold_s,
-                                self._attach)
+    def _worker(self, w: int) -> tuple:
+        """Worker ``w``'s name, main and arguments (it hosts no env yet, and maps the shared memory at once)."""
+        attach = ([b.name for b in self._blocks], *self.spaces)
+        return f"ebrl-sim-worker-{w}", worker_main, self.env_fn, self.num_envs, self.reply_hold_s, attach
 
     def worker_pids(self) -> list[int]:  # the live ones' (CPU affinity is set per process)
         return [w.child.pid for w in self._workers if w.dead is None]
@@ -122,7 +121,6 @@ class WorkerHost:
     def _make_rows(self) -> None:
         resource_tracker.ensure_running()  # before the first worker starts (see grow()); a no-op once running
         self.rows = StepRows(self.num_envs, *self.spaces, alloc=shm_alloc(self._blocks))
-        self._attach = ([b.name for b in self._blocks], *self.spaces)
 
     def _schedule_flush(self) -> None:
         if not self._flush_scheduled:
@@ -216,7 +214,8 @@ class WorkerHost:
         a simulator that crashes its process must not be respawned for ever."""
         if worker.dead is not None:
             return
-        worker.mark_dead()
+        worker.child.unwatch()
+        worker.dead = f"worker {worker.index} died ({worker.child.exit_reason()})"
         running = set()
         if self.rows is not None:  # its starts are stale: a rebuild queued in the new worker is not late
             running = {e for e, _, _ in worker.waiting if self.rows.started[e] > 0}
@@ -244,7 +243,7 @@ class WorkerHost:
 
     def _respawn(self, dead: WorkerLink) -> None:
         # forked on the loop (a few ms): a fault's path, not a step's
-        new = self._spawn(dead.index)
+        new = WorkerLink(dead.index, Child.start(*self._worker(dead.index), ctx=child_context(self.start_method)[0]))
         self._workers[dead.index] = new
         new.child.watch(self._loop, self._on_readable, new)
         self._retired.append(dead)  # joined at close
@@ -252,8 +251,7 @@ class WorkerHost:
         log.warning("sim_worker_respawned", worker=dead.index, reason=dead.dead)
 
     def abandon_late(self, limit_s: float) -> list[int]:
-        """SIGKILL each worker whose running step started over ``limit_s`` ago (respawned; see
-        :meth:`_fail_worker`)."""
+        """SIGKILL each worker whose running step started over ``limit_s`` ago (respawned: :meth:`_fail_worker`)."""
         if self.rows is None:
             return []
         # one read of the shared row, which the workers write meanwhile (read twice, a step ending
@@ -267,8 +265,8 @@ class WorkerHost:
         return [env_id for env_id in np.flatnonzero(over & ~stale).tolist() if self._kill_for(env_id)]
 
     def _kill_for(self, env_id: int) -> bool:
-        """SIGKILL env ``env_id``'s worker for its hung call: its pipe closes, and
-        :meth:`_on_readable` sees it die. False if it is dead or dying already."""
+        """SIGKILL env ``env_id``'s worker for its hung call (:meth:`_on_readable` sees it die); False
+        if it is dead or dying already."""
         worker = self._workers[self._placement[env_id]]
         if worker.dead is not None or worker.child.killed:
             return False
@@ -369,25 +367,18 @@ class WorkerHost:
 
     async def grow(self, n: int) -> None:
         """Start workers up to ``n``, each forked off the event loop (a fork copies this process's
-        page tables holding the GIL: milliseconds with torch loaded); one being forked when the
-        caller is cancelled is joined by :meth:`close`. The first makes the shared memory."""
+        page tables holding the GIL: milliseconds with torch loaded). The first makes the shared memory."""
         if self.rows is None and self._loop is not None and not self._closed:
             # the shared memory first: its resource tracker is then the workers' too (a worker
             # starting its own would unlink the blocks when it exits). Starting the tracker forks
             await in_thread(self._make_rows, name="ebrl-sim-shm")
         self._check_open()
-
-        def spawn(w: int) -> WorkerLink:
-            worker = self._spawn(w)
-            self._starting.append(worker)  # close() finds it there, whatever happens to the caller
-            return worker
-
         for w in range(self._num_workers, int(n)):
-            worker = await in_thread(spawn, w, name="ebrl-sim-spawn")
+            child = await Child.start_off_loop(*self._worker(w), ctx=child_context(self.start_method)[0])
+            worker = WorkerLink(w, child)
             if self._closed:  # closed while it forked: close() has joined the others
                 WorkerLink.stop([worker])
                 return
-            self._starting.remove(worker)
             self._workers.append(worker)
             worker.child.watch(self._loop, self._on_readable, worker)
             self._num_workers = w + 1
@@ -396,8 +387,8 @@ class WorkerHost:
         if self._closed:
             return
         self._closed = True
-        WorkerLink.stop(self._workers + self._retired + self._starting)
-        self._workers, self._retired, self._starting = [], [], []
+        WorkerLink.stop(self._workers + self._retired)
+        self._workers, self._retired = [], []
         release_shared(self.rows, self._blocks, unlink=True)
         self.rows = None
         self._helpers.close()
