@@ -135,4 +135,6 @@ def test_grpo_with_dynamic_sampling_learns_a_sparse_reach_from_near_zero():
     print(f"sparse reach success {start:.3f} -> {end:.3f}")
     assert start < 0.1
     assert end > 0.3
+    # the runtime counts what dynamic sampling dropped, and every step adds up
+    assert result.dropped["grpo_uniform_group"] > 0 and result.trained < result.env_steps
     assert result.accounting_ok()
