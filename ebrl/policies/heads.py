@@ -14,17 +14,8 @@ mapped smoothly into ``[LOG_STD_MIN, LOG_STD_MAX]``; an action is ``bias + scale
 ``u ~ N(mu, std)``, which stays inside the Box bounds (``scale``/``bias`` from them; ``(-1, 1)``
 without finite bounds). Its log-prob is the Gaussian's minus the log-Jacobian of the squash
 (SAC, Haarnoja et al. 2018, appendix C). :meth:`ActorCriticHeads.rsample` is the
-reparameterised sample an off-policy algorithm differentiates through.
-
-    >>> import torch
-    >>> from ebrl.policies import MLPPolicy
-    >>> policy = MLPPolicy(3, 2, action_head="squashed", action_low=-2.0, action_high=2.0, seed=0)
-    >>> a, logp = policy.rsample(policy.features(torch.zeros(5, 3)))
-    >>> a.shape, logp.shape, bool(a.abs().max() < 2.0)
-    (torch.Size([5, 2]), torch.Size([5]), True)
-    >>> lp, _, _ = policy.evaluate(torch.zeros(5, 3), a.detach())  # the same density, read back
-    >>> bool(torch.allclose(lp, logp, atol=1e-3))
-    True
+reparameterised sample an off-policy algorithm differentiates through (an example is in
+:mod:`ebrl.policies.mlp`).
 """
 
 from __future__ import annotations

@@ -22,6 +22,17 @@ Example::
     ...                          "desired_goal": gym.spaces.Box(-1, 1, (3,))})
     >>> MLPPolicy.from_spaces(goals, act_space).obs_dim  # a Fetch task's dict, without flattening it first
     13
+
+SAC's actor, the squashed head: samples inside the bounds, differentiable through ``rsample``::
+
+    >>> import torch
+    >>> policy = MLPPolicy.from_spaces(obs_space, act_space, action_head="squashed", seed=0)
+    >>> a, logp = policy.rsample(policy.features(torch.zeros(5, 3)))
+    >>> a.shape, logp.shape, bool(a.abs().max() < 2.0)
+    (torch.Size([5, 2]), torch.Size([5]), True)
+    >>> lp, _, _ = policy.evaluate(torch.zeros(5, 3), a.detach())  # the same density, read back
+    >>> bool(torch.allclose(lp, logp, atol=1e-3))
+    True
 """
 
 from __future__ import annotations
