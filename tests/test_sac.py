@@ -1,7 +1,7 @@
 """SAC and RLPD (ebrl/algos/sac.py) with the squashed Gaussian head (ebrl/policies/heads.py): the
 update's bookkeeping, a falling critic loss, config errors that name the field, checkpoints that
-resume exactly, pixels (DrQ), the command line, the process learner, and SAC learning a reach
-in virtual time."""
+resume exactly, pixels (DrQ), the command line, and SAC learning a reach on the thread learner
+in virtual time and on the process learner."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import ebrl
 from ebrl.algos import RLPD, SAC, Batch, ReplayBuffer
 from ebrl.config import ConfigError
 from ebrl.policies import CNNPolicy, MLPPolicy
-from ebrl.testing import MockEnv, run_virtual, torch_threads
+from ebrl.testing import run_virtual, torch_threads
 
 SMALL = {"batch_size": 32, "learning_starts": 0, "critic_hidden": (32, 32)}
 
@@ -192,19 +192,6 @@ def test_the_cli_trains_sac(tmp_path):
     assert rows[-1]["replay_stored"] == rows[-1]["replay_size"] >= 600 and sum(r["gradient_steps"] for r in rows) > 500
 
 
-def test_sac_trains_on_the_process_learner():
-    """The algorithm travels with the learner to its process and its state comes back at the end."""
-    policy = MLPPolicy(2, 2, action_head="squashed", action_low=-1.0, action_high=1.0, seed=0)
-    before = copy.deepcopy(policy.state_dict())
-    sac = SAC(**{**SMALL, "learning_starts": 64})
-    cfg = ebrl.RunConfig(num_envs=4, segment_len=8, total_env_steps=480, learner="process", sim={"backend": "inline"})
-    res = ebrl.run_sync(ebrl.Trainer(lambda i: MockEnv(dim=2, episode_len=8), policy, sac, cfg))
-    assert res.learner_mode == "process" and res.accounting_ok() and res.updates >= 5
-    assert res.history[-1]["replay_size"] >= 400 and sac.grad_steps >= 400  # handed back by the process
-    assert sac.state_dict()["critic"] is not None
-    assert not torch.equal(before["actor.0.weight"], policy.state_dict()["actor.0.weight"])
-
-
 # ---- SAC learns a reach in virtual time -------------------------------------------------------------
 
 EVAL_SEEDS = range(10_000, 10_048)
@@ -230,12 +217,17 @@ def evaluate(policy, deterministic: bool) -> tuple[float, float]:
 
 
 @pytest.mark.timeout(240)
-def test_sac_learns_a_reach_in_virtual_time():
+@pytest.mark.parametrize("learner", ["virtual", "process"])
+def test_sac_learns_a_reach(learner):
     """tests/test_learning_reach.py's ring-2d (PPO's learning tests' task) in 3,000 env steps, 4 envs
-    in segments of 8 (one gradient step per transition after 500): the mode's return closes most
+    in segments of 8 (one gradient step per transition after 500), on the thread learner in
+    virtual time and in a real run with the learner process (the algorithm travels there with
+    its replay, its state comes back at the end; both runs give the same numbers here), each
+    about 20 s on one core: the mode's return closes most
     of the gap to the scripted expert (measured: -17.7 -> -3.5, the expert's -2.1: 0.91 of it; the
     bar 0.6), and its success rate (within 0.05 of the target once) rises from 0 to 0.81 (0.02 to
-    0.94 with samples; the bar 0.5). About 30 s on one core."""
+    0.94 with samples; the bar 0.5). PPO (MLPPolicy, 16 envs x 32 steps, sync) on the same seeds:
+    -7.7 and success 0.38 after 3,000 steps, -2.8 and 1.0 after 15,000."""
     from tests.test_learning_reach import RingReach2D, episode_returns, expert_actions
 
     probe = RingReach2D()
@@ -244,12 +236,19 @@ def test_sac_learns_a_reach_in_virtual_time():
     (r0, s0), (rs0, ss0) = evaluate(policy, True), evaluate(policy, False)
     expert = float(episode_returns("ring-2d", 1, expert_actions("ring-2d", 1)).mean())
     sac = SAC(batch_size=128, learning_starts=500, critic_hidden=(64, 64), init_alpha=0.1)
-    res = run_virtual(ebrl.Trainer(lambda i: RingReach2D(), policy, sac,
-                                   ebrl.RunConfig(num_envs=4, segment_len=8, total_env_steps=3000, seed=0)))
+    if learner == "virtual":  # the thread learner, in virtual time
+        res = run_virtual(ebrl.Trainer(lambda i: RingReach2D(), policy, sac,
+                                       ebrl.RunConfig(num_envs=4, segment_len=8, total_env_steps=3000, seed=0)))
+    else:  # a real run, the algorithm in the learner process; sync: the same batches whatever the load
+        cfg = ebrl.RunConfig(num_envs=4, segment_len=8, total_env_steps=3000, seed=0, schedule="sync",
+                             learner="process", sim={"backend": "inline"})
+        res = ebrl.run_sync(ebrl.Trainer(lambda i: RingReach2D(), policy, sac, cfg))
     assert res.accounting_ok() and res.env_steps == 3000 and res.history[-1]["replay_stored"] == 3000
+    assert learner == "virtual" or res.learner_mode == "process"
+    assert sac.grad_steps == 2520 and sac.state_dict()["critic"] is not None  # from the process, at its end
     (r1, s1), (rs1, ss1) = evaluate(policy, True), evaluate(policy, False)
     closed = (r1 - r0) / (expert - r0)
-    print(f"ring-2d SAC: return {r0:.2f} -> {r1:.2f} (expert {expert:.2f}, closed {closed:.2f}), success "
+    print(f"ring-2d SAC ({learner}): return {r0:.2f} -> {r1:.2f} (expert {expert:.2f}, closed {closed:.2f}), success "
           f"{s0:.2f} -> {s1:.2f}; samples {rs0:.2f} -> {rs1:.2f}, success {ss0:.2f} -> {ss1:.2f}; "
           f"{sac.grad_steps} gradient steps, alpha {sac.alpha:.3f}")
     assert closed >= 0.6 and s1 >= 0.5 and ss1 >= 0.5 and rs1 > rs0 + 0.6 * (expert - rs0)
