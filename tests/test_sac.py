@@ -61,6 +61,20 @@ def test_update_fills_the_replay_and_takes_the_steps_the_data_earns():
     assert torch.equal(before["critic.0.weight"], policy.state_dict()["critic.0.weight"])  # V head: not SAC's
 
 
+def test_a_nan_loss_steps_nothing_and_says_so():
+    policy = squashed()
+    sac = SAC(**{**SMALL, "learning_starts": 64})
+    sac.update(policy, random_batch())
+    before = copy.deepcopy(policy.state_dict())
+    bad = random_batch(seed=1)
+    bad.rewards[:] = math.nan
+    m = sac.update(policy, bad)  # half the replay NaN: the first minibatch draws some
+    assert m["nonfinite_loss"] == 1 and m["gradient_steps"] == 0 and m["transitions"] == 32
+    assert all(torch.equal(v, policy.state_dict()[k]) for k, v in before.items() if not k.startswith("obs_encoder"))
+    sac.reset_optimizer()  # what the runtime's rollback calls: fresh optimisers at the next update
+    assert sac._policy is None
+
+
 def test_critic_loss_falls_on_a_fixed_batch():
     policy = squashed()
     sac = SAC(**SMALL, autotune_alpha=False, init_alpha=0.01, critic_lr=1e-3)

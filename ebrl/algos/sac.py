@@ -206,8 +206,7 @@ class SAC:
             "alpha": torch.optim.Adam([self.log_alpha], lr=c.alpha_lr or c.lr)}
         # the actions' noise on the policy's device (a restored stream where one was saved there)
         self._noise = torch.Generator(device).manual_seed(c.seed * 1_000_003 + self.grad_steps + 2)
-        saved = (self._pending or {}).get("noise")
-        if saved is not None and saved[0] == device.type:
+        if (saved := (self._pending or {}).get("noise")) is not None and saved[0] == device.type:
             self._noise.set_state(saved[1])
         self._policy = policy
         if self._pending is not None:
@@ -231,18 +230,17 @@ class SAC:
         """The critics, their targets, the temperature, the optimisers, the counters and RNGs;
         not the replay (a resumed run refills it)."""
         counters = {"updates": self.updates, "grad_steps": self.grad_steps, "owed": self._owed,
-                    "rng": self._rng.bit_generator.state, "gen": self._gen.get_state(),
-                    "noise": None if self._noise is self._gen else (self._noise.device.type, self._noise.get_state())}
+                    "rng": self._rng.bit_generator.state, "gen": self._gen.get_state()}
         if self._pending is not None:  # loaded, not yet applied: still what the next update starts from
             return {**self._pending, **counters}
-        encoder = None
-        if self._target_policy is not None:
-            encoder = {k: v for k, v in self._target_policy.state_dict().items()
-                       if k.split(".")[0] in {n.split(".")[0] for n in self._encoder_names}}
+        modules = {n.split(".")[0] for n in self._encoder_names} if self._target_policy is not None else ()
         return {"critic": None if self.critic is None else self.critic.state_dict(),
                 "critic_target": None if self.critic_target is None else self.critic_target.state_dict(),
-                "log_alpha": self.log_alpha.detach().cpu().clone(), "target_encoder": encoder,
-                "optimizers": {k: o.state_dict() for k, o in self._optimizers.items()}, **counters}
+                "log_alpha": self.log_alpha.detach().cpu().clone(), **counters,
+                "target_encoder": {k: v for k, v in self._target_policy.state_dict().items()
+                                   if k.split(".")[0] in modules} if modules else None,
+                "optimizers": {k: o.state_dict() for k, o in self._optimizers.items()},
+                "noise": None if self._noise is self._gen else (self._noise.device.type, self._noise.get_state())}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`; critics and optimisers apply at the next update."""
@@ -325,8 +323,8 @@ class SAC:
                 t.copy_(b)
 
     def _augment(self, policy: nn.Module, obs: Any) -> Any:
-        images = getattr(getattr(policy, "obs_layout", None), "images", ())
-        return augment_images(obs, images, self.config.image_pad, self._gen) if images else obs
+        return augment_images(obs, getattr(getattr(policy, "obs_layout", None), "images", ()), self.config.image_pad,
+                              self._gen)
 
     def gradient_step(self, policy: nn.Module, device: torch.device) -> dict[str, Any] | None:
         """One critic step (and, every ``actor_update_every``, an actor and temperature step) on a
@@ -372,19 +370,13 @@ class SAC:
             self._owed = max(0.0, self._owed - steps)
         if steps and self._policy is not policy:
             self._setup(policy, device)
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
-        done, nonfinite = 0, False
-        for _ in range(steps):
-            metrics = self.gradient_step(policy, device)
-            if metrics is None:
-                nonfinite = True
-                break
+        sums, counts, done = {}, {}, 0  # summed as tensors: a GPU syncs once an update, not per metric and step
+        while done < steps and (metrics := self.gradient_step(policy, device)) is not None:
             done += 1
             for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-                counts[k] = counts.get(k, 0) + 1
-        out = {k: sums[k] / counts[k] for k in sums}
+                sums[k], counts[k] = sums.get(k, 0.0) + v, counts.get(k, 0) + 1
+        nonfinite = done < steps  # a NaN/inf loss stopped the update there
+        out = {k: float(sums[k]) / counts[k] for k in sums}
         for k in ("critic_loss", "actor_loss", "entropy", "q_mean", "target_q", "demo_fraction"):
             out.setdefault(k, math.nan)
         out.update({k: float(v) for k, v in self.replay.counters().items()})
