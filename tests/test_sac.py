@@ -159,6 +159,21 @@ def test_pixels_train_the_encoder_through_the_critic_with_a_target_encoder():
     assert "target_encoder" in sac.state_dict() and conv in sac.state_dict()["target_encoder"]
 
 
+def test_a_cnn_trains_on_nested_camera_observations_under_ebrl_run():
+    """ManiSkill's nesting (two cameras under sensor_data, vectors beside them), through the runtime:
+    the replay keeps the tree, the shift finds the cameras by their paths."""
+    from tests.test_obs_encoder import ACT, SMALL_CNN, SPACES, DictObsEnv
+
+    space = SPACES["maniskill"]
+    policy = CNNPolicy.from_spaces(space, ACT, seed=0, action_head="squashed", **SMALL_CNN)
+    sac = SAC(**{**SMALL, "learning_starts": 64}, utd_ratio=0.25)
+    res = run_virtual(ebrl.Trainer(lambda i: DictObsEnv(space), policy, sac,
+                                   ebrl.RunConfig(num_envs=4, segment_len=8, total_env_steps=256)))
+    assert res.accounting_ok() and res.history[-1]["replay_size"] == 256 and sac.grad_steps == 7 * 8  # from the 2nd update
+    assert sac.replay.gather(np.arange(2))["obs"]["sensor_data"]["base_camera"]["rgb"].dtype == torch.uint8
+    assert math.isfinite(res.history[-1]["critic_loss"]) and sac._target_policy is not None
+
+
 def test_random_shift_moves_each_frame_within_the_pad():
     from ebrl.algos.critics import random_shift
 
