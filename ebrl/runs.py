@@ -101,14 +101,25 @@ def build_policy(observation_space, action_space, options: dict[str, Any]):
         builder = policy_builder(kind)
     except KeyError:
         raise ConfigError("policy.kind", kind, f"must be one of {', '.join(policy_kinds())}") from None
+    # method="dsrl": the flow policy frozen on its ODE, an actor steering its initial noise
+    steer = {k: options.pop(k) for k in DSRL_KEYS if k in options} if options.get("method") == "dsrl" else None
+    if steer is not None:
+        options["method"] = "ode"
     try:
-        return builder(observation_space, action_space, **options)
+        policy = builder(observation_space, action_space, **options)
+        if steer is None:
+            return policy
+        from ebrl.policies.dsrl import DSRLPolicy
+
+        return DSRLPolicy(policy, noise_bound=steer.get("noise_bound", 1.0),
+                          hidden=tuple(steer.get("steer_hidden", (256, 256))))
     except TypeError as exc:  # an unknown keyword for this policy
         raise ConfigError("policy", options, f"{kind}: {exc}") from None
     except (ValueError, FileNotFoundError) as exc:  # spaces this policy cannot read, a missing model
         raise ConfigError("policy.kind", kind, str(exc)) from None
 
 
+DSRL_KEYS = ("noise_bound", "steer_hidden")  # [policy] with method="dsrl": DSRLPolicy's noise_bound and hidden
 DEMO_KEYS = ("demos", "demo_coef", "demo_decay")  # a kind's table: the demonstrations kept in RL's loss
 
 
