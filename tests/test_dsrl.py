@@ -1,5 +1,5 @@
 """DSRL (ebrl/policies/dsrl.py): SAC steering the initial noise of a frozen flow policy. It
-improves a FlowPolicy's return on a chunked reach in virtual time with the flow's weights bit
+improves a cloned FlowPolicy's return on a chunked reach in virtual time with the flow's weights bit
 for bit as they were, and runs from the command line's config on a tiny π0 (transformers' and
 LeRobot's layouts) and a tiny SmolVLA, publishing only the steering actor."""
 
@@ -65,20 +65,40 @@ def test_the_chunk_is_a_deterministic_function_of_the_noise_and_only_the_actor_i
         DSRLPolicy(torch.nn.Linear(2, 2))
 
 
-def test_dsrl_improves_a_frozen_flow_policy_and_leaves_its_weights_bit_identical():
-    """A FlowPolicy (K=4) as built, frozen; SAC in its noise space, 4 envs in segments of 4
-    decisions, 2,000 decisions: the mode's return rises by more than a third of the way to the
-    expert's (measured: printed below)."""
-    from tests.test_learning_reach import episode_returns, expert_actions
+def pretrained_flow(noise_std: float = 0.3, steps: int = 300) -> FlowPolicy:
+    """A FlowPolicy (K=4) cloned by flow matching from the scripted expert's chunks with Gaussian
+    noise of ``noise_std`` added (the bounds are +-0.5): close to the expert, not at it."""
+    from tests.test_learning_reach import expert_actions
 
     probe = chunked()
     flow = FlowPolicy.from_spaces(probe.observation_space, probe.action_space, seed=0)
+    expert, rng, gen = expert_actions("ring-2d", K), np.random.default_rng(0), torch.Generator().manual_seed(0)
+    opt = torch.optim.Adam([p for p in flow.parameters() if p.requires_grad], lr=1e-3)
+    for _ in range(steps):
+        pos, target = rng.uniform(-1, 1, (256, 2)), probe.unwrapped.targets[rng.integers(6, size=256)]
+        obs = np.concatenate([pos, target], 1).astype(np.float32)
+        chunks = np.clip(expert(obs) + rng.normal(0, noise_std, (256, K, 2)), -0.5, 0.5).astype(np.float32)
+        loss = flow.flow_matching_loss(torch.as_tensor(obs), torch.as_tensor(chunks), gen)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return flow
+
+
+def test_dsrl_improves_a_frozen_flow_policy_and_leaves_its_weights_bit_identical():
+    """A FlowPolicy (K=4) cloned from noisy demonstrations, frozen; SAC in its noise space, 4 envs
+    in segments of 4 decisions, 1,000 decisions: the mode's return closes most of the gap from the
+    clone's to the expert's (measured: -7.01 -> -2.55, the expert's -2.12: 0.91 of it; the bar
+    0.5), about 25 s on one core after 10 s of cloning."""
+    from tests.test_learning_reach import episode_returns, expert_actions
+
+    flow = pretrained_flow()
     policy = DSRLPolicy(flow, noise_bound=1.5, hidden=(64, 64))
     frozen = {k: v.clone() for k, v in flow.state_dict().items()}
     before = mean_return(policy)
     expert = float(episode_returns("ring-2d", 1, expert_actions("ring-2d", 1)).mean())
     sac = SAC(batch_size=128, learning_starts=200, critic_hidden=(64, 64), init_alpha=0.1)
-    cfg = ebrl.RunConfig(num_envs=4, segment_len=4, total_env_steps=2000 * K, seed=0)
+    cfg = ebrl.RunConfig(num_envs=4, segment_len=4, total_env_steps=1000 * K, seed=0)
     res = run_virtual(ebrl.Trainer(lambda i: chunked(), policy, sac, cfg))
     after = mean_return(policy)
     closed = (after - before) / (expert - before)
@@ -86,7 +106,7 @@ def test_dsrl_improves_a_frozen_flow_policy_and_leaves_its_weights_bit_identical
           f"closed {closed:.2f}), {sac.grad_steps} gradient steps, publication {res.publish_bytes:.0f} bytes")
     assert res.accounting_ok()
     assert all(torch.equal(flow.state_dict()[k], v) for k, v in frozen.items())
-    assert closed > 0.33
+    assert closed > 0.5
 
 
 @pytest.mark.usefixtures("hf_offline")
@@ -109,7 +129,7 @@ def test_dsrl_from_the_config_on_a_tiny_vla_trains_only_the_steering_actor(kind,
                         action_dim=2, chunk_size=4, camera_names=[], sentences=sentences)
         extra = [f"policy.tokenizer={tmp_path / 'tok'}"]
     else:
-        save_random_pi0(path, kind="pi0", state_dim=4, action_dim=2, chunk_size=4, cameras=0, sentences=sentences)
+        save_random_pi0(path, kind="pi0", state_dim=4, action_dim=2, chunk_size=4, camera_names=[], sentences=sentences)
     spec = build_spec(None, ["env=mock/reach", "policy.kind=hf", f"policy.path={path}", 'policy.method="dsrl"',
                              "policy.execute=2", "policy.steer_hidden=[16]", "algo=sac", "sac.batch_size=16",
                              "sac.learning_starts=16", "sac.critic_hidden=[16]", "run.num_envs=2",
