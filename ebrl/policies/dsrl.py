@@ -18,7 +18,7 @@ observation features for the minibatch (``features``).
     >>> import numpy as np, torch
     >>> from ebrl.policies import FlowPolicy
     >>> from ebrl.policies.dsrl import DSRLPolicy
-    >>> flow = FlowPolicy(3, chunk_shape=(4, 2), seed=0)
+    >>> flow = FlowPolicy(3, (4, 2), -1.0, 1.0, seed=0)
     >>> policy = DSRLPolicy(flow, noise_bound=1.0, hidden=(32, 32))
     >>> out = policy.act(np.zeros((5, 3), np.float32))
     >>> out.actions.shape, out.env_actions.shape, policy.act_dim  # the noise, the chunk the env runs
