@@ -6,14 +6,18 @@ HalfCheetah-v5 (state observations) for a few minutes, then prints a summary tab
     ebrl train                                        # the demo
     ebrl train my_run.toml --set run.num_envs=32 --set ppo.lr=1e-3
     ebrl train --resume runs/<run>/checkpoint.pt      # continue (Ctrl-C stops a run and saves one)
+    ebrl train --set algo=sac --set run.segment_len=8  # off-policy: SAC (its own replay buffer)
+    ebrl train --set algo=rlpd --set rlpd.demos=DIR    # RLPD: SAC with demonstrations (a LeRobot dataset)
     ebrl bench overhead                               # runtime cost per env step
     ebrl bench longtail                               # async vs sync vs pipelined, long-tail envs
     ebrl plot runs/<run>                              # the learning curve as a PNG (also mid-run)
 
 A config file has top-level ``env`` (a registry name, see ``ebrl.envs.make``) and tables
-``[run]`` (RunConfig), ``[algo]`` (``kind = "ppo" | "dppo" | "vtrace" | "grpo"``), one table
-of hyperparameters per algorithm (``[ppo]`` PPOConfig, ``[dppo]`` DecoupledPPOConfig,
-``[vtrace]`` VTraceConfig, ``[grpo]`` GRPOConfig: the chosen kind's table is used),
+``[run]`` (RunConfig), ``[algo]`` (``kind = "ppo" | "dppo" | "vtrace" | "grpo" | "sac" |
+"rlpd"``; ``algo = "sac"`` alone says the same), one table of hyperparameters per algorithm
+(``[ppo]`` PPOConfig, ``[dppo]`` DecoupledPPOConfig, ``[vtrace]`` VTraceConfig, ``[grpo]``
+GRPOConfig, ``[sac]`` SACConfig, ``[rlpd]`` RLPDConfig: the chosen kind's table is used; SAC and
+RLPD give an ``mlp`` or ``cnn`` policy ``action_head = "squashed"`` unless it says otherwise),
 ``[policy]`` (``kind = "auto" | "mlp" | "cnn" | "token" | "flow"`` and that policy's keywords,
 ``image_keys``/``state_keys`` included; ``auto`` picks the CNN when the observation has an image
 entry, see :mod:`ebrl.policies.encoders`) and ``[env_kwargs]``

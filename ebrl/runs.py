@@ -29,6 +29,8 @@ DEMO: dict[str, Any] = {
     "dppo": {},
     "vtrace": {},
     "grpo": {},
+    "sac": {},  # SACConfig's defaults; the policy gets action_head="squashed" (SAC's tanh Gaussian)
+    "rlpd": {},  # RLPDConfig's: SAC's with LayerNorm critics, an ensemble, UTD 20; rlpd.demos=DIR
     "sft": {},  # ebrl sft's hyperparameters (ebrl.sft.SFTConfig)
     "run": {"num_envs": 64, "segment_len": 32, "total_env_steps": 1_000_000, "log_every_s": 1.0},
 }
@@ -61,10 +63,13 @@ def build_spec(config: str | None, overrides: list[str]) -> dict[str, Any]:
             spec[head][rest] = value
         else:
             spec[head] = value
+    if isinstance(spec["algo"], str):  # algo=sac: the kind alone
+        spec["algo"] = {"kind": spec["algo"]}
     return spec
 
 
-ALGO_KINDS = ("ppo", "dppo", "vtrace", "grpo")
+ALGO_KINDS = ("ppo", "dppo", "vtrace", "grpo", "sac", "rlpd")
+OFF_POLICY = ("sac", "rlpd")  # their demos go to a replay buffer of their own, not to DemoLoss
 
 
 def build_policy(observation_space, action_space, options: dict[str, Any]):
@@ -96,25 +101,39 @@ def build_policy(observation_space, action_space, options: dict[str, Any]):
         builder = policy_builder(kind)
     except KeyError:
         raise ConfigError("policy.kind", kind, f"must be one of {', '.join(policy_kinds())}") from None
+    # method="dsrl": the flow policy frozen on its ODE, an actor steering its initial noise
+    steer = {k: options.pop(k) for k in DSRL_KEYS if k in options} if options.get("method") == "dsrl" else None
+    if steer is not None:
+        options["method"] = "ode"
     try:
-        return builder(observation_space, action_space, **options)
+        policy = builder(observation_space, action_space, **options)
+        if steer is None:
+            return policy
+        from ebrl.policies.dsrl import DSRLPolicy
+
+        return DSRLPolicy(policy, noise_bound=steer.get("noise_bound", 1.0),
+                          hidden=tuple(steer.get("steer_hidden", (256, 256))))
     except TypeError as exc:  # an unknown keyword for this policy
         raise ConfigError("policy", options, f"{kind}: {exc}") from None
     except (ValueError, FileNotFoundError) as exc:  # spaces this policy cannot read, a missing model
         raise ConfigError("policy.kind", kind, str(exc)) from None
 
 
+DSRL_KEYS = ("noise_bound", "steer_hidden")  # [policy] with method="dsrl": DSRLPolicy's noise_bound and hidden
 DEMO_KEYS = ("demos", "demo_coef", "demo_decay")  # a kind's table: the demonstrations kept in RL's loss
 
 
-def build_algo(spec: dict[str, Any], observation_space=None, action_space=None, policy=None):
+def build_algo(spec: dict[str, Any], observation_space=None, action_space=None, policy=None,
+               time_limit: int | None = None):
     """``algo.kind`` and that kind's table of hyperparameters (``[ppo]``, ``[dppo]``, ...), where
     ``demos`` (a LeRobot dataset directory), ``demo_coef`` and ``demo_decay`` build the
-    algorithm's :class:`~ebrl.algos.demo_loss.DemoLoss` for a policy acting in these spaces.
+    algorithm's :class:`~ebrl.algos.demo_loss.DemoLoss` for a policy acting in these spaces; for
+    ``sac`` and ``rlpd``, ``demos`` fills the algorithm's demonstration buffer instead (RLPD's
+    half of every minibatch; ``time_limit``, the env's, tells a time limit from a termination).
     A ``policy`` whose class names ``RL_DEFAULTS`` (a pretrained VLA's learning rates and critic
     warm-up: :class:`~ebrl.policies.pi0.policy.PI0Policy`) gets those of its keys the algorithm has,
     under the table's own; ``spec`` then holds what runs (``spec.json`` says it)."""
-    from ebrl.algos import GRPO, PPO, DecoupledPPO, VTrace
+    from ebrl.algos import GRPO, PPO, RLPD, SAC, DecoupledPPO, VTrace
     from ebrl.algos.demo_loss import DemoLoss
 
     unknown = sorted(set(spec["algo"]) - {"kind"})
@@ -125,11 +144,13 @@ def build_algo(spec: dict[str, Any], observation_space=None, action_space=None, 
     kind = spec["algo"].get("kind", "ppo")
     if kind not in ALGO_KINDS:
         raise ConfigError("algo.kind", kind, f"must be one of {', '.join(ALGO_KINDS)}")
-    cls = {"ppo": PPO, "dppo": DecoupledPPO, "vtrace": VTrace, "grpo": GRPO}[kind]
+    cls = {"ppo": PPO, "dppo": DecoupledPPO, "vtrace": VTrace, "grpo": GRPO, "sac": SAC, "rlpd": RLPD}[kind]
     fields = {f.name for f in dataclasses.fields(cls().config)}
     family = {k: v for k, v in getattr(policy, "RL_DEFAULTS", {}).items() if k in fields}
     spec[kind] = table = {**family, **spec[kind]}
     table = dict(table)
+    if kind in OFF_POLICY:
+        return _off_policy(cls, kind, table, spec, observation_space, action_space, policy, time_limit)
     demo = {k: table.pop(k) for k in DEMO_KEYS if k in table}
     demos = None
     if demo:
@@ -150,6 +171,31 @@ def build_algo(spec: dict[str, Any], observation_space=None, action_space=None, 
         return cls(**table, demos=demos)
     except (TypeError, ValueError) as exc:  # an unknown key, or a value the config refuses
         raise ConfigError(kind, spec[kind], str(exc)) from None
+
+
+def _off_policy(cls, kind: str, table: dict[str, Any], spec: dict[str, Any], observation_space, action_space,
+                policy, time_limit: int | None):
+    """SAC or RLPD from its table; ``demos`` (a LeRobot dataset directory) loaded into its
+    demonstration buffer, as transitions of the policy's action shape."""
+    demos = table.pop("demos", None)
+    try:
+        algo = cls(**table)
+    except (TypeError, ValueError) as exc:  # an unknown key, or a value the config refuses
+        raise ConfigError(kind, spec[kind], str(exc)) from None
+    if policy is not None and not getattr(policy, "squashed", False):
+        raise ConfigError("policy.action_head", getattr(policy, "action_head", "gaussian"),
+                          f"{kind} needs 'squashed' (SAC's tanh Gaussian on policy.kind mlp or cnn)")
+    if demos is not None:
+        if observation_space is None:
+            raise ValueError("build_algo: demos need the env's observation and action spaces")
+        from ebrl.sft import demo_shape
+
+        shape = demo_shape(policy, action_space) if policy is not None else tuple(action_space.shape)
+        try:
+            algo.load_demos(demos, observation_space, shape, time_limit=time_limit)
+        except (ValueError, KeyError, FileNotFoundError) as exc:  # a dataset these spaces cannot read
+            raise ConfigError(f"{kind}.demos", demos, str(exc)) from None
+    return algo
 
 
 def build_trainer(spec: dict[str, Any]):
@@ -190,6 +236,9 @@ def build_trainer(spec: dict[str, Any]):
     if std_scale is not None and init is None:
         raise ConfigError("policy.init_std_scale", std_scale, "scales the std loaded from policy.init: set that too "
                           "(from scratch, policy.init_log_std sets the std)")
+    if (spec["algo"].get("kind") in OFF_POLICY and options.get("kind", "auto") in ("auto", "mlp", "cnn")
+            and "action_head" not in options):  # SAC's actor: the tanh Gaussian head (spec.json says so)
+        options["action_head"] = spec["policy"]["action_head"] = "squashed"
     try:
         facts = EnvFacts.of(probe)
         policy = build_policy(facts.observation_space, facts.action_space, with_env_instructions(options, probe))
@@ -211,7 +260,7 @@ def build_trainer(spec: dict[str, Any]):
         elif asked:
             raise ConfigError("policy.freeze_obs_stats", freeze, f"{type(policy).__name__} keeps no observation "
                               "statistics")
-    algo = build_algo(spec, facts.observation_space, facts.action_space, policy)
+    algo = build_algo(spec, facts.observation_space, facts.action_space, policy, facts.max_episode_steps)
     if init is not None:
         carry_reward_scale(algo, init)
     # as ebrl.run() resolves it, here already so that trainer.config says what runs: the

@@ -42,7 +42,7 @@ def test_algo_and_policy_kinds_each_with_its_own_table():
     flow = build_trainer(build_spec(None, [*base, "policy.kind=flow", "env_kwargs.chunk=4"]))
     assert isinstance(flow.policy, FlowPolicy) and flow.policy.chunk_shape == (4, 3)
     with pytest.raises(ConfigError, match="algo.kind"):
-        build_algo(build_spec(None, ["algo.kind=sac"]))
+        build_algo(build_spec(None, ["algo.kind=ddpg"]))  # no such kind (sac is one now)
     with pytest.raises(ConfigError, match="algo.lr"):
         build_algo(build_spec(None, ["algo.lr=1"]))
     with pytest.raises(ConfigError, match="rho_bar"):

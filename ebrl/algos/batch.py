@@ -53,3 +53,59 @@ class Batch:
     def lags(self) -> torch.Tensor:
         """Policy lag of every valid step: learner version minus the acting version."""
         return self.learner_version - self.versions[self.mask]
+
+
+def _pad_steps(x: torch.Tensor, T: int) -> torch.Tensor:
+    """``x [S, t, ...]`` padded with zeros to ``[S, T, ...]``."""
+    if x.shape[1] == T:
+        return x
+    return torch.cat([x, x.new_zeros((x.shape[0], T - x.shape[1], *x.shape[2:]))], 1)
+
+
+def select_segments(batch: Batch, keep: torch.Tensor) -> Batch:
+    """The segments ``keep`` (``[S]`` bool) of ``batch``, as a batch of their own (truncation
+    observations renumbered; the learner version is ``batch``'s)."""
+    from ebrl.spaces import tree_map
+
+    keep = keep.bool()
+    new_index = torch.cumsum(keep.long(), 0) - 1  # old segment -> new
+    rows = keep[batch.final_index[:, 0]] if batch.final_index.numel() else keep[:0]
+    final_index = batch.final_index[rows].clone()
+    if final_index.numel():
+        final_index[:, 0] = new_index[final_index[:, 0]]
+
+    def seg(x):
+        return None if x is None else x[keep]
+
+    return Batch(obs=tree_map(seg, batch.obs), actions=seg(batch.actions), logprobs=seg(batch.logprobs),
+                 values=seg(batch.values), rewards=seg(batch.rewards), terminated=seg(batch.terminated),
+                 truncated=seg(batch.truncated), mask=seg(batch.mask), versions=seg(batch.versions),
+                 bootstrap_obs=tree_map(seg, batch.bootstrap_obs), final_obs=tree_map(lambda x: x[rows], batch.final_obs),
+                 final_index=final_index, learner_version=batch.learner_version, group=seg(batch.group),
+                 chunk_rewards=seg(batch.chunk_rewards), chunk_steps=seg(batch.chunk_steps))
+
+
+def concat_segments(batches: list[Batch]) -> Batch:
+    """One batch of every segment of ``batches`` (padded to the longest ``T``), with the last
+    batch's learner version. ``group`` and the chunk fields must be set in all or none."""
+    from ebrl.spaces import tree_map
+
+    if len(batches) == 1:
+        return batches[0]
+    T = max(b.mask.shape[1] for b in batches)
+    offsets = torch.tensor([0] + [b.mask.shape[0] for b in batches[:-1]]).cumsum(0)
+    final_index = torch.cat([b.final_index + torch.tensor([int(o), 0]) for b, o in zip(batches, offsets)])
+
+    def steps(name):
+        xs = [getattr(b, name) for b in batches]
+        return None if xs[0] is None else tree_map(lambda *ys: torch.cat([_pad_steps(y, T) for y in ys]), *xs)
+
+    def segs(name):
+        xs = [getattr(b, name) for b in batches]
+        return None if xs[0] is None else tree_map(lambda *ys: torch.cat(ys), *xs)
+
+    return Batch(obs=steps("obs"), actions=steps("actions"), logprobs=steps("logprobs"), values=steps("values"),
+                 rewards=steps("rewards"), terminated=steps("terminated"), truncated=steps("truncated"),
+                 mask=steps("mask"), versions=steps("versions"), bootstrap_obs=segs("bootstrap_obs"),
+                 final_obs=segs("final_obs"), final_index=final_index, learner_version=batches[-1].learner_version,
+                 group=segs("group"), chunk_rewards=steps("chunk_rewards"), chunk_steps=steps("chunk_steps"))

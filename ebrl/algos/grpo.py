@@ -72,7 +72,7 @@ from torch import Tensor, nn
 
 from ebrl import distributed
 from ebrl.algos.advantages import _last_valid
-from ebrl.algos.batch import Batch
+from ebrl.algos.batch import Batch, concat_segments, select_segments
 from ebrl.algos.needs import RunNeeds
 from ebrl.algos.minibatch import MinibatchAlgo, _index, refuse_unknown
 from ebrl.algos.ppo import Checks
@@ -102,6 +102,11 @@ class GRPOConfig:
     # 1/|o_i| sum_t), so an early success weighs as much as a failure run to the time limit
     loss_agg: str = "step"
     min_group: int = 2  # complete episodes a group needs in the batch to be used
+    # DAPO's dynamic sampling: drop groups whose members all scored alike (no gradient) and hold
+    # the others until an update has as many groups as one batch brings, gathering at most
+    # ``resample_cap`` batches (then it trains on what it holds; the metric ``resample_capped``)
+    dynamic_sampling: bool = False
+    resample_cap: int = 16
     seed: int = 0
 
     def __post_init__(self):
@@ -118,6 +123,8 @@ class GRPOConfig:
         check("min_group", integer("min_group") >= 2,
               "an int >= 2 (a lone episode has no baseline: its advantage would be 0)")
         integer("seed")
+        check("resample_cap", integer("resample_cap") >= 1, "an int >= 1 (batches one update may gather)")
+        check("dynamic_sampling", isinstance(self.dynamic_sampling, bool), "a bool")
         check("norm_std", isinstance(self.norm_std, bool), "a bool")
         check("loss_agg", self.loss_agg in LOSS_AGGS, f"one of {list(LOSS_AGGS)}")
 
@@ -171,6 +178,23 @@ def _group_advantages(batch: Batch, norm_std: bool, min_group: int) -> tuple[Ten
     return adv, used, info
 
 
+def _informative_segments(batch: Batch, used: Tensor) -> tuple[Tensor, int]:
+    """``(keep [S] bool, groups)``: the used segments of the groups whose returns differ, and
+    how many such groups there are (a group whose members all scored alike has no gradient)."""
+    mask = batch.mask.bool()
+    ret = torch.where(mask, batch.rewards.double(), torch.zeros((), dtype=torch.float64)).sum(1)
+    group = torch.as_tensor(batch.group, dtype=torch.long)
+    keep = torch.zeros_like(used)
+    groups = 0
+    for key in torch.unique(group[used]).tolist():
+        members = used & (group == key)
+        r = ret[members]
+        if bool((r != r[0]).any()):
+            keep |= members
+            groups += 1
+    return keep, groups
+
+
 def group_advantages(batch: Batch, *, norm_std: bool = True, min_group: int = 2) -> tuple[Tensor, Tensor]:
     """``(adv [S, T], used [S] bool)``: every valid step of a used segment gets its episode's
     group-relative advantage; other slots are 0.
@@ -207,6 +231,9 @@ class GRPO(MinibatchAlgo):
         self._policy: nn.Module | None = None
         self._gen = torch.Generator().manual_seed(self.config.seed)  # minibatch permutations
         self._pending_optimizer_state: dict | None = None
+        self._held: list[Batch] = []  # dynamic sampling: segments of informative groups not yet trained on
+        self._held_groups = 0
+        self._gathered = 0  # batches gathered since the last update that trained
 
     @property
     def run_needs(self) -> RunNeeds:
@@ -309,7 +336,50 @@ class GRPO(MinibatchAlgo):
         return torch.cat(out)
 
     def update(self, policy: nn.Module, batch: Batch) -> dict[str, float]:
-        """One GRPO update (``update_epochs`` passes over the used steps) and its metrics."""
+        """One GRPO update (``update_epochs`` passes over the used steps) and its metrics; with
+        ``dynamic_sampling``, on the informative groups gathered from this batch and the ones before."""
+        if self.config.dynamic_sampling:
+            return self._update_dynamic(policy, batch)
+        return self._update(policy, batch)
+
+    def _update_dynamic(self, policy: nn.Module, batch: Batch) -> dict[str, float]:
+        """Keep this batch's informative groups; train once they are as many as the batch brought
+        (or ``resample_cap`` batches were gathered). Metrics name the steps trained on now
+        (``steps_trained``, held ones included), held for later (``steps_held``) and dropped
+        (``dropped/<reason>``), so that the learner's accounting adds up."""
+        c = self.config
+        with torch.no_grad():
+            _, used, info = _group_advantages(batch, c.norm_std, c.min_group)
+        keep, groups = _informative_segments(batch, used)
+        mask = batch.mask.bool()
+        n_valid, n_used, n_keep = int(mask.sum()), int(mask[used].sum()), int(mask[keep].sum())
+        if groups:
+            kept = select_segments(batch, keep)
+            kept.group = torch.unique(kept.group, return_inverse=True)[1] + self._held_groups  # unique across batches
+            self._held.append(kept)
+            self._held_groups += groups
+        self._gathered += 1
+        full = self._held_groups >= max(int(info["groups"]), 1)
+        counts = {"num_steps": float(n_valid), "groups_uniform": info["groups_uniform"],
+                  "groups_held": float(self._held_groups), "resample_batches": float(self._gathered),
+                  "dropped/grpo_uniform_group": float(n_used - n_keep),
+                  "dropped/grpo_unused_segment": float(n_valid - n_used)}
+        if not full and self._gathered < c.resample_cap:
+            held = sum(int(b.mask.sum()) for b in self._held)
+            return {**counts, "steps_trained": 0.0, "steps_held": float(held), "deferred": 1.0, "minibatches": 0.0,
+                    "nonfinite_loss": 0.0, "no_signal": 0.0}
+        held, self._held, self._held_groups, self._gathered = self._held, [], 0, 0
+        if not held:  # the cap, and not one informative group: nothing to learn from
+            return {**counts, "steps_trained": 0.0, "steps_held": 0.0, "deferred": 0.0, "minibatches": 0.0,
+                    "nonfinite_loss": 0.0, "no_signal": 1.0, "resample_capped": 1.0}
+        merged = concat_segments(held)
+        merged.learner_version = batch.learner_version
+        out = self._update(policy, merged)
+        out.update(counts, steps_trained=float(merged.mask.sum()), steps_held=0.0, deferred=0.0,
+                   resample_capped=float(not full))
+        return out
+
+    def _update(self, policy: nn.Module, batch: Batch) -> dict[str, float]:
         c = self.config
         self._take_reference(policy)  # before anything changes the policy: the weights that acted first
         self._optimizer_for(policy)

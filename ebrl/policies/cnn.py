@@ -7,7 +7,8 @@ network so observations stay ``uint8`` until they reach the policy's device; eve
 flattened, normalised by running mean/variance buffers (as in :class:`~ebrl.policies.MLPPolicy`)
 and concatenated to the image features, Discrete and MultiBinary entries one-hot. Actor and
 critic share the encoders and an MLP trunk; Box actions get a diagonal Gaussian with a
-state-independent log-std, Discrete actions a categorical.
+state-independent log-std (``action_head="squashed"``: SAC's tanh Gaussian, :mod:`ebrl.policies.heads`),
+Discrete actions a categorical.
 
 Example::
 
@@ -44,7 +45,7 @@ from torch import Tensor, nn
 from ebrl.policies.base import ActResult
 from ebrl.policies.encoders import ObsEncoder, ObsEntry, ObsLayout, Read, ReadsObservations
 from ebrl.policies.expects import ActionSpec, PolicySpaces
-from ebrl.policies.heads import ActorCriticHeads, action_bounds
+from ebrl.policies.heads import ActorCriticHeads, action_bounds, head_outputs
 from ebrl.policies.mlp import _init, _mlp
 
 NATURE_CONV = ((32, 8, 4), (64, 4, 2), (64, 3, 1))  # (out_channels, kernel, stride): 84 px Atari
@@ -85,7 +86,8 @@ class CNNPolicy(ReadsObservations, ActorCriticHeads, nn.Module):
     stride)`` layers; by default the NatureCNN stack for images of at least 36 px and a 3x3 stack
     below. ``feature_dim`` is each camera's embedding size, ``hidden`` the shared trunk after
     concatenating the vectors. Give ``act_dim`` (Gaussian, with ``env_actions`` clipped to
-    ``[action_low, action_high]``) or ``discrete_actions=n``. ``seed`` fixes the initial weights
+    ``[action_low, action_high]``; ``action_head="squashed"`` for SAC's tanh Gaussian) or
+    ``discrete_actions=n``. ``seed`` fixes the initial weights
     and the sampling stream.
     """
 
@@ -94,7 +96,7 @@ class CNNPolicy(ReadsObservations, ActorCriticHeads, nn.Module):
                  discrete_actions: int | None = None, action_low=None, action_high=None,
                  conv: Sequence[tuple[int, int, int]] | None = None, feature_dim: int = 256,
                  hidden: Sequence[int] = (256,), init_log_std: float = 0.0, normalize_state: bool = True,
-                 seed: int = 0):
+                 action_head: str = "gaussian", seed: int = 0):
         super().__init__()
         if (act_dim is None) == (discrete_actions is None):
             raise ValueError(f"give exactly one of act_dim (Gaussian) or discrete_actions (categorical), "
@@ -123,11 +125,11 @@ class CNNPolicy(ReadsObservations, ActorCriticHeads, nn.Module):
         trunk_in = self.obs_encoder.out_dim
         self.trunk = _mlp(trunk_in, hidden[:-1], hidden[-1], nn.ReLU, math.sqrt(2.0), gen) if hidden else None
         head_in = hidden[-1] if hidden else trunk_in
-        self.actor = _init(nn.Linear(head_in, self.act_dim), 0.01, gen)
+        outputs = head_outputs(action_head, self.discrete, self.act_dim)
+        self.actor = _init(nn.Linear(head_in, outputs), 0.01, gen)
         self.critic = _init(nn.Linear(head_in, 1), 1.0, gen)
-        if not self.discrete:
-            self.log_std = nn.Parameter(torch.full((self.act_dim,), float(init_log_std)))
         self.action_low, self.action_high = action_bounds(action_low, action_high, self.act_dim)
+        self._init_head(action_head, init_log_std)  # log_std, or the squashed head's scale
         self._start_sampling()
 
     @classmethod

@@ -211,21 +211,32 @@ class FlowPolicy(HasChain, ChunkSpace, ReadsObservations, SeededSampling, Pretra
     # ---- acting (runtime) ------------------------------------------------------------------
 
     @torch.no_grad()
-    def act(self, obs: ObsLike) -> ActResult:
+    def act(self, obs: ObsLike, noise: Tensor | np.ndarray | None = None) -> ActResult:
         """Sample chains for a batch of observations; numpy in, numpy out, no autograd.
 
         ``actions`` is the chain ``[B, N + 1, K * A]`` (float32) the log-prob refers to;
-        ``env_actions`` is ``x_N`` as a ``[B, *chunk_shape]`` chunk inside the Box.
+        ``env_actions`` is ``x_N`` as a ``[B, *chunk_shape]`` chunk inside the Box. ``noise``
+        (``[B, K, A]``) is ``x_0``, drawn from the policy's stream when None.
         """
         feat = self._features(obs)
         states, logp = self.chain.sample(self._velocity(feat), feat.shape[0], self._generator(feat.device),
-                                         device=feat.device, dtype=feat.dtype, deterministic=self.deterministic)
+                                         device=feat.device, dtype=feat.dtype, x0=noise,
+                                         deterministic=self.deterministic)
         actions = states.float().cpu().numpy()
         return ActResult(actions=actions, env_actions=self.to_env(actions[:, -1]),
                          logprobs=logp.float().cpu().numpy(),
                          values=self.critic(feat).squeeze(-1).float().cpu().numpy())
 
     # ---- training (algorithm) --------------------------------------------------------------
+
+    @property
+    def feature_width(self) -> int:
+        """The width of :meth:`value_features`."""
+        return self.obs_dim
+
+    def value_features(self, obs: ObsLike) -> Tensor:
+        """What the value head reads for ``obs``, ``[N, feature_width]``."""
+        return self._features(obs)
 
     def value(self, obs: ObsLike) -> Tensor:
         """State values ``[N]``, with gradients."""

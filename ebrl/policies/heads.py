@@ -1,10 +1,21 @@
 """The action heads every actor-critic here shares: a diagonal Gaussian with a
-state-independent log-std (Box actions) or a categorical (Discrete actions), and the
-running mean/variance behind observation normalisation.
+state-independent log-std (Box actions, PPO's), a tanh-squashed Gaussian with a
+state-dependent std (``action_head="squashed"``, SAC's), or a categorical (Discrete actions),
+and the running mean/variance behind observation normalisation.
 
 A policy using :class:`ActorCriticHeads` provides ``actor`` and ``critic`` (feature ->
-outputs), ``discrete``, ``log_std`` (Gaussian only), ``action_low``/``action_high`` (numpy
-or None) and ``seed``; :class:`~ebrl.policies.base.SeededSampling` gives it its sampling stream.
+outputs), ``_features(obs)``, ``discrete``, ``action_low``/``action_high`` (numpy or None) and
+``seed``, and calls :meth:`ActorCriticHeads._init_head` once its networks are built (it makes
+``log_std``, or the squashed head's action scale); :class:`~ebrl.policies.base.SeededSampling`
+gives it its sampling stream.
+
+The squashed head: the actor outputs ``2 * act_dim`` numbers, a mean ``mu`` and a raw log-std
+mapped smoothly into ``[LOG_STD_MIN, LOG_STD_MAX]``; an action is ``bias + scale * tanh(u)``,
+``u ~ N(mu, std)``, which stays inside the Box bounds (``scale``/``bias`` from them; ``(-1, 1)``
+without finite bounds). Its log-prob is the Gaussian's minus the log-Jacobian of the squash
+(SAC, Haarnoja et al. 2018, appendix C). :meth:`ActorCriticHeads.rsample` is the
+reparameterised sample an off-policy algorithm differentiates through (an example is in
+:mod:`ebrl.policies.mlp`).
 """
 
 from __future__ import annotations
@@ -13,14 +24,84 @@ import math
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.nn import functional as F
 
 from ebrl.policies.base import ActResult, SeededSampling
 
 LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
+LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0  # the squashed head's std range (CleanRL's SAC)
+ACTION_HEADS = ("gaussian", "squashed")
+SQUASH_EPS = 1e-6  # actions read back by evaluate() are kept this far inside the bounds
+
+
+def head_outputs(action_head: str, discrete: bool, act_dim: int) -> int:
+    """The actor's output size for ``action_head``; a ``ValueError`` naming it where it does not apply."""
+    if action_head not in ACTION_HEADS:
+        raise ValueError(f"action_head={action_head!r} is not one of {list(ACTION_HEADS)}")
+    if action_head == "squashed":
+        if discrete:
+            raise ValueError("action_head='squashed' is for Box actions, not Discrete ones")
+        return 2 * act_dim
+    return act_dim
 
 
 class ActorCriticHeads(SeededSampling):
+    squashed = False  # action_head="squashed": SAC's tanh Gaussian
+
+    def _init_head(self, action_head: str, init_log_std: float) -> None:
+        """After ``actor`` and ``critic``: PPO's state-independent ``log_std`` parameter, or the
+        squashed head's scale and bias (non-persistent buffers: they follow the policy's device
+        and never enter its ``state_dict``) and the shift putting a raw output of 0 at ``init_log_std``."""
+        self.squashed = action_head == "squashed"
+        if self.discrete:
+            return
+        if not self.squashed:
+            self.log_std = nn.Parameter(torch.full((self.act_dim,), float(init_log_std)))
+            return
+        if not LOG_STD_MIN < init_log_std < LOG_STD_MAX:
+            raise ValueError(f"init_log_std={init_log_std!r}: the squashed head's must be in "
+                             f"({LOG_STD_MIN}, {LOG_STD_MAX})")
+        low, high = self.action_low, self.action_high
+        bounded = low is not None and high is not None and bool(np.isfinite(low).all() and np.isfinite(high).all())
+        scale = (high - low) / 2.0 if bounded else np.ones(self.act_dim, np.float32)
+        bias = (high + low) / 2.0 if bounded else np.zeros(self.act_dim, np.float32)
+        self.register_buffer("action_scale", torch.as_tensor(scale, dtype=torch.float32), persistent=False)
+        self.register_buffer("action_bias", torch.as_tensor(bias, dtype=torch.float32), persistent=False)
+        frac = (init_log_std - LOG_STD_MIN) / (LOG_STD_MAX - LOG_STD_MIN)
+        self._log_std_shift = math.log(frac / (1.0 - frac))
+
+    def features(self, obs) -> Tensor:
+        """The ``[N, F]`` features the heads read (normalised vectors; for images the encoders'
+        output), with gradients: what an off-policy algorithm's critics read too."""
+        return self._features(obs)
+
+    # ---- the squashed Gaussian ---------------------------------------------------------------
+
+    def _squashed_params(self, out: Tensor) -> tuple[Tensor, Tensor]:
+        mu, raw = out.chunk(2, -1)
+        return mu, LOG_STD_MIN + (LOG_STD_MAX - LOG_STD_MIN) * torch.sigmoid(raw + self._log_std_shift)
+
+    def _log_jacobian(self, u: Tensor) -> Tensor:
+        """``sum log |d a / d u|`` of ``a = bias + scale * tanh(u)``, stable for large ``|u|``."""
+        return (torch.log(self.action_scale) + 2.0 * (math.log(2.0) - u - F.softplus(-2.0 * u))).sum(-1)
+
+    def _squash(self, mu: Tensor, log_std: Tensor, noise: Tensor) -> tuple[Tensor, Tensor]:
+        u = mu + noise * log_std.exp()
+        logp = (-0.5 * noise.square() - log_std - LOG_SQRT_2PI).sum(-1) - self._log_jacobian(u)
+        return self.action_bias + self.action_scale * torch.tanh(u), logp
+
+    def rsample(self, features: Tensor, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+        """A reparameterised sample of the squashed head on ``features [N, F]``: ``(actions [N,
+        act_dim], logprob [N])``, differentiable in the actor's weights (``generator``: the noise's)."""
+        if not self.squashed:
+            raise ValueError(f"{type(self).__name__}.rsample needs action_head='squashed' (SAC's tanh Gaussian)")
+        mu, log_std = self._squashed_params(self.actor(features))
+        noise = torch.randn(mu.shape, generator=generator, device=mu.device, dtype=mu.dtype)
+        return self._squash(mu, log_std, noise)
+
+    # ---- acting and scoring ------------------------------------------------------------------
+
     def _sample(self, x: Tensor) -> ActResult:
         """Sample from the heads on features ``x [B, F]`` (call under ``torch.no_grad``)."""
         gen = self._generator(x.device)
@@ -32,6 +113,13 @@ class ActorCriticHeads(SeededSampling):
                  else torch.multinomial(logp_all.exp(), 1, generator=gen))
             logp = logp_all.gather(-1, a).squeeze(-1)
             actions = env_actions = a.squeeze(-1).cpu().numpy()  # nothing to clip
+        elif self.squashed:
+            mu, log_std = self._squashed_params(out)
+            noise = (torch.zeros_like(mu) if self.deterministic  # tanh of the mean
+                     else torch.randn(mu.shape, generator=gen, device=x.device, dtype=mu.dtype))
+            a, logp = self._squash(mu, log_std, noise)
+            actions = a.cpu().numpy()
+            env_actions = actions if self.action_low is None else np.clip(actions, self.action_low, self.action_high)
         else:
             noise = (torch.zeros_like(out) if self.deterministic  # the mean
                      else torch.randn(out.shape, generator=gen, device=x.device, dtype=out.dtype))
@@ -44,12 +132,22 @@ class ActorCriticHeads(SeededSampling):
                          values=values.cpu().numpy())
 
     def _evaluate(self, x: Tensor, actions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``(logprob [N], entropy [N], value [N])`` of ``actions`` on features ``x``, with gradients."""
+        """``(logprob [N], entropy [N], value [N])`` of ``actions`` on features ``x``, with gradients.
+
+        The squashed head's entropy is its Gaussian's plus ``sum log scale``: an upper bound of
+        the squashed distribution's (a squash never spreads a density)."""
         out = self.actor(x)
         if self.discrete:
             logp_all = torch.log_softmax(out, -1)
             logp = logp_all.gather(-1, actions.reshape(-1, 1).long()).squeeze(-1)
             entropy = -(logp_all.exp() * logp_all).sum(-1)
+        elif self.squashed:
+            mu, log_std = self._squashed_params(out)
+            t = ((actions.reshape(mu.shape).to(mu.dtype) - self.action_bias) / self.action_scale)
+            u = torch.atanh(t.clamp(-1.0 + SQUASH_EPS, 1.0 - SQUASH_EPS))
+            z = (u - mu) * torch.exp(-log_std)
+            logp = (-0.5 * z.square() - log_std - LOG_SQRT_2PI).sum(-1) - self._log_jacobian(u)
+            entropy = (0.5 + LOG_SQRT_2PI + log_std + torch.log(self.action_scale)).sum(-1)
         else:
             log_std = self.log_std.expand_as(out)
             z = (actions.reshape(out.shape).to(out.dtype) - out) * torch.exp(-log_std)

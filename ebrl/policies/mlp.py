@@ -1,7 +1,8 @@
 """An MLP actor-critic for flat (or flattened) observations, CleanRL ``ppo_continuous_action`` style.
 
-Box actions get a diagonal Gaussian with a state-independent log-std parameter; Discrete actions
-a categorical. Observations are normalised by a running mean/variance kept in *buffers*, so the
+Box actions get a diagonal Gaussian with a state-independent log-std parameter (with
+``action_head="squashed"``, SAC's tanh Gaussian with a state-dependent std, :mod:`ebrl.policies.heads`);
+Discrete actions a categorical. Observations are normalised by a running mean/variance kept in *buffers*, so the
 statistics travel with ``state_dict`` to the runtime's inference copy. A Box observation is
 flattened whole; a Dict of vectors (nested ones too) is read by
 :class:`~ebrl.policies.encoders.ObsEncoder`: Box entries flattened and concatenated, Discrete and
@@ -21,6 +22,17 @@ Example::
     ...                          "desired_goal": gym.spaces.Box(-1, 1, (3,))})
     >>> MLPPolicy.from_spaces(goals, act_space).obs_dim  # a Fetch task's dict, without flattening it first
     13
+
+SAC's actor, the squashed head: samples inside the bounds, differentiable through ``rsample``::
+
+    >>> import torch
+    >>> policy = MLPPolicy.from_spaces(obs_space, act_space, action_head="squashed", seed=0)
+    >>> a, logp = policy.rsample(policy.features(torch.zeros(5, 3)))
+    >>> a.shape, logp.shape, bool(a.abs().max() < 2.0)
+    (torch.Size([5, 2]), torch.Size([5]), True)
+    >>> lp, _, _ = policy.evaluate(torch.zeros(5, 3), a.detach())  # the same density, read back
+    >>> bool(torch.allclose(lp, logp, atol=1e-3))
+    True
 """
 
 from __future__ import annotations
@@ -36,7 +48,7 @@ from torch import Tensor, nn
 from ebrl.policies.base import ActResult
 from ebrl.policies.encoders import EPS, OBS_CLIP, ObsEncoder, ObsLayout, ReadsObservations
 from ebrl.policies.expects import ActionSpec, PolicySpaces
-from ebrl.policies.heads import LOG_SQRT_2PI, ActorCriticHeads, action_bounds
+from ebrl.policies.heads import LOG_SQRT_2PI, LOG_STD_MAX, LOG_STD_MIN, ActorCriticHeads, action_bounds, head_outputs
 
 _ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU, "gelu": nn.GELU, "silu": nn.SiLU}
 _NP_ACTIVATIONS = {"tanh": np.tanh, "relu": lambda h: np.maximum(h, 0.0)}
@@ -72,8 +84,8 @@ class MLPPolicy(ReadsObservations, ActorCriticHeads, nn.Module):
     ``obs_dim`` elements of a Box of ``obs_shape``, or of the vector entries of ``obs_layout``
     (an :class:`~ebrl.policies.encoders.ObsLayout` without images; ``from_spaces`` builds it for
     Dict observations). Give ``act_dim`` for a Gaussian policy over ``R^act_dim`` (``env_actions`` clipped to
-    ``[action_low, action_high]`` when given), or ``discrete_actions=n`` for a categorical
-    policy over ``{0..n-1}``. ``seed`` fixes both the initial weights and the sampling stream:
+    ``[action_low, action_high]`` when given; ``action_head="squashed"``: inside them by a tanh,
+    for SAC), or ``discrete_actions=n`` for a categorical policy over ``{0..n-1}``. ``seed`` fixes both the initial weights and the sampling stream:
     two policies built with the same arguments act identically on identical inputs.
     """
 
@@ -88,6 +100,7 @@ class MLPPolicy(ReadsObservations, ActorCriticHeads, nn.Module):
         action_low=None,
         action_high=None,
         init_log_std: float = 0.0,
+        action_head: str = "gaussian",
         normalize_obs: bool = True,
         seed: int = 0,
         obs_shape: Sequence[int] | None = None,
@@ -124,11 +137,10 @@ class MLPPolicy(ReadsObservations, ActorCriticHeads, nn.Module):
         init_gen = torch.Generator().manual_seed(self.seed)
         act = _ACTIVATIONS[activation]
         self.critic = _mlp(self.obs_dim, hidden, 1, act, 1.0, init_gen)
-        self.actor = _mlp(self.obs_dim, hidden, self.act_dim, act, 0.01, init_gen)
-        if not self.discrete:
-            self.log_std = nn.Parameter(torch.full((self.act_dim,), float(init_log_std)))
-
+        outputs = head_outputs(action_head, self.discrete, self.act_dim)
+        self.actor = _mlp(self.obs_dim, hidden, outputs, act, 0.01, init_gen)
         self.action_low, self.action_high = action_bounds(action_low, action_high, self.act_dim)
+        self._init_head(action_head, init_log_std)  # log_std, or the squashed head's scale
 
         # Plain attributes (not buffers), so they never enter state_dict.
         self._start_sampling()
@@ -202,7 +214,7 @@ class MLPPolicy(ReadsObservations, ActorCriticHeads, nn.Module):
             if enc.normalize:
                 norm = (enc.obs_mean.numpy().astype(np.float32),
                         (1.0 / np.sqrt(enc.obs_var.numpy() + EPS)).astype(np.float32))
-            log_std = None if self.discrete else self.log_std.detach().numpy().copy()
+            log_std = None if self.discrete or self.squashed else self.log_std.detach().numpy().copy()
             self._np_cache = (layers(self.actor), layers(self.critic), norm, log_std)
             self._np_versions = versions
         return self._np_cache
@@ -235,6 +247,9 @@ class MLPPolicy(ReadsObservations, ActorCriticHeads, nn.Module):
                 actions = np.minimum((u > cdf).sum(1), self.act_dim - 1).astype(np.int64)
             logp = np.take_along_axis(logp_all, actions[:, None], 1)[:, 0]
             env_actions = actions
+        elif self.squashed:
+            actions, logp = self._squashed_numpy(out)
+            env_actions = actions if self.action_low is None else np.clip(actions, self.action_low, self.action_high)
         else:
             noise = (np.zeros(out.shape, np.float32) if self.deterministic
                      else self._np_rng.standard_normal(out.shape, dtype=np.float32))
@@ -245,6 +260,18 @@ class MLPPolicy(ReadsObservations, ActorCriticHeads, nn.Module):
                 env_actions = np.clip(actions, self.action_low, self.action_high)
         return ActResult(actions=actions, env_actions=env_actions,
                          logprobs=logp.astype(np.float32), values=values.astype(np.float32))
+
+    def _squashed_numpy(self, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The squashed head (:mod:`ebrl.policies.heads`) in numpy: ``(actions, logprob)``."""
+        mu, raw = np.split(out, 2, axis=1)
+        log_std = LOG_STD_MIN + (LOG_STD_MAX - LOG_STD_MIN) / (1.0 + np.exp(-(raw + self._log_std_shift)))
+        noise = (np.zeros(mu.shape, np.float32) if self.deterministic
+                 else self._np_rng.standard_normal(mu.shape, dtype=np.float32))
+        u = mu + noise * np.exp(log_std)
+        scale, bias = self.action_scale.numpy(), self.action_bias.numpy()
+        log_jac = (np.log(scale) + 2.0 * (math.log(2.0) - u - np.logaddexp(0.0, -2.0 * u))).sum(1)
+        logp = (-0.5 * noise * noise - log_std - LOG_SQRT_2PI).sum(1) - log_jac
+        return (bias + scale * np.tanh(u)).astype(np.float32), logp.astype(np.float32)
 
     @torch.no_grad()
     def act(self, obs: Any) -> ActResult:

@@ -197,6 +197,7 @@ class VLAFlowPolicy(HasChain, FrozenModes):
         gen = torch.Generator().manual_seed(self.seed)
         if self.method == "flow-noise":
             self.noise_head = _mlp(noise_width, self.config["noise_hidden"], self.max_action_dim, nn.Tanh, 0.01, gen)
+        self.feature_width = int(value_width)  # what value_features gives
         self.has_value_head, self.detach_value_input = bool(self.config["value_head"]), bool(detach_value_input)
         self.config["detach_value_input"] = self.detach_value_input
         if self.has_value_head:

@@ -252,6 +252,7 @@ class Learner:
         self.threads: int | None = None  # torch threads for a learner process (the controller's), None: as started
         self.version = 0
         self.untrained_in_hand = 0  # taken for an update that has not finished
+        self.held = 0  # steps the algorithm keeps for a later update (its metric steps_held)
         self.t0 = 0.0  # loop time at the run's start; history times are relative to it
         self._rounds, self._said_done = 0, False  # a data-parallel rank: updates joined, done announced
         self.job: dict[str, Any] = {}  # the job's counters at the latest update's header (data-parallel)
@@ -327,7 +328,8 @@ class Learner:
             raise
         finally:
             give_back()
-        done = Update(metrics, state, lags, n, self.stage.last_s, loop.time())
+        steps, self.held = self.stats.algorithm_steps(n, self.held, metrics)
+        done = Update(metrics, state, lags, steps, self.stage.last_s, loop.time())
         if self._timeline is not None:
             self._timeline.record("learner", "update", started, done.ended, n)
         accepted = True
@@ -337,7 +339,7 @@ class Learner:
             self._published = state
             self.version += 1
             self.generator.publish(state, self.version, self.worker.event)
-            self.stats.updated(n, lags, metrics, done.ended)
+            self.stats.updated(done.steps, lags, metrics, done.ended)
         if self.pause_generation:
             self.generator.resume()
         self.untrained_in_hand = 0

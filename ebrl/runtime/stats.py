@@ -52,6 +52,18 @@ class RunStats:
             self.success_once.append(float(success_once))
             self.success_at_end.append(float(bool(success_at_end)))
 
+    def algorithm_steps(self, n: int, held: int, metrics: dict) -> tuple[int, int]:
+        """``(trained, held)``: of an update's ``n`` new steps and the ``held`` its algorithm kept
+        from before, those it trained on, and those it keeps now (metric ``steps_held``); what it
+        dropped (``dropped/<reason>``, GRPO's dynamic sampling) is counted here."""
+        now = int(metrics.get("steps_held", 0))
+        trained = n + held - now
+        for key, value in metrics.items():
+            if key.startswith("dropped/"):
+                self.drop(key.removeprefix("dropped/"), int(value))
+                trained -= int(value)
+        return trained, now
+
     def updated(self, n: int, lags: np.ndarray, metrics: dict, at: float) -> None:
         """An update of ``n`` steps (each with its policy lag in ``lags``) published at loop time ``at``."""
         self.trained += n
@@ -173,7 +185,7 @@ def summarize(parts: Any, t0: float, ended_at: float, cpu_wall_s: float = 0.0) -
         env_steps=stats.simulated,
         env_steps_per_s=stats.simulated / wall_s if wall_s > 0 else math.inf,
         dropped=dict(stats.dropped),
-        in_flight_at_stop=parts.rollout.pending_steps() + learner.untrained_in_hand,
+        in_flight_at_stop=parts.rollout.pending_steps() + learner.untrained_in_hand + learner.held,
         policy_version=version,
         lag_hist=dict(sorted(stats.lag.items())), lag_mean=hist_mean(stats.lag), lag_max=max(stats.lag, default=0),
         gen_batch_hist=dict(sorted(gen_batches.items())), gen_batch_mean=hist_mean(gen_batches),
