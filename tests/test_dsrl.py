@@ -85,6 +85,7 @@ def pretrained_flow(noise_std: float = 0.3, steps: int = 300) -> FlowPolicy:
     return flow
 
 
+@pytest.mark.slow  # about 50 s on a loaded core: make test-slow
 def test_dsrl_improves_a_frozen_flow_policy_and_leaves_its_weights_bit_identical():
     """A FlowPolicy (K=4) cloned from noisy demonstrations, frozen; SAC in its noise space, 4 envs
     in segments of 4 decisions, 1,000 decisions: the mode's return closes most of the gap from the

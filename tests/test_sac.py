@@ -246,7 +246,7 @@ def evaluate(policy, deterministic: bool) -> tuple[float, float]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("learner", ["virtual", "process"])
+@pytest.mark.parametrize("learner", ["virtual", pytest.param("process", marks=pytest.mark.slow)])
 def test_sac_learns_a_reach(learner):
     """tests/test_learning_reach.py's ring-2d (PPO's learning tests' task) in 3,000 env steps, 4 envs
     in segments of 8 (one gradient step per transition after 500), on the thread learner in
