@@ -7,7 +7,8 @@ budget, or at its wall-time cap, whichever comes first. Success is the runtime's
 ``success_once`` (the share of the last 100 training episodes that succeeded at some step, read
 after every update), counted once 100 episodes have ended (a window of a few first episodes
 is not a success rate): the same window for every runner, which delays every runner's
-crossing by up to 100 episodes and so compresses the ratios of fast learners. Reported per case and runner:
+crossing by up to 100 episodes and so compresses the ratios of fast learners. Reported per
+case and runner:
 
 - *env steps to 0.8* (decisions on ``flow-dsrl``, each up to 4 env steps) and *seconds to 0.8*
   from the run's start (env builds included), or "not reached";
@@ -22,22 +23,23 @@ Cases (every algorithm at its defaults except where said; never tuned to the tar
   PPO as the convergence suite runs it (``MLPPolicy``, segments of 50, minibatches of 512);
   SAC on ``MLPPolicy(action_head="squashed")`` with segments of 8 (SAC's data flows in small
   batches) and every ``SACConfig`` default (``learning_starts`` 1000, UTD 1, batch 256). Both on
-  the dense reward: the same env for both runners (FETCH_REWARD says why dense).
+  the dense reward, the same env for both runners: SAC needs no sparse reward here (an
+  exploratory run reached success 0.84 at 10,469 env steps on the dense one).
 - ``pushcube``: ManiSkill3 ``PushCube-v1`` from state on SAPIEN's CPU backend, 50-step
   episodes, ManiSkill's dense reward, ``control_mode="pd_ee_delta_pos"`` for every runner: the
   scripted expert that records RLPD's demonstrations drives the end effector
   (``ebrl.demos.experts``), and the demonstrations' actions must be the env's. PPO with
   ``gamma=0.8`` (ManiSkill's own PPO baseline for its 50-step tasks, as the convergence suite),
-  segments of 50; SAC as on fetchreach; RLPD (``RLPDConfig``: LayerNorm critics, an ensemble of
-  10, half of each minibatch from the demonstrations) with 20 scripted demonstrations per seed
-  (``ebrl.demos.collect``, seeds ``DEMO_SEED + 1000 * seed``) and ``RLPD_SETTINGS``: RLPD's
-  default UTD of 20 with 10 critics takes about a second of this CPU per env step, which no run
-  of this suite's size could afford (the sizing below).
+  segments of 50; SAC as on fetchreach; RLPD at its defaults (``RLPDConfig``: LayerNorm critics,
+  an ensemble of 10, UTD 20, ``learning_starts`` 5000, half of each minibatch from the
+  demonstrations), segments of 8, with 20 scripted demonstrations per seed
+  (``ebrl.demos.collect``, seeds ``DEMO_SEED + 1000 * seed``; they end at success, so about 12
+  steps each).
 - ``flow-dsrl``: a chunked :class:`~ebrl.policies.FlowPolicy` (K=4, its default sizes)
   pretrained by SFT (:func:`ebrl.sft.sft`, ``SFTConfig`` defaults) on ``DEMOS`` noisy episodes
   of a scripted expert (its actions plus Gaussian noise of std ``DEMO_NOISE``) of
-  :class:`RingReach`, a 2-D kinematic reach (``tests/test_learning_reach.py``'s ring-2d, ending
-  an episode when it succeeds: within ``RingReach.tolerance`` of the target), in virtual time
+  :class:`RingReach`, a 2-D kinematic reach (``tests/test_learning_reach.py``'s ring-2d, with
+  success: within ``RingReach.tolerance`` of the target at some step), in virtual time
   (:func:`ebrl.testing.run_virtual`: the step counts repeat whatever the machine's load; the
   seconds are this process's real ones). Then PPO fine-tunes the whole flow policy (Flow-Noise;
   16 envs x 32 decisions and minibatches of 128, as tests/test_learning_reach.py trains
@@ -55,9 +57,21 @@ Target (issue 64): an off-policy runner reaches success 0.8 in at most 1/3 of PP
 (``ppo/<runner> >= 3``) on at least two of the three cases. A ratio counts only where the
 off-policy runner reached 0.8 in every seed.
 
-Sizing: 3 seeds of every case fit 20 minutes on a 2-core machine; each runner's step budget and
-wall cap are in ``CASES`` (a runner that does not reach 0.8 within them is reported as not
-reached). ``--quick`` is a smoke test: 1 seed, a few hundred steps, 2-4 envs, tiny sizes.
+Sizing: 3 seeds of every case fit 20 minutes on a 2-core machine (issue 64's rule); each
+runner's step budget and wall cap are in ``CASES``, and a runner that does not reach 0.8 within
+them is reported as not reached. On a 2-core CPU (one torch thread, as the runtime sets) what
+bounds the off-policy runners is their gradient steps: SAC's (two 256x256 critics, batch 256)
+took about 15 ms each, RLPD's (ten LayerNorm critics) about 65 ms, so SAC runs at about 65 env
+steps/s and RLPD at its UTD of 20 about one env step a second. Exploratory runs (seed 0, with
+a test suite running beside them): SAC on fetchreach reached 0.8 at 10,469 env steps in 180 s;
+PushCube on SAPIEN's CPU backend took 15-20 s to build 16 envs and then stepped about 150-200
+env steps/s, so a 30-second run holds about 2,000 env steps: no runner can reach 0.8 on it
+within this budget (``ebrl bench embodied-learning``'s PPO, joint control, reached it after
+89,000-129,000 env steps, 140-225 s a run), and RLPD does not reach its ``learning_starts``. The pushcube rows then say how far each got, not how fast it learns.
+On flow-dsrl, PPO held success near 0.45 for 60,000 decisions, and DSRL rose from 0.5 to 0.7 in
+8,000 decisions (175 s). ``EBRL_SAMPLE_EFFICIENCY_SCALE=N`` multiplies every budget and cap by
+N, for a machine or a day with more time. ``--quick`` is a smoke test: 1 seed, a few hundred
+steps, 2-4 envs, tiny sizes.
 """
 
 from __future__ import annotations
@@ -80,15 +94,13 @@ THRESHOLD = 0.8  # success_once
 WINDOW = 100  # episodes in the runtime's success_once window: a score counts once it is full
 TARGET = 3.0  # PPO's env steps to the threshold over the off-policy runner's
 CASES_NEEDED = 2  # of the three cases
-FETCH_REWARD = "dense"  # see the module docstring and measure notes in docs/benchmarks.md
+FETCH_REWARD = "dense"  # the same reward for both runners; SAC learns on it (the module docstring)
 PUSHCUBE_DEMOS = 20
-# RLPD on this CPU: RLPD's own UTD (20) and 10 LayerNorm critics; lowered to fit (module docstring)
-RLPD_SETTINGS = (("utd_ratio", 2.0),)
 # flow-dsrl: the demonstrations SFT clones, and the timing of a decision
 DEMOS, DEMO_NOISE, K = 40, 0.3, 4
 COST_BATCHES = (16, 256)
 VIRTUAL_STEP_S = 0.001  # RingReach's declared step cost in virtual time: the progress check's clock
-VIRTUAL_LOG_S = 0.25  # virtual seconds between stop checks
+VIRTUAL_LOG_S = 0.05  # virtual seconds between stop checks (about 200 decisions of 16 envs)
 
 
 # ---- envs -----------------------------------------------------------------------------------
@@ -106,11 +118,15 @@ def pushcube_env(i: int) -> gym.Env:
 
 
 class RingReach(gym.Env):
-    """``tests/test_learning_reach.py``'s ring-2d reach, ending when it succeeds: a point in
+    """``tests/test_learning_reach.py``'s ring-2d reach with a success flag: a point in
     ``[-1, 1]^2`` moved by ``p <- clip(p + 0.2 a)``, ``a in [-0.5, 0.5]^2``, from a start uniform
     in ``[-0.2, 0.2]^2`` to one of six targets on a ring of radius 0.75; observation ``(p,
-    target)``; reward ``-|p - target|``; success (and termination) within ``tolerance`` of the
-    target; 24 steps. The expert is a proportional controller that lands on the target."""
+    target)``; reward ``-|p - target|``; 24 steps. ``info["success"]``: the point has been within
+    ``tolerance`` of the target at some step of the episode (sticky, so that a chunk's last step
+    reports it). The episode does not end there: with a negative reward, an end at success is
+    worth avoiding to SAC while its entropy bonus outweighs the reward (exploration found DSRL
+    driving success from 0.5 to 0.05 that way). The expert is a proportional controller that lands
+    on the target."""
 
     tolerance = 0.02
     virtual_step_cost = VIRTUAL_STEP_S
@@ -122,7 +138,7 @@ class RingReach(gym.Env):
         angles = 2 * np.pi * np.arange(6) / 6 + 0.3
         self.targets = 0.75 * np.stack([np.cos(angles), np.sin(angles)], 1)
         self._rng = np.random.default_rng(0)
-        self.pos, self.target, self.t = np.zeros(2), self.targets[0], 0
+        self.pos, self.target, self.t, self.reached = np.zeros(2), self.targets[0], 0, False
 
     def _obs(self) -> np.ndarray:
         return np.concatenate([self.pos, self.target]).astype(np.float32)
@@ -132,15 +148,15 @@ class RingReach(gym.Env):
         if seed is not None:
             self._rng = np.random.default_rng(seed)
         self.pos = self._rng.uniform(-0.2, 0.2, 2)
-        self.target, self.t = self.targets[self._rng.integers(6)], 0
+        self.target, self.t, self.reached = self.targets[self._rng.integers(6)], 0, False
         return self._obs(), {}
 
     def step(self, action):
         self.pos = np.clip(self.pos + 0.2 * np.clip(np.asarray(action, np.float64), -0.5, 0.5), -1.0, 1.0)
         self.t += 1
         dist = float(np.linalg.norm(self.pos - self.target))
-        success = dist < self.tolerance
-        return self._obs(), -dist, success, self.t >= self.episode_len and not success, {"success": success}
+        self.reached = self.reached or dist < self.tolerance
+        return self._obs(), -dist, False, self.t >= self.episode_len, {"success": self.reached}
 
     @staticmethod
     def expert(obs: np.ndarray) -> np.ndarray:
@@ -177,18 +193,26 @@ class Case:
 QUICK_SAC = (("learning_starts", 32), ("batch_size", 32))
 CASES = {
     "fetchreach": Case(fetchreach_env, 16, {
-        "ppo": Runner(150_000, 60.0, 50, (("minibatch_size", 512),), quick_steps=200),
-        "sac": Runner(30_000, 120.0, 8, quick_steps=128, quick_settings=QUICK_SAC)}),
+        "ppo": Runner(150_000, 45.0, 50, (("minibatch_size", 512),), quick_steps=200),
+        "sac": Runner(30_000, 150.0, 8, quick_steps=128, quick_settings=QUICK_SAC)}),
     "pushcube": Case(pushcube_env, 16, {
-        "ppo": Runner(200_000, 100.0, 50, (("gamma", 0.8),), quick_steps=100),
-        "sac": Runner(30_000, 100.0, 8, quick_steps=64, quick_settings=QUICK_SAC),
-        "rlpd": Runner(30_000, 100.0, 8, RLPD_SETTINGS, quick_steps=64,
+        "ppo": Runner(200_000, 30.0, 50, (("gamma", 0.8),), quick_steps=100),
+        "sac": Runner(30_000, 30.0, 8, quick_steps=64, quick_settings=QUICK_SAC),
+        "rlpd": Runner(30_000, 30.0, 8, quick_steps=64,
                        quick_settings=(*QUICK_SAC, ("utd_ratio", 1.0), ("num_critics", 2)))},
         quick_envs=2),
     "flow-dsrl": Case(ring_env, 16, {
-        "ppo": Runner(30_000, 120.0, 32, (("minibatch_size", 128),), quick_steps=128),
-        "dsrl": Runner(10_000, 120.0, 8, quick_steps=128, quick_settings=QUICK_SAC)}, virtual=True),
+        "ppo": Runner(25_000, 45.0, 32, (("minibatch_size", 128),), quick_steps=128),
+        "dsrl": Runner(10_000, 55.0, 8, quick_steps=128, quick_settings=QUICK_SAC)}, virtual=True),
 }
+
+
+def scale() -> float:
+    """``EBRL_SAMPLE_EFFICIENCY_SCALE``: every full run's step budget and wall cap times this (1:
+    the 20-minute suite; more on a machine or a day with more time)."""
+    import os
+
+    return float(os.environ.get("EBRL_SAMPLE_EFFICIENCY_SCALE", "1"))
 
 
 # ---- one run --------------------------------------------------------------------------------
@@ -260,7 +284,7 @@ def measure_run(case: str, runner: str, seed: int, quick: bool, sft_path: str | 
     if runner == "rlpd":
         extra = _load_pushcube_demos(algo, spaces, seed, quick)
     num_envs = min(c.num_envs, c.quick_envs) if quick else c.num_envs
-    steps, max_s = (r.quick_steps, 300.0) if quick else (r.steps, r.max_s)
+    steps, max_s = (r.quick_steps, 300.0) if quick else (int(r.steps * scale()), r.max_s * scale())
 
     def until(row: dict) -> bool:
         return _counts({"score": row.get("success_once"), "episodes": row.get("episodes", 0)})
@@ -531,9 +555,14 @@ def _report(rows, preps, costs, names, seeds, quick, in_process) -> dict:
             steps = figures[f"{case}: {runner} steps to threshold"] = spread(r["steps_to_threshold"] for r in reached)
             secs = figures[f"{case}: {runner} seconds to threshold"] = spread(r["time_to_threshold_s"] for r in reached)
             final = figures[f"{case}: {runner} final success"] = spread(r["final_success"] for r in mine)
+            if not mine:
+                continue
+            ran = figures[f"{case}: {runner} env steps run"] = spread(r["env_steps"] for r in mine)
+            grads = spread(r["gradient_steps"] for r in mine if r.get("gradient_steps") is not None)
             notes.append(f"{case} {runner}: success 0.8 reached in {len(reached)} of {len(mine)} runs; env steps to it "
-                         f"{_fmt(steps)}, seconds {_fmt(secs)}; final success {_fmt(final)}; budget "
-                         f"{mine[0]['budget_steps']:,} steps or {mine[0]['cap_s']:.0f} s" if mine else f"{case} {runner}: no run")
+                         f"{_fmt(steps)}, seconds {_fmt(secs)}; final success {_fmt(final)}; env steps run {_fmt(ran)} "
+                         f"of a budget of {mine[0]['budget_steps']:,} or {mine[0]['cap_s']:.0f} s"
+                         + (f"; gradient steps {_fmt(grads)}" if grads["n"] else ""))
         for runner in list(CASES[case].runners)[1:]:
             ratios[f"{case}: ppo/{runner}"] = _ratio(rows, case, runner)
     for p in preps:
@@ -571,7 +600,10 @@ def _report(rows, preps, costs, names, seeds, quick, in_process) -> dict:
             "meta": {"description": DESCRIPTION, "quick": quick, "seeds": list(seeds), "rounds": len(seeds),
                      "fresh_processes": not in_process, "threshold": THRESHOLD, "score": "success_once",
                      "target": TARGET, "sft": preps, "cost": costs, "fetch_reward": FETCH_REWARD,
+                     "scale": 1.0 if quick else scale(),
                      "cases": {n: {"num_envs": CASES[n].num_envs, "virtual": CASES[n].virtual,
-                                   "runners": {k: {"steps": r.steps, "max_s": r.max_s, "segment_len": r.segment_len,
+                                   "runners": {k: {"steps": int(r.steps * (1.0 if quick else scale())),
+                                                   "max_s": r.max_s * (1.0 if quick else scale()),
+                                                   "segment_len": r.segment_len,
                                                    "settings": dict(r.settings)}
                                                for k, r in CASES[n].runners.items()}} for n in names}}}
