@@ -51,7 +51,7 @@ test-fullsize: $(STAMP)
 
 # every suite into docs/benchmarks/, then the README's tables regenerated from that JSON;
 # `make bench SUITES="longtail overhead"` re-runs some and re-renders from all the JSON there
-SUITES ?= overhead step-cost longtail longtail-user startup-mock heterogeneous mujoco-state startup mujoco-pixels vector-gpu embodied libero controller convergence lag policies scaling gpu-split soak embodied-learning vla sft-rl paper-regime
+SUITES ?= overhead step-cost longtail longtail-user startup-mock heterogeneous mujoco-state startup mujoco-pixels vector-gpu embodied libero controller convergence lag policies scaling gpu-split soak embodied-learning vla sft-rl sample-efficiency paper-regime
 BENCH_DIR ?= docs/benchmarks
 bench: $(STAMP)
 	set -e; for s in $(SUITES); do \

@@ -24,9 +24,10 @@ def test_list_names_every_suite(capsys):
 
 # the real simulators build slowly (a LIBERO env with a camera: ~4 s, steps 0.1 s; ManiSkill's
 # demonstrations, SFT and three RL runs): more time
-SLOW = {"embodied": 300, "libero": 300, "sft-rl": 300, "paper-regime": 300}
-# ManiSkill and LIBERO builds on two runners: past make test's budget, so make test-slow runs it
-IN_TEST_SLOW = {"paper-regime"}
+SLOW = {"embodied": 300, "libero": 300, "sft-rl": 300, "paper-regime": 300, "sample-efficiency": 300}
+# ManiSkill and LIBERO builds on two runners: past make test's budget, so make test-slow runs it;
+# sample-efficiency: three ManiSkill PushCube runs (worker builds, demonstrations) of ~25 s each
+IN_TEST_SLOW = {"paper-regime", "sample-efficiency"}
 
 
 def _suite_param(s: str):

@@ -24,7 +24,7 @@ from ebrl.benchmark.figures import MACHINE, spread
 from ebrl.benchmark.report import fmt_ratio, fmt_spread, results_markdown
 
 ORDER = ("overhead", "longtail", "longtail-user", "heterogeneous", "mujoco-state", "startup", "startup-mock",
-         "mujoco-pixels", "vector-gpu", "embodied", "libero", "controller", "convergence", "embodied-learning", "vla", "sft-rl", "lag", "policies",
+         "mujoco-pixels", "vector-gpu", "embodied", "libero", "controller", "convergence", "embodied-learning", "vla", "sft-rl", "sample-efficiency", "lag", "policies",
          "scaling", "gpu-split", "soak", "step-cost")
 
 
@@ -346,6 +346,45 @@ def convergence_table(rep: dict) -> str:
     return "\n".join(lines)
 
 
+def sample_efficiency_table(rep: dict) -> str:
+    """``ebrl bench sample-efficiency``: per case and runner, env steps and seconds to success 0.8
+    (over the runs that reached it), how many did, the final success; then PPO's steps over each
+    off-policy runner's, the targets, SFT's starting point and the cost of a decision."""
+    lines = ["| case | runner | env steps to 0.8 | seconds to 0.8 | reached | final success | budget (steps, s) |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    figures, rows, meta = rep.get("figures", {}), rep["rows"], rep["meta"]
+    for case, c in meta.get("cases", {}).items():
+        for runner, r in c["runners"].items():
+            mine = [x for x in rows if x["case"] == case and x["runner"] == runner]
+            reached = sum(x["steps_to_threshold"] is not None for x in mine)
+            lines.append(f"| {case} | {runner} | {fmt_spread(figures.get(f'{case}: {runner} steps to threshold'))} "
+                         f"| {fmt_spread(figures.get(f'{case}: {runner} seconds to threshold'))} "
+                         f"| {reached} of {len(mine)} | {fmt_spread(figures.get(f'{case}: {runner} final success'))} "
+                         f"| {r['steps']:,}, {r['max_s']:.0f} |")
+    lines += ["", "| PPO's env steps to 0.8 over | measured | target | |", "|---|---:|---|---|"]
+    lines += ratio_rows(rep)
+    for t in rep.get("targets", []):
+        if t["figure"] not in rep.get("ratios", {}):
+            lines.append(f"| {t['figure']} | {t.get('note') or 'not measured'} | {t['target']} "
+                         f"| {'met' if t['met'] else '**missed**'} |")
+    sft = meta.get("sft", [])
+    if sft:
+        lines += ["", "flow-dsrl, the SFT policy before RL (success over 200 episodes): "
+                  + "; ".join(f"seed {p['round']}: {p['sft_success_flow_noise']:.2f} as PPO's rollouts act "
+                              f"(Flow-Noise), {p['sft_success_ode']:.2f} as DSRL's base (ODE)" for p in sft) + "."]
+    for c in meta.get("cost", []):
+        lines += ["", ("| flow-dsrl cost per decision (µs, one torch thread) | batch | DSRL act | PPO act "
+                       "| PPO forward-backward x epochs | PPO total / DSRL |"), "|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| flow {c['flow_params']:,} params, steering actor {c['steer_params']:,} | {x['batch']} "
+                  f"| {x['dsrl_act_us']:.0f} | {x['ppo_act_us']:.0f} | {x['ppo_train_us']:.0f} "
+                  f"({x['ppo_update_epochs']} epochs) | {x['ppo_over_dsrl']:.1f}x |" for x in c["cost"]]
+    lines += ["", (f"{len(meta.get('seeds', []))} seeds, runners alternating per seed, each run in a fresh process "
+                   f"stopped at success {meta.get('threshold', 0.8):g}, its step budget or its wall cap; "
+                   f"{meta['date'][:10]}, commit {meta.get('commit', '?')}; raw curves in "
+                   f"[docs/benchmarks/{meta['suite']}.json](docs/benchmarks/{meta['suite']}.json).")]
+    return "\n".join(lines)
+
+
 def lag_table(rep: dict) -> str:
     """``ebrl bench lag``: per algorithm, the final return at lag 0 and at max_policy_lag=4,
     the lag actually trained at, and the ratio; then the targets."""
@@ -452,6 +491,7 @@ def tables(reports: dict[str, dict]) -> dict[str, str]:
     for name, make in (("step-cost", step_cost_table), ("controller", controller_table),
                        ("convergence", convergence_table), ("embodied", embodied_table), ("libero", embodied_table),
                        ("embodied-learning", convergence_table), ("vla", vla_table), ("sft-rl", sft_rl_table),
+                       ("sample-efficiency", sample_efficiency_table),
                        ("lag", lag_table), ("policies", policies_table), ("scaling", scaling_table)):
         if name in reports:
             out[name] = make(reports[name])
