@@ -63,17 +63,17 @@ Sizing: 3 seeds of every case fit 20 minutes on a 2-core machine (issue 64's rul
 runner's step budget and wall cap are in ``CASES``, and a runner that does not reach 0.8 within
 them is reported as not reached. On a 2-core CPU (one torch thread, as the runtime sets) what
 bounds the off-policy runners is their gradient steps: SAC's (two 256x256 critics, batch 256)
-took about 15 ms each, RLPD's (ten LayerNorm critics) about 65 ms, so SAC runs at about 65 env
-steps/s and RLPD at its UTD of 20 about one env step a second. Exploratory runs (seed 0, with
-a test suite running beside them): SAC on fetchreach reached 0.8 at 10,469 env steps in 180 s;
-PushCube on SAPIEN's CPU backend took 15-20 s to build 16 envs and then stepped about 150-200
-env steps/s, so a 30-second run holds about 2,000 env steps: no runner can reach 0.8 on it
-within this budget (``ebrl bench embodied-learning``'s PPO, joint control, reached it after
-89,000-129,000 env steps, 140-225 s a run), and RLPD does not reach its ``learning_starts``. The pushcube rows then say how far each got, not how fast it learns.
-On flow-dsrl, PPO held success near 0.45 for 60,000 decisions, and DSRL rose from 0.5 to 0.7 in
-8,000 decisions (175 s). ``EBRL_SAMPLE_EFFICIENCY_SCALE=N`` multiplies every budget and cap by
-N, for a machine or a day with more time. ``--quick`` is a smoke test: 1 seed, a few hundred
-steps, 2-4 envs, tiny sizes.
+took about 15 ms each, RLPD's (ten LayerNorm critics) about 65 ms, so SAC runs at under 100 env
+steps/s. Exploratory runs (seed 0, a test suite running beside them): SAC on fetchreach reached
+0.8 at 10,469 env steps in 180 s; PushCube on SAPIEN's CPU backend took 15-20 s to build 16
+envs and then stepped about 150-200 env steps/s, so a 30-second run holds a few thousand env
+steps: no runner can reach 0.8 on it within this budget (``ebrl bench embodied-learning``'s
+PPO, joint control, reached it after 89,000-129,000 env steps, 140-225 s a run), and RLPD
+barely reaches its ``learning_starts``; the pushcube rows say how far each got, not how fast it
+learns. On flow-dsrl, PPO held success near 0.45 for 60,000 decisions, and DSRL rose from 0.5
+to 0.7 in 8,000 decisions (175 s). ``EBRL_SAMPLE_EFFICIENCY_SCALE=N`` multiplies every budget
+and cap by N, for a machine or a day with more time. ``--quick`` is a smoke test: 1 seed, a few
+hundred steps, 2-4 envs, tiny sizes.
 """
 
 from __future__ import annotations
@@ -496,6 +496,12 @@ def _ratio(rows: list[dict], case: str, other: str) -> dict:
     return {**spread(values), "lower_bounds": bounds, "not_reached": missing}
 
 
+def fmt_ratio(s: dict) -> str:
+    from ebrl.benchmark.report import fmt_ratio as fmt
+
+    return fmt(s)
+
+
 def _fmt(s: dict, unit: str = "") -> str:
     from ebrl.benchmark.report import fmt_spread
 
@@ -590,8 +596,8 @@ def _report(rows, preps, costs, names, seeds, quick, in_process) -> dict:
             t["note"] = (f"{r['median']:.2f}x over {r['n']} of {len(seeds)} seeds" if r["n"] else "not measured") + \
                 f": {t['figure'].split('/')[-1]} did not reach {THRESHOLD:g} in {r['not_reached']}"
         if r is not None and r["lower_bounds"]:
-            t.setdefault("note", f"{r['median']:.2f}x, {r['lower_bounds']} of {r['n']} a lower bound "
-                         "(PPO did not reach the threshold)")
+            bound = f"{r['lower_bounds']} of {r['n']} a lower bound (PPO did not reach {THRESHOLD:g})"
+            t["note"] = f"{t['note']}; {bound}" if t.get("note") else f"{fmt_ratio(r)}, {bound}"
     cases_met = sorted({t["figure"].split(":")[0] for t in targets if t["met"]})
     targets.append({"figure": f"cases where off-policy reaches {THRESHOLD:g} in <= 1/{TARGET:g} of PPO's env steps",
                     "target": f">= {CASES_NEEDED} of {len(names)}", "median": float(len(cases_met)),
