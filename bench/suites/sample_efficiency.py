@@ -21,8 +21,9 @@ Cases (every algorithm at its defaults except where said; never tuned to the tar
 
 - ``fetchreach``: gymnasium-robotics ``FetchReachDense-v4`` from state (flattened), 16 envs.
   PPO as the convergence suite runs it (``MLPPolicy``, segments of 50, minibatches of 512);
-  SAC on ``MLPPolicy(action_head="squashed")`` with segments of 8 (SAC's data flows in small
-  batches) and every ``SACConfig`` default (``learning_starts`` 1000, UTD 1, batch 256). Both on
+  SAC on ``MLPPolicy(action_head="squashed")``, streamed (its default under async: the learner
+  takes every step recorded since its last update; ``segment_len`` at RunConfig's 64) and every
+  ``SACConfig`` default (``learning_starts`` 1000, UTD 1, batch 256). Both on
   the dense reward, the same env for both runners: SAC needs no sparse reward here (an
   exploratory run reached success 0.84 at 10,469 env steps on the dense one).
 - ``pushcube``: ManiSkill3 ``PushCube-v1`` from state on SAPIEN's CPU backend, 50-step
@@ -34,7 +35,7 @@ Cases (every algorithm at its defaults except where said; never tuned to the tar
   10, ``learning_starts`` 5000, half of each minibatch from the demonstrations) with
   ``RLPD_SETTINGS`` (UTD 1, SAC's, not RLPD's 20: at 20, the first update after
   ``learning_starts``, 2,560 gradient steps of about 65 ms for one segment of 16 envs x 8 steps,
-  ran 190 s past a 30-second cap, as no cap stops an update), segments of 8, and 20 scripted
+  ran 190 s past a 30-second cap, as no cap stops an update), streamed, and 20 scripted
   demonstrations per seed (``ebrl.demos.collect``, seeds ``DEMO_SEED + 1000 * seed``; they end
   at success, so about 12 steps each).
 - ``flow-dsrl``: a chunked :class:`~ebrl.policies.FlowPolicy` (K=4, its default sizes)
@@ -49,7 +50,7 @@ Cases (every algorithm at its defaults except where said; never tuned to the tar
   ``policy.init``; the flow's ``init_sigma`` 0.1, the range its docstring gives for fine-tuning a
   pretrained flow, where the default 0.5 is for PPO from scratch), against DSRL
   (:class:`~ebrl.policies.dsrl.DSRLPolicy` on the frozen SFT policy, its defaults; SAC at its
-  defaults, segments of 8 decisions). The same SFT weights start both runners of a seed.
+  defaults, streamed). The same SFT weights start both runners of a seed.
   Issue 64 item 4's cost: DSRL's flow forward per decision (``DSRLPolicy.act``) against PPO's
   forward plus forward-and-backward per decision (``FlowPolicy.act``, then ``update_epochs``
   passes of ``evaluate`` and ``backward``), timed in one process on one torch thread at batch
@@ -197,16 +198,16 @@ QUICK_SAC = (("learning_starts", 32), ("batch_size", 32))
 CASES = {
     "fetchreach": Case(fetchreach_env, 16, {
         "ppo": Runner(150_000, 45.0, 50, (("minibatch_size", 512),), quick_steps=200),
-        "sac": Runner(30_000, 150.0, 8, quick_steps=128, quick_settings=QUICK_SAC)}),
+        "sac": Runner(30_000, 150.0, 64, quick_steps=128, quick_settings=QUICK_SAC)}),
     "pushcube": Case(pushcube_env, 16, {
         "ppo": Runner(200_000, 30.0, 50, (("gamma", 0.8),), quick_steps=100),
-        "sac": Runner(30_000, 30.0, 8, quick_steps=64, quick_settings=QUICK_SAC),
-        "rlpd": Runner(30_000, 30.0, 8, RLPD_SETTINGS, quick_steps=64,
+        "sac": Runner(30_000, 30.0, 64, quick_steps=64, quick_settings=QUICK_SAC),
+        "rlpd": Runner(30_000, 30.0, 64, RLPD_SETTINGS, quick_steps=64,
                        quick_settings=(*QUICK_SAC, ("utd_ratio", 1.0), ("num_critics", 2)))},
         quick_envs=2),
     "flow-dsrl": Case(ring_env, 16, {
         "ppo": Runner(15_000, 30.0, 32, (("minibatch_size", 128),), quick_steps=128),
-        "dsrl": Runner(10_000, 45.0, 8, quick_steps=128, quick_settings=QUICK_SAC)}, virtual=True),
+        "dsrl": Runner(10_000, 45.0, 64, quick_steps=128, quick_settings=QUICK_SAC)}, virtual=True),
 }
 
 
