@@ -33,8 +33,8 @@ from ebrl.policies.expects import ActionSpec, PolicySpaces
 from ebrl.virtual_time import VirtualTimeLoop, virtual_platform
 from ebrl.spaces import batch_size
 
-__all__ = ["Latency", "LatencyMode", "MockEnv", "MockPolicy", "NoopAlgo", "VirtualTimeLoop", "mock_vector_env",
-           "run_virtual", "torch_threads", "virtual_platform"]
+__all__ = ["Latency", "LatencyMode", "MockEnv", "MockPolicy", "NoopAlgo", "RingReach", "VirtualTimeLoop",
+           "mock_vector_env", "run_virtual", "torch_threads", "virtual_platform"]
 
 
 class LatencyMode(enum.StrEnum):
@@ -234,6 +234,69 @@ class InstructedReach(gym.Env):
         success = dist < 0.1
         self._t += 1
         return self._obs(), -dist + float(success), False, self._t >= self.episode_len, {"success": success}
+
+
+class RingReach(gym.Env):
+    """A 2-D kinematic reach that small policies learn in seconds: a point in ``[-1, 1]^2`` moved
+    by ``p <- clip(p + 0.2 a)``, ``a in [-0.5, 0.5]^2``, from a start uniform in ``[-0.2, 0.2]^2``
+    to one of six targets on a ring of radius 0.75; observation ``(p, target)``; reward
+    ``-|p - target|`` every step; truncated after ``episode_len`` steps, never terminated.
+
+    ``info["success"]``: the point is within ``tolerance`` of the target at this step, or, with
+    ``sticky``, at some step of the episode so far (an action chunk's last step reports it then).
+    :meth:`expert` is a proportional controller that lands on the target; :meth:`dynamics` and
+    :meth:`load` let a planner roll the task forward from an observation. ``virtual_step_cost``:
+    a step's declared cost on a virtual-time loop.
+
+        >>> env = RingReach()
+        >>> obs, _ = env.reset(seed=0)
+        >>> for _ in range(env.episode_len):
+        ...     obs, reward, terminated, truncated, info = env.step(env.expert(obs))
+        >>> info["success"], round(abs(reward), 6), truncated  # on the target at the end
+        (True, 0.0, True)
+    """
+
+    def __init__(self, episode_len: int = 24, *, tolerance: float = 0.05, sticky: bool = False,
+                 virtual_step_cost: float = 0.0):
+        self.episode_len, self.tolerance, self.sticky = episode_len, tolerance, sticky
+        self.virtual_step_cost = virtual_step_cost
+        self.observation_space = gym.spaces.Box(-np.inf, np.inf, (4,), np.float32)
+        self.action_space = gym.spaces.Box(-0.5, 0.5, (2,), np.float32)
+        angles = 2 * np.pi * np.arange(6) / 6 + 0.3
+        self.targets = 0.75 * np.stack([np.cos(angles), np.sin(angles)], 1)
+        self._rng = np.random.default_rng(0)
+        self.pos, self.target, self.t, self.reached = np.zeros(2), self.targets[0], 0, False
+
+    def _obs(self) -> np.ndarray:
+        return np.concatenate([self.pos, self.target]).astype(np.float32)
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        if seed is not None:
+            self._rng = np.random.default_rng(seed)
+        self.pos = self._rng.uniform(-0.2, 0.2, 2)
+        self.target, self.t, self.reached = self.targets[self._rng.integers(6)], 0, False
+        return self._obs(), {}
+
+    def dynamics(self, action: Any) -> None:
+        self.pos = np.clip(self.pos + 0.2 * np.clip(np.asarray(action, np.float64), -0.5, 0.5), -1.0, 1.0)
+
+    def step(self, action: Any):
+        self.dynamics(action)
+        self.t += 1
+        dist = float(np.linalg.norm(self.pos - self.target))
+        success = dist < self.tolerance
+        self.reached = self.reached or success
+        return self._obs(), -dist, False, self.t >= self.episode_len, {"success": self.reached if self.sticky else success}
+
+    @staticmethod
+    def expert(obs: np.ndarray) -> np.ndarray:
+        """The action towards the target, for one observation or a batch."""
+        return np.clip(5.0 * (obs[..., 2:4] - obs[..., :2]), -0.5, 0.5).astype(np.float32)
+
+    def load(self, obs: np.ndarray) -> None:
+        """Put the point and the target where ``obs`` says (the step count stays)."""
+        self.pos, self.target = obs[:2].astype(np.float64), obs[2:4].astype(np.float64)
 
 
 class MockPolicy:

@@ -14,8 +14,7 @@ from ebrl.algos import SAC
 from ebrl.envs.chunks import ActionChunk
 from ebrl.policies import FlowPolicy
 from ebrl.policies.dsrl import DSRLPolicy
-from ebrl.testing import run_virtual, torch_threads
-from tests.test_learning_reach import RingReach2D
+from ebrl.testing import RingReach, run_virtual, torch_threads
 
 K = 4
 EVAL_SEEDS = range(20_000, 20_048)
@@ -28,7 +27,7 @@ def one_thread():
 
 
 def chunked() -> ActionChunk:
-    return ActionChunk(RingReach2D(), K)
+    return ActionChunk(RingReach(), K)
 
 
 def mean_return(policy) -> float:
