@@ -16,7 +16,7 @@ import ebrl
 from ebrl.algos import RLPD, SAC, Batch, ReplayBuffer
 from ebrl.config import ConfigError
 from ebrl.policies import CNNPolicy, MLPPolicy
-from ebrl.testing import RingReach, run_virtual, torch_threads
+from ebrl.testing import RingReach, run_episodes, run_virtual, torch_threads
 
 SMALL = {"batch_size": 32, "learning_starts": 0, "critic_hidden": (32, 32)}
 
@@ -228,18 +228,7 @@ EVAL_SEEDS = range(10_000, 10_048)
 
 def evaluate(policy, deterministic: bool) -> tuple[float, float]:
     """Mean return and the share of episodes that came within 0.05 of the target, on fixed seeds."""
-    envs = [RingReach() for _ in EVAL_SEEDS]
-    obs = np.stack([env.reset(seed=s)[0] for env, s in zip(envs, EVAL_SEEDS)])
-    returns, success = np.zeros(len(envs)), np.zeros(len(envs), bool)
-    before, policy.deterministic = policy.deterministic, deterministic
-    try:
-        for _ in range(envs[0].episode_len):
-            actions = policy.act(obs).env_actions
-            for i, env in enumerate(envs):
-                o, r, _, _, info = env.step(actions[i])
-                obs[i], returns[i], success[i] = o, returns[i] + r, success[i] or info["success"]
-    finally:
-        policy.deterministic = before
+    returns, success = run_episodes(policy, [RingReach() for _ in EVAL_SEEDS], EVAL_SEEDS, deterministic=deterministic)
     return float(returns.mean()), float(success.mean())
 
 

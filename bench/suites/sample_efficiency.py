@@ -307,28 +307,8 @@ def _load_pushcube_demos(algo, spaces, seed: int, quick: bool) -> dict:
 def noisy_demos(episodes: int, seed: int):
     """``episodes`` of :func:`ring_reach`'s expert with Gaussian noise of std ``DEMO_NOISE`` on
     each action (clipped to the bounds), as :class:`~ebrl.demos.Demos`; and their success rate."""
-    from ebrl.demos import Demos
-
-    rng = np.random.default_rng(seed)
-    env = ring_reach()
-    frames = {k: [] for k in ("observation.state", "action", "next.reward", "next.done", "next.success")}
-    spans, succeeded = [], 0
-    for e in range(episodes):
-        obs, _ = env.reset(seed=int(rng.integers(1 << 30)))
-        start, done = len(frames["action"]), False
-        while not done:
-            action = np.clip(env.expert(obs) + rng.normal(0.0, DEMO_NOISE, 2), -0.5, 0.5).astype(np.float32)
-            nxt, reward, terminated, truncated, info = env.step(action)
-            done = terminated or truncated
-            for k, v in (("observation.state", obs), ("action", action), ("next.reward", reward),
-                         ("next.done", done), ("next.success", info["success"])):
-                frames[k].append(v)
-            obs = nxt
-        succeeded += bool(info["success"])
-        spans.append((start, len(frames["action"])))
-    arrays = {k: np.asarray(v, np.float32 if k != "next.done" and k != "next.success" else bool)
-              for k, v in frames.items()}
-    return Demos(arrays, spans, ["reach"], fps=10.0), succeeded / episodes
+    demos = ring_reach().expert_demos(episodes, seed, noise=DEMO_NOISE)
+    return demos, float(np.mean([demos.frames["next.success"][end - 1] for _, end in demos.episodes]))
 
 
 def success_rate(policy, episodes: int, seed: int) -> float:
