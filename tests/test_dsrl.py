@@ -14,8 +14,7 @@ from ebrl.algos import SAC
 from ebrl.envs.chunks import ActionChunk
 from ebrl.policies import FlowPolicy
 from ebrl.policies.dsrl import DSRLPolicy
-from ebrl.testing import run_virtual, torch_threads
-from tests.test_learning_reach import RingReach2D
+from ebrl.testing import RingReach, run_episodes, run_virtual, torch_threads
 
 K = 4
 EVAL_SEEDS = range(20_000, 20_048)
@@ -28,26 +27,12 @@ def one_thread():
 
 
 def chunked() -> ActionChunk:
-    return ActionChunk(RingReach2D(), K)
+    return ActionChunk(RingReach(), K)
 
 
 def mean_return(policy) -> float:
     """The mode's mean return on fixed reset seeds."""
-    envs = [chunked() for _ in EVAL_SEEDS]
-    obs = np.stack([env.reset(seed=s)[0] for env, s in zip(envs, EVAL_SEEDS)])
-    total, done = np.zeros(len(envs)), np.zeros(len(envs), bool)
-    before, policy.deterministic = policy.deterministic, True
-    try:
-        while not done.all():
-            actions = policy.act(obs).env_actions
-            for i, env in enumerate(envs):
-                if not done[i]:
-                    obs[i], r, term, trunc, _ = env.step(actions[i])
-                    total[i] += r
-                    done[i] = term or trunc
-    finally:
-        policy.deterministic = before
-    return float(total.mean())
+    return float(run_episodes(policy, [chunked() for _ in EVAL_SEEDS], EVAL_SEEDS)[0].mean())
 
 
 def test_the_chunk_is_a_deterministic_function_of_the_noise_and_only_the_actor_is_published():
