@@ -65,6 +65,59 @@ def test_the_chunk_is_a_deterministic_function_of_the_noise_and_only_the_actor_i
         DSRLPolicy(torch.nn.Linear(2, 2))
 
 
+
+def test_dsrl_on_the_process_learner_trains_as_the_thread_learner_and_hands_back_the_actor():
+    """The algorithm in the learner process (sync, inline sims: the same batches whatever the
+    load), 96 decisions of 2 envs, the policy and SAC sent there forked and pickled (a fork
+    server's child, as where a renderer is loaded): the flow policy's weights bit for bit as they
+    were, each publication and the hand-back at the end the actor alone, and the actor and SAC's
+    state (critics, optimisers, RNG) bit for bit as the same run on the thread learner leaves them."""
+    from ebrl.runtime.learner_process import _Learner
+
+    def run(learner: str, start_method: str | None = None):
+        probe = chunked()
+        flow = FlowPolicy.from_spaces(probe.observation_space, probe.action_space, seed=0)
+        policy = DSRLPolicy(flow, noise_bound=1.5, hidden=(32, 32))
+        sac = SAC(batch_size=32, learning_starts=32, critic_hidden=(32, 32), init_alpha=0.1)
+        cfg = ebrl.RunConfig(num_envs=2, segment_len=4, total_env_steps=96, seed=0, schedule="sync",
+                             learner=learner, sim={"backend": "inline", "start_method": start_method})
+        trainer = ebrl.Trainer(lambda i: chunked(), policy, sac, cfg)
+        return policy, sac, (ebrl.run_sync(trainer) if learner == "process" else run_virtual(trainer))
+
+    thread_policy, thread_sac, thread_res = run("thread")
+    assert thread_res.learner_mode == "thread" and thread_sac.grad_steps == 72
+    probe = chunked()
+    untrained = DSRLPolicy(FlowPolicy.from_spaces(probe.observation_space, probe.action_space, seed=0),
+                           noise_bound=1.5, hidden=(32, 32))
+    actor_bytes = sum(v.numel() * v.element_size() for v in untrained.steer.state_dict().values())
+    for start_method in ("fork", "forkserver"):
+        policy, sac, res = run("process", start_method)
+        assert res.learner_mode == "process" and res.accounting_ok() and res.env_steps == res.trained == 96
+        assert all(torch.equal(v, untrained.base.state_dict()[k]) for k, v in policy.base.state_dict().items())
+        assert any(not torch.equal(v, untrained.steer.state_dict()[k]) for k, v in policy.steer.state_dict().items())
+        assert res.publish_bytes == actor_bytes
+        assert all(torch.equal(v, thread_policy.state_dict()[k]) for k, v in policy.state_dict().items()), start_method
+        assert_same(sac.state_dict(), thread_sac.state_dict())
+    assert set(_Learner(policy, sac, None).final()[0]) == set(policy.trainable_state_dict())  # not the flow's
+
+
+def assert_same(a, b, path: str = "") -> None:
+    """Two nested states (dicts, lists, tensors, numbers) equal bit for bit."""
+    assert type(a) is type(b), path
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            assert_same(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}/{i}")
+    else:
+        assert a == b, path
+
+
 def pretrained_flow(noise_std: float = 0.3, steps: int = 300) -> FlowPolicy:
     """A FlowPolicy (K=4) cloned by flow matching from the scripted expert's chunks with Gaussian
     noise of ``noise_std`` added (the bounds are +-0.5): close to the expert, not at it."""
