@@ -68,7 +68,7 @@ def test_the_chunk_is_a_deterministic_function_of_the_noise_and_only_the_actor_i
 
 def test_dsrl_on_the_process_learner_trains_as_the_thread_learner_and_hands_back_the_actor():
     """The algorithm in the learner process (sync, inline sims: the same batches whatever the
-    load), 96 decisions of 2 envs, the policy and SAC sent there forked and pickled (a fork
+    load), 96 decisions over 4 envs, the policy and SAC sent there forked and pickled (a fork
     server's child, as where a renderer is loaded): the flow policy's weights bit for bit as they
     were, each publication and the hand-back at the end the actor alone, and the actor and SAC's
     state (critics, optimisers, RNG) bit for bit as the same run on the thread learner leaves them."""
@@ -79,13 +79,13 @@ def test_dsrl_on_the_process_learner_trains_as_the_thread_learner_and_hands_back
         flow = FlowPolicy.from_spaces(probe.observation_space, probe.action_space, seed=0)
         policy = DSRLPolicy(flow, noise_bound=1.5, hidden=(32, 32))
         sac = SAC(batch_size=32, learning_starts=32, critic_hidden=(32, 32), init_alpha=0.1)
-        cfg = ebrl.RunConfig(num_envs=2, segment_len=4, total_env_steps=96, seed=0, schedule="sync",
+        cfg = ebrl.RunConfig(num_envs=4, segment_len=4, total_env_steps=96, seed=0, schedule="sync",
                              learner=learner, sim={"backend": "inline", "start_method": start_method})
         trainer = ebrl.Trainer(lambda i: chunked(), policy, sac, cfg)
         return policy, sac, (ebrl.run_sync(trainer) if learner == "process" else run_virtual(trainer))
 
     thread_policy, thread_sac, thread_res = run("thread")
-    assert thread_res.learner_mode == "thread" and thread_sac.grad_steps == 72
+    assert thread_res.learner_mode == "thread" and thread_sac.grad_steps == 80
     probe = chunked()
     untrained = DSRLPolicy(FlowPolicy.from_spaces(probe.observation_space, probe.action_space, seed=0),
                            noise_bound=1.5, hidden=(32, 32))
