@@ -175,10 +175,13 @@ def test_dsrl_improves_a_frozen_flow_policy_and_leaves_its_weights_bit_identical
 
 
 @pytest.mark.usefixtures("hf_offline")
-@pytest.mark.parametrize("kind", ["pi0", "pi0-lerobot", "smolvla"])
-def test_dsrl_from_the_config_on_a_tiny_vla_trains_only_the_steering_actor(kind, tmp_path):
+@pytest.mark.parametrize(("kind", "learner"), [
+    pytest.param("pi0", "virtual", id="pi0"), pytest.param("pi0-lerobot", "virtual", id="pi0-lerobot"),
+    pytest.param("smolvla", "virtual", id="smolvla"), pytest.param("smolvla", "process", id="smolvla-process")])
+def test_dsrl_from_the_config_on_a_tiny_vla_trains_only_the_steering_actor(kind, learner, tmp_path):
     """``policy.method=dsrl`` with ``algo=sac`` on mock/reach: the VLA's weights unchanged, the
-    actor's moved, and what each update published is the actor alone."""
+    actor's moved, and what each update published is the actor alone; in virtual time, and in a
+    real run with SAC in the learner process, the VLA and SAC pickled to a fork server's child."""
     from ebrl.runs import build_spec, build_trainer
     from ebrl.testing import InstructedReach, save_random_pi0
     from ebrl.testing_smolvla import save_random_smolvla
@@ -198,14 +201,17 @@ def test_dsrl_from_the_config_on_a_tiny_vla_trains_only_the_steering_actor(kind,
     spec = build_spec(None, ["env=mock/reach", "policy.kind=hf", f"policy.path={path}", 'policy.method="dsrl"',
                              "policy.execute=2", "policy.steer_hidden=[16]", "algo=sac", "sac.batch_size=16",
                              "sac.learning_starts=16", "sac.critic_hidden=[16]", "run.num_envs=2",
-                             "run.segment_len=4", "run.total_env_steps=64", *extra])
+                             "run.segment_len=4", "run.total_env_steps=64", *extra,
+                             *(['run.learner="process"', 'run.schedule="sync"', 'run.sim.backend="inline"',
+                                'run.sim.start_method="forkserver"'] if learner == "process" else [])])
     trainer = build_trainer(spec)
     policy = trainer.policy
     assert isinstance(policy, DSRLPolicy) and policy.act_dim == 2 * 2
     base = {k: v.clone() for k, v in policy.base.state_dict().items()}
     steer = {k: v.clone() for k, v in policy.steer.state_dict().items()}
-    res = run_virtual(trainer)
+    res = run_virtual(trainer) if learner == "virtual" else ebrl.run_sync(trainer)
     assert res.accounting_ok() and trainer.algo.grad_steps > 0
+    assert res.learner_mode == ("process" if learner == "process" else "thread")
     assert all(torch.equal(policy.base.state_dict()[k], v) for k, v in base.items())
     assert any(not torch.equal(policy.steer.state_dict()[k], v) for k, v in steer.items())
     actor_bytes = sum(v.numel() * v.element_size() for v in policy.steer.state_dict().values())
