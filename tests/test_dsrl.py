@@ -138,7 +138,7 @@ def pretrained_flow(noise_std: float = 0.3, steps: int = 300) -> FlowPolicy:
     return flow
 
 
-@pytest.mark.slow  # about 50 s on a loaded core (the process learner's run: 110 s): make test-slow
+@pytest.mark.slow  # about 50 s on a loaded core (the process learner's run: 20 to 110 s): make test-slow
 @pytest.mark.timeout(480)
 @pytest.mark.parametrize("learner", ["virtual", "process"])
 def test_dsrl_improves_a_frozen_flow_policy_and_leaves_its_weights_bit_identical(learner):
@@ -147,7 +147,8 @@ def test_dsrl_improves_a_frozen_flow_policy_and_leaves_its_weights_bit_identical
     clone's to the expert's (measured: -7.01 -> -2.55, the expert's -2.12: 0.91 of it; the bar
     0.5), about 25 s on one core after 10 s of cloning, in virtual time on the thread learner. In
     a real run with SAC in the learner process (sync, inline sims: the same batches whatever the
-    load) the same numbers, in about 110 s on a loaded machine of 2 cores."""
+    load) the same numbers, its run 20 to 110 s on a machine of 2 cores (measured; in the slow
+    runs one policy call in ten took 0.2 s, in the fast ones 3 ms at most)."""
     from tests.test_learning_reach import episode_returns, expert_actions
 
     flow = pretrained_flow()
