@@ -80,7 +80,7 @@ class SACConfig:
     actor_update_every: int = 1  # the actor and temperature step once per this many critic steps
     init_alpha: float = 1.0
     autotune_alpha: bool = True  # False: alpha stays init_alpha
-    target_entropy: float | None = None  # None: -(action dims) (RLPD: half that)
+    target_entropy: float | None = None  # None: -(action dims)
     critic_hidden: tuple[int, ...] = (256, 256)
     num_critics: int = 2
     critic_subset: int = 2  # the target's min is over a random subset of this many critics
