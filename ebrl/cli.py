@@ -6,7 +6,7 @@ HalfCheetah-v5 (state observations) for a few minutes, then prints a summary tab
     ebrl train                                        # the demo
     ebrl train my_run.toml --set run.num_envs=32 --set ppo.lr=1e-3
     ebrl train --resume runs/<run>/checkpoint.pt      # continue (Ctrl-C stops a run and saves one)
-    ebrl train --set algo=sac --set run.segment_len=8  # off-policy: SAC (its own replay buffer)
+    ebrl train --set algo=sac  # off-policy: SAC (its own replay buffer, streamed into)
     ebrl train --set algo=rlpd --set rlpd.demos=DIR    # RLPD: SAC with demonstrations (a LeRobot dataset)
     ebrl bench overhead                               # runtime cost per env step
     ebrl bench longtail                               # async vs sync vs pipelined, long-tail envs

@@ -53,6 +53,9 @@ class SegmentCut(enum.StrEnum):
     AUTO = "auto"  # what the algorithm needs (GRPO: episode), else length; resolved when the run starts
     LENGTH = "length"  # after segment_len steps: episodes run across segments (PPO, V-trace)
     EPISODE = "episode"  # also at every episode end: one episode per segment, from its reset (GRPO)
+    # whenever the learner is ready: it takes every step recorded since its last update, open
+    # segments cut there, with no bound on policy lag (off-policy algorithms: SAC, RLPD, DSRL)
+    STREAM = "stream"
 
 
 class SimBackend(enum.StrEnum):
@@ -259,7 +262,8 @@ class RunConfig:
     # auto: the algorithm's preferred schedule (its run_needs; GRPO prefers sync), else async
     schedule: Schedule = Schedule.AUTO
     max_policy_lag: int = 1  # no trained sample is older than this many updates
-    # auto: what the algorithm needs (GRPO: episode), else length; an explicit value it cannot
+    # auto: what the algorithm needs (GRPO: episode), or prefers (SAC: stream, under async with
+    # max_policy_lag > 0), else length; an explicit value it cannot
     # train on is a ConfigError when the run starts (ebrl.algos.resolve_run_config)
     segment_cut: SegmentCut = SegmentCut.AUTO
     # envs in consecutive blocks of this size start every episode from the same seed (a reset

@@ -33,8 +33,8 @@ from ebrl.policies.expects import ActionSpec, PolicySpaces
 from ebrl.virtual_time import VirtualTimeLoop, virtual_platform
 from ebrl.spaces import batch_size
 
-__all__ = ["Latency", "LatencyMode", "MockEnv", "MockPolicy", "NoopAlgo", "VirtualTimeLoop", "mock_vector_env",
-           "run_virtual", "torch_threads", "virtual_platform"]
+__all__ = ["Latency", "LatencyMode", "MockEnv", "MockPolicy", "NoopAlgo", "RingReach", "VirtualTimeLoop",
+           "mock_vector_env", "run_episodes", "run_virtual", "torch_threads", "virtual_platform"]
 
 
 class LatencyMode(enum.StrEnum):
@@ -236,6 +236,107 @@ class InstructedReach(gym.Env):
         return self._obs(), -dist + float(success), False, self._t >= self.episode_len, {"success": success}
 
 
+class RingReach(gym.Env):
+    """A 2-D kinematic reach that small policies learn in seconds: a point in ``[-1, 1]^2`` moved
+    by ``p <- clip(p + 0.2 a)``, ``a in [-0.5, 0.5]^2``, from a start uniform in ``[-0.2, 0.2]^2``
+    to one of six targets on a ring of radius 0.75; observation ``(p, target)``; reward
+    ``-|p - target|`` every step; truncated after ``episode_len`` steps, never terminated.
+    ``sparse``: reward 1 at the step that comes within ``tolerance`` of the target, which
+    terminates the episode, and 0 at every other step (uniformly random actions get there in about
+    one episode of 300 at the default tolerance).
+
+    ``info["success"]``: the point is within ``tolerance`` of the target at this step, or, with
+    ``sticky``, at some step of the episode so far (an action chunk's last step reports it then).
+    :meth:`expert` is a proportional controller that lands on the target; :meth:`dynamics` and
+    :meth:`load` let a planner roll the task forward from an observation; :meth:`expert_demos`
+    records its episodes as demonstrations. ``virtual_step_cost``: a step's declared cost on a
+    virtual-time loop.
+
+        >>> env = RingReach()
+        >>> obs, _ = env.reset(seed=0)
+        >>> for _ in range(env.episode_len):
+        ...     obs, reward, terminated, truncated, info = env.step(env.expert(obs))
+        >>> info["success"], round(abs(reward), 6), truncated  # on the target at the end
+        (True, 0.0, True)
+    """
+
+    def __init__(self, episode_len: int = 24, *, tolerance: float = 0.05, sticky: bool = False, sparse: bool = False,
+                 virtual_step_cost: float = 0.0):
+        self.episode_len, self.tolerance, self.sticky, self.sparse = episode_len, tolerance, sticky, sparse
+        self.virtual_step_cost = virtual_step_cost
+        self.observation_space = gym.spaces.Box(-np.inf, np.inf, (4,), np.float32)
+        self.action_space = gym.spaces.Box(-0.5, 0.5, (2,), np.float32)
+        angles = 2 * np.pi * np.arange(6) / 6 + 0.3
+        self.targets = 0.75 * np.stack([np.cos(angles), np.sin(angles)], 1)
+        self._rng = np.random.default_rng(0)
+        self.pos, self.target, self.t, self.reached = np.zeros(2), self.targets[0], 0, False
+
+    def _obs(self) -> np.ndarray:
+        return np.concatenate([self.pos, self.target]).astype(np.float32)
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        if seed is not None:
+            self._rng = np.random.default_rng(seed)
+        self.pos = self._rng.uniform(-0.2, 0.2, 2)
+        self.target, self.t, self.reached = self.targets[self._rng.integers(6)], 0, False
+        return self._obs(), {}
+
+    def dynamics(self, action: Any) -> None:
+        self.pos = np.clip(self.pos + 0.2 * np.clip(np.asarray(action, np.float64), -0.5, 0.5), -1.0, 1.0)
+
+    def step(self, action: Any):
+        self.dynamics(action)
+        self.t += 1
+        dist = float(np.linalg.norm(self.pos - self.target))
+        success = dist < self.tolerance
+        self.reached = self.reached or success
+        info = {"success": self.reached if self.sticky else success}
+        if self.sparse:
+            return self._obs(), float(success), success, self.t >= self.episode_len, info
+        return self._obs(), -dist, False, self.t >= self.episode_len, info
+
+    @staticmethod
+    def expert(obs: np.ndarray) -> np.ndarray:
+        """The action towards the target, for one observation or a batch."""
+        return np.clip(5.0 * (obs[..., 2:4] - obs[..., :2]), -0.5, 0.5).astype(np.float32)
+
+    def load(self, obs: np.ndarray) -> None:
+        """Put the point and the target where ``obs`` says (the step count stays)."""
+        self.pos, self.target = obs[:2].astype(np.float64), obs[2:4].astype(np.float64)
+
+    def expert_demos(self, episodes: int, seed: int, noise: float = 0.0):
+        """``episodes`` of :meth:`expert` on this env, each from a reset seed drawn from ``seed``, as
+        :class:`~ebrl.demos.Demos` (``observation.state``, ``action``, ``next.reward``,
+        ``next.done``, ``next.success``). ``noise``: Gaussian noise of that std on each action,
+        clipped to the bounds.
+
+            >>> demos = RingReach(sparse=True).expert_demos(3, seed=0)
+            >>> demos.num_episodes, bool(demos.frames["next.done"][-1]), float(demos.frames["next.reward"].sum())
+            (3, True, 3.0)
+        """
+        from ebrl.demos.lerobot import Demos
+
+        rng = np.random.default_rng(seed)
+        keys = ("observation.state", "action", "next.reward", "next.done", "next.success")
+        frames, spans = {k: [] for k in keys}, []
+        for _ in range(episodes):
+            obs, _ = self.reset(seed=int(rng.integers(1 << 30)))
+            start, done = len(frames["action"]), False
+            while not done:
+                action = self.expert(obs)
+                if noise:
+                    action = np.clip(action + rng.normal(0.0, noise, 2), -0.5, 0.5).astype(np.float32)
+                nxt, reward, terminated, truncated, info = self.step(action)
+                done = terminated or truncated
+                for k, v in zip(keys, (obs, action, reward, done, info["success"])):
+                    frames[k].append(v)
+                obs = nxt
+            spans.append((start, len(frames["action"])))
+        arrays = {k: np.asarray(v, bool if k in ("next.done", "next.success") else np.float32) for k, v in frames.items()}
+        return Demos(arrays, spans, ["reach"], fps=10.0)
+
+
 class MockPolicy:
     """A policy with no network: zero (or seeded random) actions, and a declared virtual cost.
 
@@ -315,6 +416,28 @@ def mock_vector_env(num_envs: int, *, autoreset: str = "same_step", **kwargs) ->
     """
     mode = gym.vector.AutoresetMode[autoreset.upper()]  # "same_step" or "disabled"
     return gym.vector.SyncVectorEnv([lambda: MockEnv(**kwargs)] * num_envs, autoreset_mode=mode)
+
+
+def run_episodes(policy, envs: list[gym.Env], seeds, *, deterministic: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """One episode of each of ``envs``, reset on its seed of ``seeds`` and acted in by ``policy``
+    (its mode with ``deterministic``, else its samples), side by side: one batched ``act`` a step
+    until every episode has ended. Per episode: the return, and whether ``info["success"]`` was set
+    at some step."""
+    obs = np.stack([env.reset(seed=s)[0] for env, s in zip(envs, seeds)])
+    returns, success, done = np.zeros(len(envs)), np.zeros(len(envs), bool), np.zeros(len(envs), bool)
+    before, policy.deterministic = policy.deterministic, deterministic
+    try:
+        while not done.all():
+            actions = policy.act(obs).env_actions
+            for i, env in enumerate(envs):
+                if not done[i]:
+                    obs[i], reward, terminated, truncated, info = env.step(actions[i])
+                    returns[i] += reward
+                    success[i] = success[i] or bool(info.get("success", False))
+                    done[i] = terminated or truncated
+    finally:
+        policy.deterministic = before
+    return returns, success
 
 
 def run_virtual(trainer, **kwargs):

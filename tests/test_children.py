@@ -6,6 +6,7 @@ process started are stopped when it ends, in a fresh interpreter where nothing e
 (this session's own scope would, see conftest.py)."""
 
 import asyncio
+import itertools
 import json
 import multiprocessing
 import os
@@ -98,7 +99,7 @@ SCRIPT = textwrap.dedent("""\
 
 @pytest.fixture(scope="module")
 def after_each_owner():
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=100)
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], check=False, capture_output=True, text=True, timeout=100)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.split("RESULT", 1)[1])
 
@@ -122,7 +123,7 @@ def test_nested_scopes_stop_the_helpers_with_the_last():
             inner = threads._helpers_running()[0]
         print(inner, threads._helpers_running()[0])
     """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.split() == ["True", "False"]
 
@@ -288,4 +289,22 @@ def test_frames_are_whole_across_reads():
     assert child.frames() == [b"E" + bytes(8)]
     theirs.close()
     assert child.frames() is None  # its end closed: it died
+    mine.close()
+
+
+def test_a_frame_over_many_reads_comes_whole_once():
+    """A frame larger than one read (a learner process's trained state) arrives over many reads,
+    its header split among them too: it is handed over whole once its last byte is read, then
+    the frame after it."""
+    mine, theirs = multiprocessing.Pipe()
+    child = Child("ebrl-test-reader", None, mine)
+    body = bytes(range(256)) * 4096  # 1 MiB, in 17 reads of at most 64 KiB (each fits the socket's buffer)
+    wire = struct.pack("!i", len(body)) + body + struct.pack("!i", 2) + b"OK"
+    cuts = [0, 2, 5, *range(5 + 65_536, len(body), 65_536), len(wire) - 4, len(wire)]  # the last two split a header
+    got = []
+    for a, b in itertools.pairwise(cuts):
+        os.write(theirs.fileno(), wire[a:b])
+        got.append(child.frames())
+    assert got[:-2] == [[]] * (len(got) - 2) and got[-2:] == [[body], [b"OK"]]
+    theirs.close()
     mine.close()

@@ -7,7 +7,7 @@ from ebrl.config import ConfigError, RunConfig, load_file, parse_setting
 @pytest.mark.parametrize("kwargs, field, allowed", [
     ({"num_envs": 0}, "num_envs", "integer >= 1"),
     ({"schedule": "lockstep"}, "schedule", "'auto', 'async', 'sync', 'pipelined'"),
-    ({"segment_cut": "episodes"}, "segment_cut", "'auto', 'length', 'episode'"),
+    ({"segment_cut": "episodes"}, "segment_cut", "'auto', 'length', 'episode', 'stream'"),
     ({"sim": {"backend": "gpu"}}, "sim.backend", "'auto', 'inline', 'thread', 'process'"),
     ({"sim": {"thread": 2}}, "sim.thread", "unknown field"),
     ({"generation": {"max_wait_s": -1}}, "generation.max_wait_s", ">= 0"),

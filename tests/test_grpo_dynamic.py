@@ -5,10 +5,14 @@ held until an update has a batch's worth, and GRPO then learns a sparse reach fr
 untrained MLPPolicy wanders there in about 3.5% of its episodes. With dynamic sampling GRPO
 reaches 0.52 in 40k steps here (seed 0); plain GRPO, which steps Adam only on batches with a
 signal, reaches 1.0 on the same budget: in this runtime dynamic sampling trains less often
-(it waits for a batch's worth of informative groups), so it is off by default.
+(it waits for a batch's worth of informative groups), so it is off by default. On the thread
+and the process learner alike, the steps it trains, drops by reason and holds add up to those
+simulated, held ones counted in flight at a stop.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import gymnasium as gym
 import numpy as np
@@ -138,3 +142,54 @@ def test_grpo_with_dynamic_sampling_learns_a_sparse_reach_from_near_zero():
     # the runtime counts what dynamic sampling dropped, and every step adds up
     assert result.dropped["grpo_uniform_group"] > 0 and result.trained < result.env_steps
     assert result.accounting_ok()
+
+
+class Payout(gym.Env):
+    """Episodes of ``length`` steps that pay 1 at their last step if ``pays``, whatever the actions."""
+
+    def __init__(self, length: int, pays: bool):
+        self.observation_space = gym.spaces.Box(0.0, 1.0, (2,), np.float32)
+        self.action_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+        self.virtual_step_cost = 1e-3
+        self.length, self.pays, self.t = length, pays, 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        end = self.t >= self.length
+        return np.array([self.t / self.length, 0.0], np.float32), float(end and self.pays), False, end, {}
+
+
+@pytest.mark.parametrize("learner", ["thread", "process"])
+def test_held_and_dropped_steps_add_up_on_either_learner(learner):
+    """Three reset groups of 4 envs, each sync round one segment per env (at most 8 steps): in
+    the first, episodes of 4 steps of which one pays (informative), in the second none pays
+    (uniform: dropped), in the third episodes of 10 steps (cut at 8: unused, dropped). Dynamic
+    sampling holds the first group's 16 steps a round and trains on two rounds' worth. Stopped
+    while it holds some (the algorithm in the learner process, or in the learner's thread): the
+    steps trained, dropped by reason and held in flight add up to those simulated."""
+    policy = MLPPolicy(2, 1, seed=0)
+    algo = GRPO(dynamic_sampling=True, update_epochs=1)
+    cfg = ebrl.RunConfig(num_envs=12, segment_len=8, total_env_steps=100_000, reset_group=4, schedule="sync",
+                         learner=learner, sim={"backend": "inline"}, log_every_s=0.001)
+    stop, last = asyncio.Event(), {}
+
+    def progress(stats, learner):  # every millisecond, and at the end
+        last.update(held=learner.held, version=learner.version)
+        if stats.trained and learner.held:
+            stop.set()
+
+    with torch_threads(1):
+        res = ebrl.run_sync(ebrl.Trainer(lambda i: Payout(4, i == 0) if i < 8 else Payout(10, False), policy, algo,
+                                         cfg), stop=stop, progress=progress)
+    assert res.learner_mode == learner and res.accounting_ok()
+    rows = res.history
+    assert [r["deferred"] for r in rows] == [1.0, 0.0, 1.0] and last == {"held": 16, "version": 3}
+    assert rows[-1]["steps_held"] == 16 and res.in_flight_at_stop >= 16  # the held steps, and any simulated since
+    assert res.trained == sum(r["steps_trained"] for r in rows) == 32
+    assert res.dropped["grpo_uniform_group"] == sum(r["dropped/grpo_uniform_group"] for r in rows) == 3 * 16
+    assert res.dropped["grpo_unused_segment"] == sum(r["dropped/grpo_unused_segment"] for r in rows) > 0

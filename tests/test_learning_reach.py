@@ -3,12 +3,13 @@ ActionChunk), an HFTokenPolicy (a tiny random Llama under LoRA rank 4) and a tin
 (LoRA rank 4, Flow-SDE), each against the return gap between its untrained copy and a scripted
 expert, within 15k decisions of PPO at its defaults, under ``ebrl.run`` in virtual time.
 
-The two tasks are written here and nowhere else (not ``mock/reach`` or ``InstructedReach``):
+The two tasks (neither ``mock/reach`` nor ``InstructedReach``):
 
-- :class:`DampedReach3D`, a 3-D point mass with damping: forces in ``[-1, 1]^3``, 30 steps, a
-  target anywhere in the cube (the observation: position, velocity, target);
-- :class:`RingReach2D`, a 2-D kinematic reach: displacements in ``[-0.5, 0.5]^2`` (another action
-  scale), 24 steps, one of six targets on a ring around a start near the centre.
+- :class:`DampedReach3D`, written here, a 3-D point mass with damping: forces in ``[-1, 1]^3``,
+  30 steps, a target anywhere in the cube (the observation: position, velocity, target);
+- ring-2d, :class:`ebrl.testing.RingReach` at its defaults, a 2-D kinematic reach: displacements
+  in ``[-0.5, 0.5]^2`` (another action scale), 24 steps, one of six targets on a ring around a
+  start near the centre.
 
 Both reward ``-distance`` every step. The expert is a proportional(-derivative) controller; for
 chunks it plans its K actions on the task's own dynamics from the observation (deterministic, so
@@ -61,7 +62,7 @@ import ebrl
 from ebrl.algos import PPO
 from ebrl.envs.chunks import ActionChunk
 from ebrl.policies.flow import FlowPolicy
-from ebrl.testing import run_virtual, torch_threads
+from ebrl.testing import RingReach, run_virtual, torch_threads
 
 DECISIONS = 15_000  # the issue's budget: decisions (policy calls per env), whatever the chunk size
 K = 4  # FlowPolicy's chunk
@@ -115,48 +116,6 @@ class DampedReach3D(gym.Env):
         self.pos, self.vel, self.target = (obs[i:i + 3].astype(np.float64) for i in (0, 3, 6))
 
 
-class RingReach2D(gym.Env):
-    """A point in ``[-1, 1]^2`` moved by displacements ``a in [-0.5, 0.5]^2``: ``p <- clip(p + 0.2 a)``.
-    The start is uniform in ``[-0.2, 0.2]^2``, the target one of six points on a ring of radius
-    0.75; observation ``(p, target)``; reward ``-|p - target|``; 24 steps."""
-
-    def __init__(self, episode_len: int = 24):
-        self.episode_len = episode_len
-        self.observation_space = gym.spaces.Box(-np.inf, np.inf, (4,), np.float32)
-        self.action_space = gym.spaces.Box(-0.5, 0.5, (2,), np.float32)
-        angles = 2 * np.pi * np.arange(6) / 6 + 0.3
-        self.targets = 0.75 * np.stack([np.cos(angles), np.sin(angles)], 1)
-        self._rng = np.random.default_rng(0)
-        self.pos, self.target, self.t = np.zeros(2), self.targets[0], 0
-
-    def _obs(self) -> np.ndarray:
-        return np.concatenate([self.pos, self.target]).astype(np.float32)
-
-    def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)
-        if seed is not None:
-            self._rng = np.random.default_rng(seed)
-        self.pos = self._rng.uniform(-0.2, 0.2, 2)
-        self.target, self.t = self.targets[self._rng.integers(6)], 0
-        return self._obs(), {}
-
-    def dynamics(self, action) -> None:
-        self.pos = np.clip(self.pos + 0.2 * np.clip(np.asarray(action, np.float64), -0.5, 0.5), -1.0, 1.0)
-
-    def step(self, action):
-        self.dynamics(action)
-        self.t += 1
-        dist = float(np.linalg.norm(self.pos - self.target))
-        return self._obs(), -dist, False, self.t >= self.episode_len, {"success": dist < 0.05}
-
-    @staticmethod
-    def expert(obs: np.ndarray) -> np.ndarray:
-        return np.clip(5.0 * (obs[2:4] - obs[:2]), -0.5, 0.5).astype(np.float32)
-
-    def load(self, obs: np.ndarray) -> None:
-        self.pos, self.target = obs[:2].astype(np.float64), obs[2:4].astype(np.float64)
-
-
 class HeavyReach3D(DampedReach3D):
     """:class:`DampedReach3D` with a heavier, slower mass (``v <- 0.85 v + 0.04 a``) and 40 steps:
     a force's effect builds up over many steps."""
@@ -165,7 +124,7 @@ class HeavyReach3D(DampedReach3D):
         super().__init__(episode_len=40, damping=0.85, gain=0.04, kp=8.0, kd=25.0)
 
 
-TASKS = {"damped-3d": DampedReach3D, "ring-2d": RingReach2D, "heavy-3d": HeavyReach3D}
+TASKS = {"damped-3d": DampedReach3D, "ring-2d": RingReach, "heavy-3d": HeavyReach3D}
 PLAIN = ("damped-3d", "ring-2d")  # the issue's two tasks; heavy-3d only checks the lr's robustness
 
 

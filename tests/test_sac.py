@@ -16,7 +16,7 @@ import ebrl
 from ebrl.algos import RLPD, SAC, Batch, ReplayBuffer
 from ebrl.config import ConfigError
 from ebrl.policies import CNNPolicy, MLPPolicy
-from ebrl.testing import run_virtual, torch_threads
+from ebrl.testing import RingReach, run_episodes, run_virtual, torch_threads
 
 SMALL = {"batch_size": 32, "learning_starts": 0, "critic_hidden": (32, 32)}
 
@@ -169,7 +169,8 @@ def test_a_cnn_trains_on_nested_camera_observations_under_ebrl_run():
     sac = SAC(**{**SMALL, "learning_starts": 64}, utd_ratio=0.25)
     res = run_virtual(ebrl.Trainer(lambda i: DictObsEnv(space), policy, sac,
                                    ebrl.RunConfig(num_envs=4, segment_len=8, total_env_steps=256)))
-    assert res.accounting_ok() and res.history[-1]["replay_size"] == 256 and sac.grad_steps == 7 * 8  # from the 2nd update
+    # streamed: an update per 4 steps, one gradient step per 4 transitions from the 64th stored
+    assert res.accounting_ok() and res.history[-1]["replay_size"] == 256 and sac.grad_steps == (256 - 60) // 4
     assert sac.replay.gather(np.arange(2))["obs"]["sensor_data"]["base_camera"]["rgb"].dtype == torch.uint8
     assert math.isfinite(res.history[-1]["critic_loss"]) and sac._target_policy is not None
 
@@ -228,53 +229,41 @@ EVAL_SEEDS = range(10_000, 10_048)
 
 def evaluate(policy, deterministic: bool) -> tuple[float, float]:
     """Mean return and the share of episodes that came within 0.05 of the target, on fixed seeds."""
-    from tests.test_learning_reach import RingReach2D
-
-    envs = [RingReach2D() for _ in EVAL_SEEDS]
-    obs = np.stack([env.reset(seed=s)[0] for env, s in zip(envs, EVAL_SEEDS)])
-    returns, success = np.zeros(len(envs)), np.zeros(len(envs), bool)
-    before, policy.deterministic = policy.deterministic, deterministic
-    try:
-        for _ in range(envs[0].episode_len):
-            actions = policy.act(obs).env_actions
-            for i, env in enumerate(envs):
-                o, r, _, _, info = env.step(actions[i])
-                obs[i], returns[i], success[i] = o, returns[i] + r, success[i] or info["success"]
-    finally:
-        policy.deterministic = before
+    returns, success = run_episodes(policy, [RingReach() for _ in EVAL_SEEDS], EVAL_SEEDS, deterministic=deterministic)
     return float(returns.mean()), float(success.mean())
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("learner", ["virtual", pytest.param("process", marks=pytest.mark.slow)])
 def test_sac_learns_a_reach(learner):
-    """tests/test_learning_reach.py's ring-2d (PPO's learning tests' task) in 3,000 env steps, 4 envs
-    in segments of 8 (one gradient step per transition after 500), on the thread learner in
-    virtual time and in a real run with the learner process (the algorithm travels there with
-    its replay, its state comes back at the end; both runs give the same numbers here), each
-    about 20 s on one core: the mode's return closes most
+    """:class:`~ebrl.testing.RingReach` (tests/test_learning_reach.py's ring-2d, PPO's learning
+    tests' task) in 3,000 env steps, 4 envs in segments of 8 (one gradient step per transition
+    after 500), on the thread learner in virtual time and in a real run with the learner process
+    (the algorithm travels there with its replay, its state comes back at the end; both runs give
+    the same numbers here), each about 20 s on one core: the mode's return closes most
     of the gap to the scripted expert (measured: -17.7 -> -3.5, the expert's -2.1: 0.91 of it; the
     bar 0.6), and its success rate (within 0.05 of the target once) rises from 0 to 0.81 (0.02 to
     0.94 with samples; the bar 0.5). PPO (MLPPolicy, 16 envs x 32 steps, sync) on the same seeds:
     -7.7 and success 0.38 after 3,000 steps, -2.8 and 1.0 after 15,000."""
-    from tests.test_learning_reach import RingReach2D, episode_returns, expert_actions
+    from tests.test_learning_reach import episode_returns, expert_actions
 
-    probe = RingReach2D()
+    probe = RingReach()
     policy = MLPPolicy.from_spaces(probe.observation_space, probe.action_space, action_head="squashed",
                                    activation="relu", seed=0)
     (r0, s0), (rs0, ss0) = evaluate(policy, True), evaluate(policy, False)
     expert = float(episode_returns("ring-2d", 1, expert_actions("ring-2d", 1)).mean())
     sac = SAC(batch_size=128, learning_starts=500, critic_hidden=(64, 64), init_alpha=0.1)
     if learner == "virtual":  # the thread learner, in virtual time
-        res = run_virtual(ebrl.Trainer(lambda i: RingReach2D(), policy, sac,
+        res = run_virtual(ebrl.Trainer(lambda i: RingReach(), policy, sac,
                                        ebrl.RunConfig(num_envs=4, segment_len=8, total_env_steps=3000, seed=0)))
     else:  # a real run, the algorithm in the learner process; sync: the same batches whatever the load
         cfg = ebrl.RunConfig(num_envs=4, segment_len=8, total_env_steps=3000, seed=0, schedule="sync",
                              learner="process", sim={"backend": "inline"})
-        res = ebrl.run_sync(ebrl.Trainer(lambda i: RingReach2D(), policy, sac, cfg))
+        res = ebrl.run_sync(ebrl.Trainer(lambda i: RingReach(), policy, sac, cfg))
     assert res.accounting_ok() and res.env_steps == 3000 and res.history[-1]["replay_stored"] == 3000
     assert learner == "virtual" or res.learner_mode == "process"
-    assert sac.grad_steps == 2520 and sac.state_dict()["critic"] is not None  # from the process, at its end
+    # one gradient step per transition from the 500th stored (streamed: from the update that stores it)
+    assert sac.grad_steps == (2504 if learner == "virtual" else 2520) and sac.state_dict()["critic"] is not None
     (r1, s1), (rs1, ss1) = evaluate(policy, True), evaluate(policy, False)
     closed = (r1 - r0) / (expert - r0)
     print(f"ring-2d SAC ({learner}): return {r0:.2f} -> {r1:.2f} (expert {expert:.2f}, closed {closed:.2f}), success "

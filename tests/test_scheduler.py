@@ -183,3 +183,45 @@ def test_learner_wakes_on_events_not_on_every_env_step(schedule):
     assert res.accounting_ok() and res.updates > 0
     assert res.updates <= res.learner_wakeups <= res.env_steps / T + res.updates * (8 + 1) + 8 + 1
     assert res.learner_wakeups < res.env_steps / 4
+
+
+class StreamingAlgo(NoopAlgo):
+    """An off-policy stand-in: it can train on a stream (RunNeeds(stream=True), as SAC)."""
+
+    from ebrl.algos import RunNeeds
+
+    run_needs = RunNeeds(stream=True)
+
+
+@pytest.mark.parametrize("train_cost", [0.0005, 0.05])
+def test_a_stream_hands_steps_over_before_their_segments_fill(train_cost):
+    """Under segment_cut='auto' an algorithm that streams gets every step recorded since its last
+    update, at least one per env's worth, whether the learner keeps up (cheap updates: about one
+    step per env each) or not (slow ones: whatever arrived meanwhile, over the lag bound, never
+    waiting for steps in flight); every step is trained once."""
+    algo = StreamingAlgo(base_cost_s=train_cost)
+    res = run_virtual(trainer("async", num_envs=8, total=2000, T=64, algo=algo, lag=1,
+                              latency=Latency.lognormal(0.001, 1.0), sim={"num_threads": 8}))
+    sizes = [b.num_steps for b in algo.batches]
+    assert res.accounting_ok() and sum(sizes) == res.trained == res.env_steps == 2000
+    assert all(n >= 8 for n in sizes[:-1])  # the last one is the rest at the end
+    assert max(b.mask.shape[1] for b in algo.batches) < 64  # no update waited for a segment to fill
+    if train_cost < 0.001:
+        assert sorted(sizes)[len(sizes) // 2] == 8  # the learner keeps up: a step per env, typically
+    else:
+        assert sorted(sizes)[len(sizes) // 2] > 64  # what arrived during a 50 ms update
+    assert res.lag_max > 1  # no lag bound: steps in flight were not awaited
+
+
+def test_a_stream_is_for_algorithms_that_declare_it_and_only_under_async():
+    from ebrl.algos import PPO, SAC, resolve_run_config
+    from ebrl.config import ConfigError, RunConfig
+
+    assert resolve_run_config(RunConfig(num_envs=4), SAC()).segment_cut == "stream"
+    for cfg in (RunConfig(num_envs=4, schedule="sync"), RunConfig(num_envs=4, max_policy_lag=0)):
+        assert resolve_run_config(cfg, SAC()).segment_cut == "length"  # lockstep or lag 0: whole segments
+    assert resolve_run_config(RunConfig(num_envs=4), PPO()).segment_cut == "length"
+    with pytest.raises(ConfigError, match="segment_cut='stream': PPO trains on segments whose policy lag"):
+        resolve_run_config(RunConfig(num_envs=4, segment_cut="stream"), PPO())
+    with pytest.raises(ConfigError, match="segment_cut='stream': needs schedule='async' and max_policy_lag > 0"):
+        resolve_run_config(RunConfig(num_envs=4, segment_cut="stream", schedule="pipelined"), SAC())

@@ -21,8 +21,9 @@ Cases (every algorithm at its defaults except where said; never tuned to the tar
 
 - ``fetchreach``: gymnasium-robotics ``FetchReachDense-v4`` from state (flattened), 16 envs.
   PPO as the convergence suite runs it (``MLPPolicy``, segments of 50, minibatches of 512);
-  SAC on ``MLPPolicy(action_head="squashed")`` with segments of 8 (SAC's data flows in small
-  batches) and every ``SACConfig`` default (``learning_starts`` 1000, UTD 1, batch 256). Both on
+  SAC on ``MLPPolicy(action_head="squashed")``, streamed (its default under async: the learner
+  takes every step recorded since its last update; ``segment_len`` at RunConfig's 64) and every
+  ``SACConfig`` default (``learning_starts`` 1000, UTD 1, batch 256). Both on
   the dense reward, the same env for both runners: SAC needs no sparse reward here (an
   exploratory run reached success 0.84 at 10,469 env steps on the dense one).
 - ``pushcube``: ManiSkill3 ``PushCube-v1`` from state on SAPIEN's CPU backend, 50-step
@@ -34,14 +35,15 @@ Cases (every algorithm at its defaults except where said; never tuned to the tar
   10, ``learning_starts`` 5000, half of each minibatch from the demonstrations) with
   ``RLPD_SETTINGS`` (UTD 1, SAC's, not RLPD's 20: at 20, the first update after
   ``learning_starts``, 2,560 gradient steps of about 65 ms for one segment of 16 envs x 8 steps,
-  ran 190 s past a 30-second cap, as no cap stops an update), segments of 8, and 20 scripted
+  ran 190 s past a 30-second cap, as no cap stops an update), streamed, and 20 scripted
   demonstrations per seed (``ebrl.demos.collect``, seeds ``DEMO_SEED + 1000 * seed``; they end
   at success, so about 12 steps each).
 - ``flow-dsrl``: a chunked :class:`~ebrl.policies.FlowPolicy` (K=4, its default sizes)
   pretrained by SFT (:func:`ebrl.sft.sft`, ``SFTConfig`` defaults) on ``DEMOS`` noisy episodes
   of a scripted expert (its actions plus Gaussian noise of std ``DEMO_NOISE``) of
-  :class:`RingReach`, a 2-D kinematic reach (``tests/test_learning_reach.py``'s ring-2d, with
-  success: within ``RingReach.tolerance`` of the target at some step), in virtual time
+  :func:`ring_reach`, a 2-D kinematic reach (:class:`ebrl.testing.RingReach`, the ring-2d of
+  ``tests/test_learning_reach.py``, with success: within ``RING_TOLERANCE`` of the target at some
+  step), in virtual time
   (:func:`ebrl.testing.run_virtual`: the step counts repeat whatever the machine's load; the
   seconds are this process's real ones). Then PPO fine-tunes the whole flow policy (Flow-Noise;
   16 envs x 32 decisions and minibatches of 128, as tests/test_learning_reach.py trains
@@ -49,7 +51,7 @@ Cases (every algorithm at its defaults except where said; never tuned to the tar
   ``policy.init``; the flow's ``init_sigma`` 0.1, the range its docstring gives for fine-tuning a
   pretrained flow, where the default 0.5 is for PPO from scratch), against DSRL
   (:class:`~ebrl.policies.dsrl.DSRLPolicy` on the frozen SFT policy, its defaults; SAC at its
-  defaults, segments of 8 decisions). The same SFT weights start both runners of a seed.
+  defaults, streamed). The same SFT weights start both runners of a seed.
   Issue 64 item 4's cost: DSRL's flow forward per decision (``DSRLPolicy.act``) against PPO's
   forward plus forward-and-backward per decision (``FlowPolicy.act``, then ``update_epochs``
   passes of ``evaluate`` and ``backward``), timed in one process on one torch thread at batch
@@ -102,7 +104,7 @@ PUSHCUBE_DEMOS = 20
 # flow-dsrl: the demonstrations SFT clones, and the timing of a decision
 DEMOS, DEMO_NOISE, K = 40, 0.3, 4
 COST_BATCHES = (16, 256)
-VIRTUAL_STEP_S = 0.001  # RingReach's declared step cost in virtual time: the progress check's clock
+VIRTUAL_STEP_S = 0.001  # ring_reach's declared step cost in virtual time: the progress check's clock
 VIRTUAL_LOG_S = 0.05  # virtual seconds between stop checks (about 200 decisions of 16 envs)
 
 
@@ -120,56 +122,25 @@ def pushcube_env(i: int) -> gym.Env:
     return make("maniskill/PushCube-v1", control_mode="pd_ee_delta_pos")
 
 
-class RingReach(gym.Env):
-    """``tests/test_learning_reach.py``'s ring-2d reach with a success flag: a point in
-    ``[-1, 1]^2`` moved by ``p <- clip(p + 0.2 a)``, ``a in [-0.5, 0.5]^2``, from a start uniform
-    in ``[-0.2, 0.2]^2`` to one of six targets on a ring of radius 0.75; observation ``(p,
-    target)``; reward ``-|p - target|``; 24 steps. ``info["success"]``: the point has been within
-    ``tolerance`` of the target at some step of the episode (sticky, so that a chunk's last step
-    reports it). The episode does not end there: with a negative reward, an end at success is
-    worth avoiding to SAC while its entropy bonus outweighs the reward (exploration found DSRL
-    driving success from 0.5 to 0.05 that way). The expert is a proportional controller that lands
-    on the target."""
+RING_TOLERANCE = 0.02  # flow-dsrl's success: within this of the target at some step of the episode
 
-    tolerance = 0.02
-    virtual_step_cost = VIRTUAL_STEP_S
 
-    def __init__(self, episode_len: int = 24):
-        self.episode_len = episode_len
-        self.observation_space = gym.spaces.Box(-np.inf, np.inf, (4,), np.float32)
-        self.action_space = gym.spaces.Box(-0.5, 0.5, (2,), np.float32)
-        angles = 2 * np.pi * np.arange(6) / 6 + 0.3
-        self.targets = 0.75 * np.stack([np.cos(angles), np.sin(angles)], 1)
-        self._rng = np.random.default_rng(0)
-        self.pos, self.target, self.t, self.reached = np.zeros(2), self.targets[0], 0, False
+def ring_reach() -> gym.Env:
+    """:class:`ebrl.testing.RingReach` as flow-dsrl runs it: ``info["success"]`` once the point
+    has been within ``RING_TOLERANCE`` of the target at some step of the episode (sticky, so that
+    a chunk's last step reports it), each step declared ``VIRTUAL_STEP_S``. The episode does not
+    end there: with a negative reward, an end at success is worth avoiding to SAC while its
+    entropy bonus outweighs the reward (exploration found DSRL driving success from 0.5 to 0.05
+    that way)."""
+    from ebrl.testing import RingReach
 
-    def _obs(self) -> np.ndarray:
-        return np.concatenate([self.pos, self.target]).astype(np.float32)
-
-    def reset(self, *, seed=None, options=None):
-        super().reset(seed=seed)
-        if seed is not None:
-            self._rng = np.random.default_rng(seed)
-        self.pos = self._rng.uniform(-0.2, 0.2, 2)
-        self.target, self.t, self.reached = self.targets[self._rng.integers(6)], 0, False
-        return self._obs(), {}
-
-    def step(self, action):
-        self.pos = np.clip(self.pos + 0.2 * np.clip(np.asarray(action, np.float64), -0.5, 0.5), -1.0, 1.0)
-        self.t += 1
-        dist = float(np.linalg.norm(self.pos - self.target))
-        self.reached = self.reached or dist < self.tolerance
-        return self._obs(), -dist, False, self.t >= self.episode_len, {"success": self.reached}
-
-    @staticmethod
-    def expert(obs: np.ndarray) -> np.ndarray:
-        return np.clip(5.0 * (obs[..., 2:4] - obs[..., :2]), -0.5, 0.5).astype(np.float32)
+    return RingReach(tolerance=RING_TOLERANCE, sticky=True, virtual_step_cost=VIRTUAL_STEP_S)
 
 
 def ring_env(i: int) -> gym.Env:
     from ebrl.envs.chunks import ActionChunk
 
-    return ActionChunk(RingReach(), K)
+    return ActionChunk(ring_reach(), K)
 
 
 # ---- cases ----------------------------------------------------------------------------------
@@ -197,16 +168,16 @@ QUICK_SAC = (("learning_starts", 32), ("batch_size", 32))
 CASES = {
     "fetchreach": Case(fetchreach_env, 16, {
         "ppo": Runner(150_000, 45.0, 50, (("minibatch_size", 512),), quick_steps=200),
-        "sac": Runner(30_000, 150.0, 8, quick_steps=128, quick_settings=QUICK_SAC)}),
+        "sac": Runner(30_000, 150.0, 64, quick_steps=128, quick_settings=QUICK_SAC)}),
     "pushcube": Case(pushcube_env, 16, {
         "ppo": Runner(200_000, 30.0, 50, (("gamma", 0.8),), quick_steps=100),
-        "sac": Runner(30_000, 30.0, 8, quick_steps=64, quick_settings=QUICK_SAC),
-        "rlpd": Runner(30_000, 30.0, 8, RLPD_SETTINGS, quick_steps=64,
+        "sac": Runner(30_000, 30.0, 64, quick_steps=64, quick_settings=QUICK_SAC),
+        "rlpd": Runner(30_000, 30.0, 64, RLPD_SETTINGS, quick_steps=64,
                        quick_settings=(*QUICK_SAC, ("utd_ratio", 1.0), ("num_critics", 2)))},
         quick_envs=2),
     "flow-dsrl": Case(ring_env, 16, {
         "ppo": Runner(15_000, 30.0, 32, (("minibatch_size", 128),), quick_steps=128),
-        "dsrl": Runner(10_000, 45.0, 8, quick_steps=128, quick_settings=QUICK_SAC)}, virtual=True),
+        "dsrl": Runner(10_000, 45.0, 64, quick_steps=128, quick_settings=QUICK_SAC)}, virtual=True),
 }
 
 
@@ -335,34 +306,14 @@ def _load_pushcube_demos(algo, spaces, seed: int, quick: bool) -> dict:
 # ---- flow-dsrl: demonstrations, SFT, and the cost of a decision -------------------------------
 
 def noisy_demos(episodes: int, seed: int):
-    """``episodes`` of :class:`RingReach`'s expert with Gaussian noise of std ``DEMO_NOISE`` on
+    """``episodes`` of :func:`ring_reach`'s expert with Gaussian noise of std ``DEMO_NOISE`` on
     each action (clipped to the bounds), as :class:`~ebrl.demos.Demos`; and their success rate."""
-    from ebrl.demos import Demos
-
-    rng = np.random.default_rng(seed)
-    env = RingReach()
-    frames = {k: [] for k in ("observation.state", "action", "next.reward", "next.done", "next.success")}
-    spans, succeeded = [], 0
-    for e in range(episodes):
-        obs, _ = env.reset(seed=int(rng.integers(1 << 30)))
-        start, done = len(frames["action"]), False
-        while not done:
-            action = np.clip(env.expert(obs) + rng.normal(0.0, DEMO_NOISE, 2), -0.5, 0.5).astype(np.float32)
-            nxt, reward, terminated, truncated, info = env.step(action)
-            done = terminated or truncated
-            for k, v in (("observation.state", obs), ("action", action), ("next.reward", reward),
-                         ("next.done", done), ("next.success", info["success"])):
-                frames[k].append(v)
-            obs = nxt
-        succeeded += bool(info["success"])
-        spans.append((start, len(frames["action"])))
-    arrays = {k: np.asarray(v, np.float32 if k != "next.done" and k != "next.success" else bool)
-              for k, v in frames.items()}
-    return Demos(arrays, spans, ["reach"], fps=10.0), succeeded / episodes
+    demos = ring_reach().expert_demos(episodes, seed, noise=DEMO_NOISE)
+    return demos, float(np.mean([demos.frames["next.success"][end - 1] for _, end in demos.episodes]))
 
 
 def success_rate(policy, episodes: int, seed: int) -> float:
-    """Share of ``episodes`` of :class:`RingReach` (chunked) that ``policy`` succeeds in, acting as
+    """Share of ``episodes`` of :func:`ring_reach` (chunked) that ``policy`` succeeds in, acting as
     it acts in training (sampled), all episodes side by side."""
     envs = [ring_env(i) for i in range(episodes)]
     obs = np.stack([env.reset(seed=seed + i)[0] for i, env in enumerate(envs)])
@@ -439,7 +390,7 @@ def _cost_at(flow, dsrl, b: int, epochs: int, reps: int, rng: np.random.Generato
 
     from ebrl.benchmark.suite import median_call_s
 
-    obs = np.concatenate([rng.uniform(-0.3, 0.3, (b, 2)), RingReach().targets[rng.integers(6, size=b)]],
+    obs = np.concatenate([rng.uniform(-0.3, 0.3, (b, 2)), ring_reach().targets[rng.integers(6, size=b)]],
                          1).astype(np.float32)
     chains = torch.as_tensor(flow.act(obs).actions)
     obs_t = torch.as_tensor(obs)

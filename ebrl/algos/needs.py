@@ -42,11 +42,16 @@ class RunNeeds:
     # segments at least as long as the env's time limit: an episode cut in two is lost to it
     whole_episodes: bool = False
     schedule: Schedule | None = None  # what schedule='auto' runs; None: async
+    # it can train on a stream (segment_cut='stream': every step recorded since its last update,
+    # whatever its policy lag), and segment_cut='auto' gives one under async with lag > 0
+    stream: bool = False
     why: str = ""  # why, for the errors: "it compares whole episodes from their resets"
 
     def __post_init__(self) -> None:
         if self.segment_cut is SegmentCut.AUTO or self.schedule is Schedule.AUTO:
             raise ValueError("RunNeeds names a concrete segment_cut and schedule, not 'auto'")
+        if self.stream and self.segment_cut is not None:
+            raise ValueError("RunNeeds(stream=True) needs no segment_cut: a stream cuts segments at each update")
         if self.reset_group is not None and self.reset_group < self.min_reset_group:
             raise ValueError(f"RunNeeds(reset_group={self.reset_group}) is below "
                              f"min_reset_group={self.min_reset_group}")
@@ -69,7 +74,8 @@ def resolve_run_config(cfg: RunConfig, algo: object, time_limit: int | None = No
     """A copy of ``cfg`` with every ``auto`` filled from ``algo``'s :class:`RunNeeds`.
 
     ``schedule="auto"``: the algorithm's preference, else async. ``segment_cut="auto"``: what
-    it needs, else length. ``reset_group=None``: its default group (the divisor of
+    it needs, else a stream for one that can train on it (under async, ``max_policy_lag > 0``),
+    else length. ``reset_group=None``: its default group (the divisor of
     ``num_envs`` nearest to it, at least its minimum), else none. With ``time_limit`` (env
     0's ``spec.max_episode_steps``), an algorithm that needs whole episodes gets
     ``segment_len`` raised to it (logged). A setting the algorithm cannot train on raises a
@@ -79,12 +85,21 @@ def resolve_run_config(cfg: RunConfig, algo: object, time_limit: int | None = No
     needs, name = run_needs(algo), type(algo).__name__
     why = f" ({needs.why})" if needs.why else ""
     changes: dict = {}
-    if cfg.schedule is Schedule.AUTO:
-        changes["schedule"] = needs.schedule or Schedule.ASYNC
+    schedule = cfg.schedule
+    if schedule is Schedule.AUTO:
+        schedule = changes["schedule"] = needs.schedule or Schedule.ASYNC
     if cfg.segment_cut is SegmentCut.AUTO:
-        changes["segment_cut"] = needs.segment_cut or SegmentCut.LENGTH
+        streams = needs.stream and schedule is Schedule.ASYNC and cfg.max_policy_lag > 0
+        changes["segment_cut"] = needs.segment_cut or (SegmentCut.STREAM if streams else SegmentCut.LENGTH)
     elif needs.segment_cut is not None and cfg.segment_cut is not needs.segment_cut:
         raise ConfigError("segment_cut", cfg.segment_cut.value, f"{name} needs {needs.segment_cut.value!r}{why}")
+    elif cfg.segment_cut is SegmentCut.STREAM:
+        if not needs.stream:
+            raise ConfigError("segment_cut", "stream", f"{name} trains on segments whose policy lag is bounded; a "
+                              "stream is for algorithms that declare RunNeeds(stream=True) (SAC, RLPD)")
+        if schedule is not Schedule.ASYNC or cfg.max_policy_lag == 0:
+            raise ConfigError("segment_cut", "stream", "needs schedule='async' and max_policy_lag > 0 (a stream "
+                              "updates while envs step; the lockstep schedules and lag 0 pause them for each update)")
     if needs.reset_group is not None:
         if cfg.sim.vector_size > 1:  # RunConfig refuses an explicit reset_group there; this is the implied one
             raise ConfigError("sim.vector_size", cfg.sim.vector_size,

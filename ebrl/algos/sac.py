@@ -6,9 +6,11 @@ correct at terminations, truncations and segment ends, action chunks included), 
 ``utd_ratio`` gradient steps per new transition (SAC's and RLPD's update-to-data ratio; a
 fraction carries over to the next update) once ``learning_starts`` transitions are stored, each
 on ``batch_size`` transitions drawn from the replay (and, with demonstrations, ``demo_ratio`` of
-them from those). The runtime feeds it batches and publishes the policy's weights after each
-update as for PPO, so it runs on the thread and the process learner alike; small
-``segment_len`` keeps the data flowing in small batches.
+them from those). SAC declares ``RunNeeds(stream=True)``: under the async schedule the runtime
+streams (``segment_cut="stream"``), handing it every step recorded since its last update as soon
+as it is ready, at least one step per env, so transitions reach the replay while their segments
+are still open and the learner updates at its own pace; the policy's weights are published
+after each update as for PPO, on the thread and the process learner alike.
 
 The actor is the policy's squashed Gaussian head (``action_head="squashed"`` on
 :class:`~ebrl.policies.MLPPolicy` or :class:`~ebrl.policies.CNNPolicy`): SAC calls
@@ -55,6 +57,7 @@ from torch import Tensor, nn
 from ebrl.algos.batch import Batch
 from ebrl.algos.critics import QEnsemble, augment_images
 from ebrl.algos.minibatch import refuse_unknown
+from ebrl.algos.needs import RunNeeds
 from ebrl.algos.ppo import Checks
 from ebrl.algos.replay import ReplayBuffer, load_demos, sample_mixed
 from ebrl.algos.transitions import batch_transitions
@@ -77,7 +80,7 @@ class SACConfig:
     actor_update_every: int = 1  # the actor and temperature step once per this many critic steps
     init_alpha: float = 1.0
     autotune_alpha: bool = True  # False: alpha stays init_alpha
-    target_entropy: float | None = None  # None: -(action dims) (RLPD: half that)
+    target_entropy: float | None = None  # None: -(action dims)
     critic_hidden: tuple[int, ...] = (256, 256)
     num_critics: int = 2
     critic_subset: int = 2  # the target's min is over a random subset of this many critics
@@ -133,6 +136,8 @@ class SAC:
     with this algorithm's ``gamma`` and ``n_step``)."""
 
     config_class = SACConfig
+    # every step reaches the replay at the learner's next update, not when its segment is full
+    run_needs = RunNeeds(stream=True, why="it stores each step as it arrives")
 
     def __init__(self, config: SACConfig | None = None, *, demos: ReplayBuffer | None = None, **overrides):
         name = type(self).__name__
@@ -366,8 +371,8 @@ class SAC:
         if len(self.replay) < c.learning_starts:
             self._owed, steps = 0.0, 0
         else:
-            steps = max(1, int(self._owed)) if new else int(self._owed)
-            self._owed = max(0.0, self._owed - steps)
+            steps = int(self._owed)  # the fraction carries over: small stream updates keep the ratio
+            self._owed -= steps
         if steps and self._policy is not policy:
             self._setup(policy, device)
         sums, counts, done = {}, {}, 0  # summed as tensors: a GPU syncs once an update, not per metric and step

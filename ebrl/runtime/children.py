@@ -165,7 +165,9 @@ class Child:
         self.heard = False  # it has sent something (its READY first): it started
         self.killed = False  # by this process (a deadline, a hung call): its death is on the way
         self.started_at = time.perf_counter()
-        self._inbox = b""  # the start of a frame not yet whole
+        self._inbox: list[bytes] = []  # the reads holding the start of a frame not yet whole
+        self._inbox_bytes = 0  # their length
+        self._frame_bytes = 0  # that frame's, header included (0: its header not yet whole)
         self._replies: deque[bytes] = deque()  # whole frames read, not yet taken by ask
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop watching the pipe
         self._helpers = helpers or contextlib.ExitStack()  # closed when it is reaped
@@ -219,10 +221,15 @@ class Child:
         if not data:
             return None
         self.heard = True
-        if self._inbox:
-            data, self._inbox = self._inbox + data, b""
+        if self._inbox:  # joined once the frame is whole: joining every read would copy a large one quadratically
+            self._inbox.append(data)
+            self._inbox_bytes += len(data)
+            if self._inbox_bytes < self._frame_bytes:
+                return []
+            data, self._inbox, self._inbox_bytes = b"".join(self._inbox), [], 0
         frames = []
         start, end = 0, len(data)
+        self._frame_bytes = 0
         while end - start >= 4:
             n, head = int.from_bytes(data[start:start + 4], "big", signed=True), 4
             if n == -1:  # over 2 GiB
@@ -230,10 +237,12 @@ class Child:
                     break
                 n, head = int.from_bytes(data[start + 4:start + 12], "big"), 12
             if end - start < head + n:
+                self._frame_bytes = head + n
                 break
             frames.append(data[start + head:start + head + n])
             start += head + n
-        self._inbox = data[start:]
+        if start < end:
+            self._inbox, self._inbox_bytes = [data[start:]], end - start
         return frames
 
     def watch(self, loop: asyncio.AbstractEventLoop, callback, *args) -> None:

@@ -74,8 +74,11 @@ class _Learner:
     def restore(self, state: dict) -> None:  # a skipped update (NaN/inf): back to the last published weights
         restore(self.policy, self.algo, state)
 
-    def final(self) -> tuple[dict, dict | None]:  # the trained state, handed back at close
-        return self.policy.state_dict(), algo_state(self.algo)
+    def final(self) -> tuple[dict, dict | None]:
+        """The trained state, handed back at close: what a publication carries (of a policy with a
+        frozen part, DSRL's flow policy or a LoRA-tuned backbone, the part that trains) and the
+        algorithm's state."""
+        return published_state(self.policy), algo_state(self.algo)
 
 
 def _learner_main(conn, policy, algo, torch_threads: int | None) -> None:
@@ -131,7 +134,7 @@ class LearnerProcess:
         try:
             if self.child.heard:
                 policy_state, algo_state = self.child.ask_blocking("final", timeout_s=ANSWER_WAIT_S)
-                policy.load_state_dict(policy_state)
+                load_published(policy, policy_state)
                 if algo_state is not None:
                     algo.load_state_dict(algo_state)
         except TimeoutError:

@@ -9,6 +9,9 @@ the behaviour data of its step in flight, and :meth:`RolloutQueue.record` stores
 overwrites ``obs`` with the next observations. A segment's bootstrap observation is ``obs`` at
 the moment it closes; with ``cut_at_episode_end`` a segment also closes at every episode end
 and remembers the key of the episode it starts with (``Batch.group``, -1 mid-episode).
+With ``stream`` (``segment_cut="stream"``, off-policy algorithms) an update is due once every
+env could have recorded a step since the last (``num_envs`` steps), and takes everything
+recorded, open segments cut there, without waiting for steps in flight: no lag bound.
 
 Update ``u`` takes the ``S`` oldest closed segments and every segment holding a transition of
 version ``<= u - max_lag``, cutting open ones and awaiting such a step still in flight: every
@@ -47,9 +50,11 @@ class RolloutQueue:
 
     def __init__(self, num_envs: int, segment_len: int, batch_segments: int, max_lag: int,
                  stats: RunStats, fields: tuple[Field, ...], lockstep: bool = False, state: RunState | None = None,
-                 cut_at_episode_end: bool = False):
+                 cut_at_episode_end: bool = False, stream: bool = False):
         self.T = segment_len
         self.cut_at_episode_end = cut_at_episode_end
+        self.stream = stream
+        self.untaken = 0  # steps recorded since the last take (kept under stream)
         self.S = batch_segments
         self.max_lag = max_lag
         self.lockstep = lockstep
@@ -204,11 +209,16 @@ class RolloutQueue:
         self.at_start[ids] = ended
         if self.cut_at_episode_end:
             full |= ended
+        due_now = False  # under stream: this block makes an update due
+        if self.stream:
+            self.untaken += len(ids)
+            due_now = self.untaken >= self.num_envs > self.untaken - len(ids)
         if np.count_nonzero(full):
             for k in full.nonzero()[0].tolist():
                 self._close(int(ids[k]))
-            if not woke:
-                self._wake()
+            due_now = True
+        if due_now and not woke:
+            self._wake()
 
     def drop_open(self, env_id: int, reason: str) -> int:
         """Drop env ``env_id``'s open segment (the env failed); returns the steps dropped."""
@@ -218,6 +228,7 @@ class RolloutQueue:
             return 0
         self.open_slot[env_id] = -1
         n = int(self.slot_n[slot])
+        self.untaken -= n if self.stream else 0
         self.release([slot])
         self.stats.drop(reason, n)
         return n
@@ -239,7 +250,8 @@ class RolloutQueue:
     def due(self) -> bool:
         """An update is due: ``S`` segments closed, every env parked on a full queue, the end,
         or a stop (the learner then ends without waiting for more)."""
-        return self.finished or len(self.closed) >= self.S or self.state.all_parked or self.state.stopping
+        return (self.finished or len(self.closed) >= self.S or self.state.all_parked or self.state.stopping
+                or (self.stream and self.untaken >= self.num_envs))
 
     async def wait_changed(self, timeout_s: float) -> None:
         """Until the learner's wake-up fires (a segment closed, envs parked, the end) or
@@ -264,7 +276,7 @@ class RolloutQueue:
         limit = update - self.max_lag  # transitions of versions <= limit are due now
         self._stale_limit = limit
         try:
-            while not self.finished and ((self.inflight >= 0) & (self.inflight <= limit)).any():
+            while not (self.finished or self.stream) and ((self.inflight >= 0) & (self.inflight <= limit)).any():
                 if self.state.stopping and not joint:  # a stop: those steps may never come back (a hung env)
                     return None
                 self._changed.clear()
@@ -272,11 +284,12 @@ class RolloutQueue:
         finally:
             self._stale_limit = None
         open_envs = np.flatnonzero(self.open_slot >= 0).tolist()
-        if self.finished:
+        if self.finished or self.stream:
             for env_id in open_envs:
                 self._close(env_id)
             taken = list(self.closed)
             self.closed.clear()
+            self.untaken = 0
         else:
             taken = []
             for _ in range(len(self.closed)):

@@ -185,7 +185,7 @@ class Parts:
         self.rollout = rollout = RolloutQueue(
             cfg.num_envs, cfg.segment_len, cfg.segments_per_batch, effective_lag(cfg), stats,
             transition_fields(facts.observation_space, facts.action_space), is_lockstep(cfg.schedule), state,
-            cut_at_episode_end=cfg.segment_cut is SegmentCut.EPISODE)
+            cut_at_episode_end=cfg.segment_cut is SegmentCut.EPISODE, stream=cfg.segment_cut is SegmentCut.STREAM)
         # GpuStreams, an emulated device's streams, or None
         self.streams = streams = device.streams(cfg.resources.gpu_streams) if mode is LearnerMode.THREAD else None
         if streams is not None:
