@@ -129,8 +129,10 @@ class GRPOConfig:
         check("loss_agg", self.loss_agg in LOSS_AGGS, f"one of {list(LOSS_AGGS)}")
 
 
-def _group_advantages(batch: Batch, norm_std: bool, min_group: int) -> tuple[Tensor, Tensor, dict[str, float]]:
-    """:func:`group_advantages` and its counts (for the metrics)."""
+def _group_advantages(batch: Batch, norm_std: bool, min_group: int) -> tuple[Tensor, Tensor, Tensor, dict[str, float]]:
+    """:func:`group_advantages`, the used segments of the groups whose returns differ (``[S]``
+    bool: a group whose members all scored alike has no gradient), and the counts (for the
+    metrics)."""
     if batch.group is None:
         raise ValueError(
             "GRPO needs Batch.group (the reset seed each episode segment starts from), but it is None: "
@@ -166,6 +168,9 @@ def _group_advantages(batch: Batch, norm_std: bool, min_group: int) -> tuple[Ten
     adv = torch.where(mask & used.unsqueeze(1), seg_adv.unsqueeze(1), torch.zeros_like(r)).to(batch.rewards.dtype)
 
     big = (keys >= 0) & (count >= min_group)  # the groups used
+    hi = torch.full_like(count, -math.inf).index_reduce_(0, inv, ret, "amax")
+    lo = torch.full_like(count, math.inf).index_reduce_(0, inv, ret, "amin")
+    varied = big & (hi > lo)  # compared exactly: a mean of equal returns may round away from them
     info = {"segments_used": float(used.sum()),
             "segments_unused": float(S - int(used.sum())),
             "segments_no_reset": float((group < 0).sum()),
@@ -173,26 +178,9 @@ def _group_advantages(batch: Batch, norm_std: bool, min_group: int) -> tuple[Ten
             "groups": float(big.sum()),
             "groups_too_small": float(((keys >= 0) & ~big).sum()),
             # groups whose members all scored alike: zero advantage, no policy gradient
-            "groups_uniform": float((big & (sq == 0)).sum()),
+            "groups_uniform": float((big & ~varied).sum()),
             "return_mean": float(ret[used].mean()) if bool(used.any()) else math.nan}
-    return adv, used, info
-
-
-def _informative_segments(batch: Batch, used: Tensor) -> tuple[Tensor, int]:
-    """``(keep [S] bool, groups)``: the used segments of the groups whose returns differ, and
-    how many such groups there are (a group whose members all scored alike has no gradient)."""
-    mask = batch.mask.bool()
-    ret = torch.where(mask, batch.rewards.double(), torch.zeros((), dtype=torch.float64)).sum(1)
-    group = torch.as_tensor(batch.group, dtype=torch.long)
-    keep = torch.zeros_like(used)
-    groups = 0
-    for key in torch.unique(group[used]).tolist():
-        members = used & (group == key)
-        r = ret[members]
-        if bool((r != r[0]).any()):
-            keep |= members
-            groups += 1
-    return keep, groups
+    return adv, used, used & varied[inv], info
 
 
 def group_advantages(batch: Batch, *, norm_std: bool = True, min_group: int = 2) -> tuple[Tensor, Tensor]:
@@ -204,7 +192,7 @@ def group_advantages(batch: Batch, *, norm_std: bool = True, min_group: int = 2)
     the batch share its group key. Its return ``R`` is the sum of its valid rewards, and
     ``A = (R - mean) / (std + 1e-6)`` over its group (sample std; ``norm_std=False``: ``R - mean``).
     """
-    adv, used, _ = _group_advantages(batch, norm_std, min_group)
+    adv, used, _, _ = _group_advantages(batch, norm_std, min_group)
     return adv, used
 
 
@@ -349,8 +337,8 @@ class GRPO(MinibatchAlgo):
         (``dropped/<reason>``), so that the learner's accounting adds up."""
         c = self.config
         with torch.no_grad():
-            _, used, info = _group_advantages(batch, c.norm_std, c.min_group)
-        keep, groups = _informative_segments(batch, used)
+            _, used, keep, info = _group_advantages(batch, c.norm_std, c.min_group)
+        groups = int(info["groups"] - info["groups_uniform"])
         mask = batch.mask.bool()
         n_valid, n_used, n_keep = int(mask.sum()), int(mask[used].sum()), int(mask[keep].sum())
         if groups:
@@ -389,7 +377,7 @@ class GRPO(MinibatchAlgo):
         n_valid = int(mask.sum())
         lags = b.lags.double()
         with torch.no_grad():
-            adv, used, info = _group_advantages(b, c.norm_std, c.min_group)
+            adv, used, _, info = _group_advantages(b, c.norm_std, c.min_group)
         steps = mask & used.unsqueeze(1)
         n = int(steps.sum())
         base = {"num_steps": float(n_valid),

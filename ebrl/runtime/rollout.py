@@ -228,7 +228,8 @@ class RolloutQueue:
             return 0
         self.open_slot[env_id] = -1
         n = int(self.slot_n[slot])
-        self.untaken -= n if self.stream else 0
+        if self.stream:
+            self.untaken -= n
         self.release([slot])
         self.stats.drop(reason, n)
         return n
